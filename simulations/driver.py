@@ -1,0 +1,649 @@
+"""Run real ``swarm.protocol.core.NodeCore`` objects over the modelled network.
+
+This is the simulator's driver in the sense of ``swarm/protocol/events.py``:
+it feeds every core events stamped with the *virtual* time and carries out the
+actions it returns. Nothing of the protocol is re-implemented here; the
+driver only decides how long things take:
+
+- ``Connect``: the listener sees ``PeerConnected(outbound=False)`` one latency
+  later, the dialler ``PeerConnected(outbound=True)`` one round trip later;
+  a dead or cut-off address answers ``ConnectFailed`` (RST after a round trip,
+  or after ``connect_timeout_s`` across a region cut).
+- ``SendFrame``: the frame's real bytes arrive one latency later (plus a
+  retransmission timeout with probability ``loss``), FIFO per direction.
+  Control frames do not consume modelled bandwidth; their bytes are counted.
+- ``SendChunk``: a flow of ``size`` bytes through sender uplink, site links and
+  receiver downlink (:mod:`simulations.network`). When its last byte leaves,
+  the sender gets ``ChunkSent``; one latency later the receiver gets
+  ``ChunkReceived(valid=True)`` (the payload is a size: there are no bytes
+  to hash, so every chunk of an honest sender is valid).
+- ``Close``: flows on the connection stop; the closer gets
+  ``PeerDisconnected`` at once, the peer one latency later (after frames
+  already in flight).
+- ``ApplyVersion``: the node now holds every verified chunk; that instant is
+  its completion time. ``Applied(ok=True)`` follows after ``apply_s``.
+
+Manifests are real: Ed25519-signed once per version with a key drawn from the
+seed, verified by every core with ``swarm.trust.manifest.verify_manifest``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from simulations.engine import Engine
+from simulations.network import INF, FlowNet, Resource
+from simulations.scenario import Scenario
+from simulations.topology import Endpoint, Topology, draw_capacities
+from swarm.errors import ConfigError
+from swarm.protocol import events as ev
+
+MODEL = "sim/model"
+PORT = 7000
+
+# strategy -> CoreConfig knobs (the protocol's own switches; see docs/protocol.md)
+STRATEGY_KNOBS: dict[str, dict[str, Any]] = {
+    "patchswarm": {"region_aware": True, "relay": True, "origin_only": False},
+    "per-region": {"region_aware": True, "relay": False, "origin_only": False},
+    "direct": {"region_aware": True, "relay": False, "origin_only": True},
+    "flat": {"region_aware": False, "relay": True, "origin_only": False},
+    "full": {"region_aware": True, "relay": True, "origin_only": False},
+}
+
+
+class SimNode:
+    """One simulated host: its core, its place in the network, its tallies."""
+
+    __slots__ = (
+        "active",
+        "addr",
+        "alive",
+        "cid",
+        "conns",
+        "core",
+        "done_at",
+        "ep",
+        "first_seen",
+        "have",
+        "idx",
+        "inc",
+        "manifests",
+        "node_id",
+        "origin",
+        "recv_bytes",
+        "region",
+        "sent_bytes",
+        "tick_at",
+    )
+
+    def __init__(
+        self, idx: int, node_id: str, region: str, addr: str, ep: Endpoint, origin: bool
+    ) -> None:
+        self.idx = idx
+        self.node_id = node_id
+        self.region = region
+        self.addr = addr
+        self.ep = ep
+        self.origin = origin
+        self.core: Any = None
+        self.alive = False
+        self.inc = 0  # incarnation: events for an earlier life are dropped
+        self.cid = 0
+        self.conns: dict[int, Half] = {}
+        self.tick_at = INF
+        self.done_at: dict[int, float] = {}  # version -> virtual time it held all chunks
+        self.have: dict[int, set[int]] = {}  # version -> verified chunks (the "store")
+        self.manifests: dict[int, bytes] = {}
+        self.sent_bytes = 0
+        self.recv_bytes = 0
+        self.first_seen = 0.0
+        self.active = 0  # last version applied (the restart point)
+
+
+class Half:
+    """One end of a simulated connection."""
+
+    __slots__ = ("cid", "fifo", "flows", "inc", "lat", "node", "open", "peer")
+
+    def __init__(self, node: SimNode, cid: int, lat: float) -> None:
+        self.node = node
+        self.inc = node.inc
+        self.cid = cid
+        self.lat = lat
+        self.open = True
+        self.peer: Half = self
+        self.fifo = 0.0  # latest arrival time of a frame sent from this end
+        self.flows: list[Any] = []  # flows this end is sending
+
+
+@dataclass
+class RunResult:
+    """Everything the report needs from one strategy's run."""
+
+    strategy: str
+    payload_bytes: int
+    chunk_bytes: int
+    publish_at: list[float]
+    done: dict[int, dict[str, float]]  # version -> node id -> completion time (absolute)
+    live_nodes: dict[str, str]  # node id -> region, for nodes alive at the end
+    node_region: dict[str, str]
+    upload_bytes: dict[str, int]
+    pair_bytes: dict[tuple[str, str], int]  # (src site, dst site) -> chunk bytes
+    trainer_egress_bytes: int
+    control_bytes: int
+    control_frames: int
+    cross_region_control_bytes: int
+    chunks_sent: int
+    events: int
+    wall_s: float
+    end_time: float
+    capacities: dict[str, list[tuple[float, float]]]
+    logs: dict[str, int] = field(default_factory=dict)
+    churn: dict[str, int] = field(default_factory=dict)
+
+
+class Simulation:
+    """One strategy on one scenario: build the fleet, run it, collect tallies."""
+
+    def __init__(
+        self,
+        sc: Scenario,
+        strategy: str,
+        seed: int | None = None,
+        progress: Callable[[int, int, float], None] | None = None,
+    ) -> None:
+        self.sc = sc
+        self.strategy = strategy
+        self.seed = sc.seed if seed is None else seed
+        self.rng = random.Random(f"sim:{self.seed}")
+        self.engine = Engine()
+        self.net = FlowNet(self.engine)
+        self.topo = Topology.build(sc)
+        self.capacities = draw_capacities(sc, random.Random(f"caps:{self.seed}"))
+        self.payload = sc.payload_bytes(strategy)
+        self.progress = progress
+        self.nodes: list[SimNode] = []
+        self.by_addr: dict[str, SimNode] = {}
+        self.pair_bytes: dict[tuple[str, str], int] = {}
+        self.trainer_egress = 0
+        self.control_bytes = 0
+        self.control_frames = 0
+        self.cross_control = 0
+        self.chunks_sent = 0
+        self.logs: dict[str, int] = {}
+        self.cut: set[str] = set()
+        self.churn = {"left": 0, "rejoined": 0, "joined": 0}
+        self.pending_faults = 0
+        self.published = 0
+        self.publish_at: list[float] = []
+        self.done_count: dict[int, int] = {}
+        self.manifests: list[bytes] = []
+        self._make_trust()
+        self._make_fleet()
+
+    # ------------------------------------------------------------------ setup
+    def _make_trust(self) -> None:
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+        from swarm.trust.keys import TrustStore, key_id
+        from swarm.trust.manifest import verify_manifest
+
+        seed_bytes = random.Random(f"key:{self.seed}").randbytes(32)
+        self.key = Ed25519PrivateKey.from_private_bytes(seed_bytes)
+        self.key_id = key_id(self.key)
+        self.trust = TrustStore([self.key.public_key()])
+        trust = self.trust
+        self.verify: Callable[[bytes], Any] = lambda raw: verify_manifest(raw, trust)
+
+    def _sign(self, version: int, kind: str, length: int) -> bytes:
+        """A real signed manifest of ``length`` bytes; chunk hashes stand in for absent bytes."""
+        from swarm.trust.manifest import Manifest, sign_manifest
+
+        c = self.sc.chunk_bytes
+        count = max(1, -(-length // c))
+        hrng = random.Random(f"hash:{self.seed}:{version}")
+        digest = lambda v: random.Random(f"digest:{self.seed}:{v}").randbytes(32)  # noqa: E731
+        m = Manifest(
+            model=MODEL,
+            version=version,
+            kind=kind,
+            parent_version=version - 1 if kind == "patch" else None,
+            parent_digest=digest(version - 1) if kind == "patch" else None,
+            target_digest=digest(version),
+            payload_length=length,
+            chunk_size=c,
+            chunk_hashes=tuple(hrng.randbytes(32) for _ in range(count)),
+            created_at=float(version),
+            key_id=self.key_id,
+        )
+        return sign_manifest(m, self.key)
+
+    def _config(self, node: SimNode, bootstrap: tuple[str, ...]) -> Any:
+        from swarm.protocol.config import CoreConfig
+
+        knobs = dict(STRATEGY_KNOBS[self.strategy])
+        knobs.update(self.sc.protocol)
+        names = {f.name for f in dataclasses.fields(CoreConfig)}
+        for k in knobs:
+            if k not in names:
+                raise ConfigError(
+                    f"protocol.{k}: not a CoreConfig field (known: {', '.join(sorted(names))})"
+                )
+        knobs.setdefault("active_version", node.active)
+        return CoreConfig(
+            node_id=node.node_id,
+            region=node.region,
+            model=MODEL,
+            listen_addr=node.addr,
+            role="origin" if node.origin else "node",
+            bootstrap=bootstrap,
+            swarm_secret=b"sim-secret",
+            **knobs,
+        )
+
+    def _make_fleet(self) -> None:
+        sc = self.sc
+        tsite = sc.trainer_site()
+        t_up = Resource("up[trainer]", sc.trainer_uplink_mbps * 1e6 / 8)
+        t_down = Resource("down[trainer]", INF)
+        self.trainer = SimNode(
+            0, "trainer", tsite, "10.255.0.1:7000", Endpoint(tsite, t_up, t_down), True
+        )
+        self.nodes.append(self.trainer)
+        self.by_addr[self.trainer.addr] = self.trainer
+        self.region_nodes: dict[str, list[SimNode]] = {}
+        for ri, r in enumerate(sc.regions):
+            lst = []
+            for i, (up, down) in enumerate(self.capacities[r.name]):
+                lst.append(self._new_node(ri, r.name, i, up, down))
+            self.region_nodes[r.name] = lst
+
+    def _new_node(self, ri: int, region: str, i: int, up: float, down: float) -> SimNode:
+        addr = f"10.{ri}.{i >> 8}.{i & 255}:{PORT}"
+        ep = Endpoint(
+            region, Resource(f"up[{region}/{i}]", up), Resource(f"down[{region}/{i}]", down)
+        )
+        node = SimNode(len(self.nodes), f"{region}-{i}", region, addr, ep, False)
+        self.nodes.append(node)
+        self.by_addr[addr] = node
+        return node
+
+    def _bootstrap(self, node: SimNode) -> tuple[str, ...]:
+        """What a node's config would list: the trainer's address (it acts as tracker)."""
+        return () if node.origin else (self.trainer.addr,)
+
+    def _boot(self, node: SimNode, fresh: bool) -> None:
+        from swarm.protocol.core import NodeCore
+
+        node.alive = True
+        node.inc += 1
+        node.conns = {}
+        node.tick_at = INF
+        now = self.engine.now
+        cfg = self._config(node, self._bootstrap(node))
+        node.core = NodeCore(
+            cfg,
+            verify_manifest=self.verify,
+            rng=random.Random(f"core:{self.seed}:{node.node_id}:{node.inc}"),
+            now=now,
+        )
+        acts = list(node.core.start(now))
+        if not fresh:  # a restarted daemon: its store still holds what it verified
+            for v in sorted(node.have):
+                if v > node.active and v in node.manifests:
+                    acts += node.core.handle(
+                        ev.LocalChunks(now, node.manifests[v], tuple(sorted(node.have[v])))
+                    )
+        self._apply(node, acts)
+        self._rearm(node)
+
+    # ------------------------------------------------------------------- run
+    def run(self) -> RunResult:
+        t0 = time.perf_counter()
+        sc = self.sc
+        for v in range(1, sc.versions + 1):
+            kind = "full" if self.strategy == "full" else "patch"
+            self.manifests.append(self._sign(v, kind, self.payload))
+        for node in self.nodes:
+            self._boot(node, fresh=True)
+        self._schedule_faults()
+        self.engine.schedule(sc.start_s, self._publish, 1)
+        if sc.interval_s > 0:
+            for v in range(2, sc.versions + 1):
+                self.engine.schedule(sc.start_s + (v - 1) * sc.interval_s, self._publish, v)
+        self.engine.run(until=sc.max_time_s, on_batch=self._on_batch, max_events=500_000_000)
+        wall = time.perf_counter() - t0
+        done = {v: {} for v in range(1, sc.versions + 1)}
+        for n in self.nodes[1:]:
+            for v, t in n.done_at.items():
+                if v in done:
+                    done[v][n.node_id] = t
+        return RunResult(
+            strategy=self.strategy,
+            payload_bytes=self.payload,
+            chunk_bytes=sc.chunk_bytes,
+            publish_at=self.publish_at,
+            done=done,
+            live_nodes={n.node_id: n.region for n in self.nodes[1:] if n.alive},
+            node_region={n.node_id: n.region for n in self.nodes[1:]},
+            upload_bytes={n.node_id: n.sent_bytes for n in self.nodes},
+            pair_bytes=dict(self.pair_bytes),
+            trainer_egress_bytes=self.trainer.sent_bytes,
+            control_bytes=self.control_bytes,
+            control_frames=self.control_frames,
+            cross_region_control_bytes=self.cross_control,
+            chunks_sent=self.chunks_sent,
+            events=self.engine.events,
+            wall_s=wall,
+            end_time=self.engine.now,
+            capacities=self.capacities,
+            logs=dict(self.logs),
+            churn=dict(self.churn),
+        )
+
+    def _on_batch(self) -> None:
+        if self.progress is not None:
+            total = sum(self.done_count.values())
+            self.progress(total, self.engine.events, self.engine.now)
+
+    def _publish(self, version: int) -> None:
+        if version <= self.published:
+            return
+        self.published = version
+        self.publish_at.append(self.engine.now)
+        self.done_count.setdefault(version, 0)
+        raw = self.manifests[version - 1]
+        t = self.trainer
+        self._deliver(t, t.inc, ev.Publish(self.engine.now, raw))
+        self._check_finished()
+
+    def _check_finished(self) -> None:
+        """Publish the next version or stop once every live node holds the last one."""
+        v = self.published
+        if v == 0:
+            return
+        live = [n for n in self.nodes[1:] if n.alive]
+        if all(v in n.done_at for n in live):
+            if v < self.sc.versions:
+                if self.sc.interval_s <= 0:
+                    self.engine.schedule(self.engine.now, self._publish, v + 1)
+            elif self.pending_faults == 0:
+                self.engine.stop()
+
+    # ------------------------------------------------------------- delivery
+    def _deliver(self, node: SimNode, inc: int, event: ev.Event) -> None:
+        if not node.alive or node.inc != inc:
+            return
+        self._apply(node, node.core.handle(event))
+        self._rearm(node)
+
+    def _rearm(self, node: SimNode) -> None:
+        w = node.core.next_wakeup()
+        if w is None:
+            return
+        now = self.engine.now
+        if w <= now:
+            w = now + 1e-6  # a core asking for "now" again must not livelock the clock
+        if w < node.tick_at:
+            node.tick_at = w
+            self.engine.schedule(w, self._tick, (node, node.inc, w))
+
+    def _tick(self, item: tuple[SimNode, int, float]) -> None:
+        node, inc, w = item
+        if node.inc != inc or node.tick_at != w:
+            return
+        node.tick_at = INF
+        self._deliver(node, inc, ev.Tick(self.engine.now))
+
+    def _apply(self, node: SimNode, actions: list[ev.Action]) -> None:
+        for a in actions:
+            t = type(a)
+            if t is ev.SendFrame:
+                self._send_frame(node, a)
+            elif t is ev.SendChunk:
+                self._send_chunk(node, a)
+            elif t is ev.Connect:
+                self._connect(node, a.addr)
+            elif t is ev.Close:
+                self._close(node, a.conn, a.reason)
+            elif t is ev.AcceptManifest:
+                node.manifests[a.version] = a.raw
+            elif t is ev.ApplyVersion:
+                self._applied(node, a.version)
+            elif t is ev.Log:
+                self.logs[a.event] = self.logs.get(a.event, 0) + 1
+            if not node.alive:
+                return
+
+    # ----------------------------------------------------------- connections
+    def _lat(self, a: SimNode, b: SimNode) -> float:
+        return self.topo.latency[(a.ep.site, b.ep.site)]
+
+    def _severed(self, a: SimNode, b: SimNode) -> bool:
+        return (
+            bool(self.cut)
+            and a.ep.site != b.ep.site
+            and (a.ep.site in self.cut or b.ep.site in self.cut)
+        )
+
+    def _connect(self, node: SimNode, addr: str) -> None:
+        now = self.engine.now
+        peer = self.by_addr.get(addr)
+        if peer is None or peer is node:
+            self.engine.schedule(
+                now + 0.001, self._connect_failed, (node, node.inc, addr, "unknown address")
+            )
+            return
+        lat = self._lat(node, peer)
+        if self._severed(node, peer):
+            self.engine.schedule(
+                now + self.sc.connect_timeout_s,
+                self._connect_failed,
+                (node, node.inc, addr, "timeout"),
+            )
+            return
+        if not peer.alive:
+            self.engine.schedule(
+                now + 2 * lat, self._connect_failed, (node, node.inc, addr, "refused")
+            )
+            return
+        self.engine.schedule(now + lat, self._accept, (node, node.inc, peer, addr, lat))
+
+    def _connect_failed(self, item: tuple[SimNode, int, str, str]) -> None:
+        node, inc, addr, reason = item
+        self._deliver(node, inc, ev.ConnectFailed(self.engine.now, addr, reason))
+
+    def _accept(self, item: tuple[SimNode, int, SimNode, str, float]) -> None:
+        node, inc, peer, addr, lat = item
+        now = self.engine.now
+        if not node.alive or node.inc != inc:
+            return
+        if not peer.alive or self._severed(node, peer):
+            self.engine.schedule(now + lat, self._connect_failed, (node, inc, addr, "refused"))
+            return
+        node.cid += 1
+        peer.cid += 1
+        mine = Half(node, node.cid, lat)
+        theirs = Half(peer, peer.cid, lat)
+        mine.peer, theirs.peer = theirs, mine
+        node.conns[mine.cid] = mine
+        peer.conns[theirs.cid] = theirs
+        mine.fifo = theirs.fifo = now + lat
+        self._deliver(peer, peer.inc, ev.PeerConnected(now, theirs.cid, False, node.addr))
+        self.engine.schedule(now + lat, self._connected, (mine, addr))
+
+    def _connected(self, item: tuple[Half, str]) -> None:
+        half, addr = item
+        if half.open and half.node.inc == half.inc:
+            self._deliver(
+                half.node, half.inc, ev.PeerConnected(self.engine.now, half.cid, True, addr)
+            )
+
+    def _close(self, node: SimNode, cid: int, reason: str) -> None:
+        half = node.conns.pop(cid, None)
+        if half is None or not half.open:
+            return
+        self._teardown(half, reason, notify_self=True)
+
+    def _teardown(self, half: Half, reason: str, notify_self: bool) -> None:
+        """Close ``half``'s connection: stop its flows, tell both ends."""
+        now = self.engine.now
+        half.open = False
+        peer = half.peer
+        for f in half.flows:
+            self.net.cancel(f)
+        for f in peer.flows:
+            self.net.cancel(f)
+        half.flows = []
+        peer.flows = []
+        half.node.conns.pop(half.cid, None)
+        if notify_self:
+            self.engine.schedule(now, self._disconnected, (half, reason))
+        if peer.open:
+            self.engine.schedule(max(now + half.lat, half.fifo), self._peer_gone, (peer, reason))
+
+    def _disconnected(self, item: tuple[Half, str]) -> None:
+        half, reason = item
+        self._deliver(half.node, half.inc, ev.PeerDisconnected(self.engine.now, half.cid, reason))
+
+    def _peer_gone(self, item: tuple[Half, str]) -> None:
+        half, reason = item
+        if not half.open:
+            return
+        half.open = False
+        half.node.conns.pop(half.cid, None)
+        for f in half.flows:
+            self.net.cancel(f)
+        half.flows = []
+        self._deliver(
+            half.node,
+            half.inc,
+            ev.PeerDisconnected(self.engine.now, half.cid, reason or "closed by peer"),
+        )
+
+    # ---------------------------------------------------------------- frames
+    def _send_frame(self, node: SimNode, a: ev.SendFrame) -> None:
+        half = node.conns.get(a.conn)
+        if half is None or not half.open:
+            return
+        now = self.engine.now
+        n = len(a.frame)
+        self.control_bytes += n
+        self.control_frames += 1
+        peer = half.peer
+        if node.ep.site != peer.node.ep.site:
+            self.cross_control += n
+        at = now + half.lat
+        if self.sc.loss and self.rng.random() < self.sc.loss:
+            at += max(0.2, 4 * half.lat)  # one retransmission timeout
+        if at < half.fifo:
+            at = half.fifo
+        half.fifo = at
+        self.engine.schedule(at, self._frame_arrives, (peer, a.frame))
+
+    def _frame_arrives(self, item: tuple[Half, bytes]) -> None:
+        half, frame = item
+        if half.open:
+            self._deliver(half.node, half.inc, ev.FrameReceived(self.engine.now, half.cid, frame))
+
+    # ---------------------------------------------------------------- chunks
+    def _send_chunk(self, node: SimNode, a: ev.SendChunk) -> None:
+        half = node.conns.get(a.conn)
+        if half is None or not half.open:
+            return
+        peer = half.peer
+        res = self.topo.flow_resources(node.ep, peer.node.ep)
+        cap = self.topo.flow_cap[(node.ep.site, peer.node.ep.site)]
+        item = [half, a.version, a.index, a.size, None]
+        flow = self.net.start(a.size, res, self._chunk_left, item, cap)
+        item[4] = flow
+        half.flows.append(flow)
+
+    def _chunk_left(self, item: list[Any]) -> None:
+        half, version, index, size, flow = item
+        with contextlib.suppress(ValueError):
+            half.flows.remove(flow)
+        node = half.node
+        peer = half.peer
+        src, dst = node.ep.site, peer.node.ep.site
+        self.chunks_sent += 1
+        node.sent_bytes += size
+        key = (src, dst)
+        self.pair_bytes[key] = self.pair_bytes.get(key, 0) + size
+        now = self.engine.now
+        if half.open:
+            self._deliver(node, half.inc, ev.ChunkSent(now, half.cid, version, index))
+        self.engine.schedule(
+            max(now + half.lat, half.fifo), self._chunk_arrives, (peer, version, index, size)
+        )
+
+    def _chunk_arrives(self, item: tuple[Half, int, int, int]) -> None:
+        half, version, index, size = item
+        if not half.open or half.node.inc != half.inc:
+            return
+        node = half.node
+        node.recv_bytes += size
+        node.have.setdefault(version, set()).add(index)
+        self._deliver(
+            node, half.inc, ev.ChunkReceived(self.engine.now, half.cid, version, index, True)
+        )
+
+    def _applied(self, node: SimNode, version: int) -> None:
+        now = self.engine.now
+        if not node.origin and version not in node.done_at:
+            node.done_at[version] = now
+            self.done_count[version] = self.done_count.get(version, 0) + 1
+        self.engine.schedule(now + self.sc.apply_s, self._applied_event, (node, node.inc, version))
+        if not node.origin:
+            self._check_finished()
+
+    def _applied_event(self, item: tuple[SimNode, int, int]) -> None:
+        node, inc, version = item
+        if node.alive and node.inc == inc:
+            node.active = max(node.active, version)
+        self._deliver(node, inc, ev.Applied(self.engine.now, version, True))
+
+    # ---------------------------------------------------------------- faults
+    def _schedule_faults(self) -> None:
+        from simulations.faults import schedule_faults
+
+        schedule_faults(self)
+
+    def kill(self, node: SimNode, reason: str = "node left") -> None:
+        """The node leaves: its connections drop, its peers notice one latency later."""
+        if not node.alive:
+            return
+        node.alive = False
+        for half in list(node.conns.values()):
+            if half.open:
+                self._teardown(half, reason, notify_self=False)
+        node.conns = {}
+        node.core = None
+        node.tick_at = INF
+        self._check_finished()
+
+    def revive(self, node: SimNode) -> None:
+        """The node restarts from its store (chunks it verified before leaving)."""
+        if node.alive:
+            return
+        self._boot(node, fresh=False)
+        self._check_finished()
+
+    def sever(self, region: str) -> None:
+        """Cut ``region`` off: every connection crossing its border drops."""
+        self.cut.add(region)
+        for node in self.nodes:
+            if not node.alive:
+                continue
+            for half in list(node.conns.values()):
+                if half.open and self._severed(node, half.peer.node):
+                    self._teardown(half, "network cut", notify_self=True)
+
+    def heal(self, region: str) -> None:
+        self.cut.discard(region)

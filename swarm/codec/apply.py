@@ -1,0 +1,254 @@
+"""Apply a patch in place, on the tensors' own device, all or nothing.
+
+``PatchApplier`` is fed the patch as it arrives (``feed``) and applies each
+record as soon as it is complete, so a node can apply tensor by tensor while
+later chunks are still downloading. Every mutation is recorded in an undo log
+(the old values at the changed positions, which the decoder needs anyway), so
+any failure — a corrupt or truncated record, a digest mismatch, a wrong base —
+rolls the weights back to exactly the state before the first record, then
+raises. Extra memory is bounded by the decoded records (positions plus old and
+new values), never a full-size copy of a tensor, except that DENSE records
+hold their XOR (their decoded size) until the apply ends.
+
+Contract for callers: while an apply is in progress the weights must not be
+served; after ``finish`` they are the target version, after an exception they
+are the base version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from swarm.codec import records
+from swarm.codec.digest import state_digest, tensor_digest
+from swarm.codec.dtypes import bits_view, dtype_of
+from swarm.codec.format import (
+    DIGEST_BYTES,
+    BodyReader,
+    Op,
+    PatchHeader,
+    TableEntry,
+    decode_header,
+    header_size_needed,
+    split_record,
+)
+from swarm.errors import PatchApplyError, PatchFormatError
+
+
+@dataclass
+class ApplyReport:
+    records: int
+    changed: int
+    target_digest: bytes
+
+
+class _Undo:
+    """What to do to revert one applied record."""
+
+    def __init__(self, name: str, kind: str, data: object) -> None:
+        self.name, self.kind, self.data = name, kind, data
+
+
+class PatchApplier:
+    def __init__(self, weights: MutableMapping[str, torch.Tensor], *,
+                 check_base: bool = True) -> None:
+        self.weights = weights
+        self.check_base = check_base
+        self.header: PatchHeader | None = None
+        self._buf = bytearray()
+        self._next = 0
+        self._undo: list[_Undo] = []
+        self._digests: dict[str, bytes] = {}
+        self._changed = 0
+        self._failed = False
+
+    # ---------------------------------------------------------------- public
+
+    def feed(self, data: bytes | memoryview) -> int:
+        """Consume more patch bytes; apply every record they complete.
+
+        Returns the number of records applied so far. On any error the weights
+        are rolled back and the error re-raised.
+        """
+        if self._failed:
+            raise PatchApplyError("apply already failed; weights were restored")
+        self._buf += data
+        try:
+            self._drain()
+        except BaseException:
+            self.rollback()
+            raise
+        return self._next
+
+    def finish(self) -> ApplyReport:
+        """Check that the patch is complete and the result is the target; else roll back."""
+        try:
+            if self.header is None:
+                self._drain()
+            if self.header is None:
+                raise PatchFormatError(f"truncated patch: {len(self._buf)} bytes, no complete header")
+            total = len(self.header.entries)
+            if self._next < total:
+                name = self.header.entries[self._next].name
+                raise PatchFormatError(
+                    f"truncated patch: {self._next} of {total} records complete "
+                    f"(record for {name!r} incomplete)")
+            if self._buf:
+                raise PatchFormatError(f"{len(self._buf)} trailing bytes after the last record")
+            digest = state_digest(self.weights, self._digests)
+            if self.header.target_digest is not None and digest != self.header.target_digest:
+                raise PatchApplyError(
+                    "state digest after apply does not match the patch's target "
+                    "(weights restored to the base version)")
+        except BaseException:
+            self.rollback()
+            raise
+        self._undo.clear()
+        return ApplyReport(total, self._changed, digest)
+
+    def rollback(self) -> None:
+        """Undo every applied record, newest first. Idempotent."""
+        while self._undo:
+            u = self._undo.pop()
+            if u.kind == "sparse":
+                idx, old = u.data  # type: ignore[misc]
+                _scatter(self.weights[u.name], idx, old)
+            elif u.kind == "xor":
+                _xor_into(self.weights[u.name], u.data)  # type: ignore[arg-type]
+            elif u.kind == "put":
+                if u.data is None:
+                    self.weights.pop(u.name, None)
+                else:
+                    self.weights[u.name] = u.data  # type: ignore[assignment]
+        self._failed = True
+
+    # ---------------------------------------------------------------- internals
+
+    def _drain(self) -> None:
+        if self.header is None:
+            need = header_size_needed(self._buf)
+            if need is None or len(self._buf) < need:
+                return
+            self.header = decode_header(self._buf)
+            del self._buf[: self.header.header_bytes]
+            if self.check_base and self.header.base_digest is not None:
+                if state_digest(self.weights) != self.header.base_digest:
+                    raise PatchApplyError(
+                        "patch does not apply to these weights (base state digest differs: "
+                        "wrong base version or foreign model)")
+        view = memoryview(bytes(self._buf))  # a snapshot, so the buffer can shrink below
+        offset = 0
+        while self._next < len(self.header.entries):
+            entry = self.header.entries[self._next]
+            got = split_record(view, offset, entry)
+            if got is None:
+                break
+            body, offset = got
+            self._apply_record(entry, body)
+            self._next += 1
+        del self._buf[:offset]
+        if self._next == len(self.header.entries) and self._buf:
+            raise PatchFormatError(f"{len(self._buf)} trailing bytes after the last record")
+
+    def _apply_record(self, entry: TableEntry, body: memoryview) -> None:
+        what = f"record {self._next} ({entry.name})"
+        r = BodyReader(body, what)
+        if entry.op == Op.DELETE:
+            r.done()
+            if entry.name not in self.weights:
+                raise PatchApplyError(f"{what}: tensor to delete is not in the weights")
+            self._undo.append(_Undo(entry.name, "put", self.weights.pop(entry.name)))
+            return
+        digest = bytes(r.take(DIGEST_BYTES))
+        if entry.op == Op.FULL:
+            self._apply_full(entry, r, digest)
+        else:
+            self._apply_in_place(entry, r, digest, what)
+
+    def _base_tensor(self, entry: TableEntry, what: str) -> torch.Tensor:
+        t = self.weights.get(entry.name)
+        if t is None:
+            raise PatchApplyError(f"{what}: tensor missing from the base weights")
+        if t.dtype != entry.dtype.torch_dtype or tuple(t.shape) != entry.shape:
+            raise PatchApplyError(
+                f"{what}: base tensor is {t.dtype} {tuple(t.shape)}, patch expects "
+                f"{entry.dtype.name} {entry.shape}")
+        if not t.is_contiguous():
+            raise PatchApplyError(f"{what}: base tensor is not contiguous")
+        return t
+
+    def _apply_in_place(self, entry: TableEntry, r: BodyReader, digest: bytes, what: str) -> None:
+        t = self._base_tensor(entry, what)
+        dt = entry.dtype
+        if entry.op == Op.SPARSE:
+            idx, head = records.decode_sparse_positions(r, entry.numel)
+            old = _gather(t, idx)
+            new = records.decode_sparse_values(head, old, dt, what)
+            _scatter(t, idx, new)
+            self._undo.append(_Undo(entry.name, "sparse", (idx, old)))
+            self._changed += int(idx.size)
+        else:  # DENSE
+            xor = records.decode_blob(r, entry.numel, dt)
+            _xor_into(t, xor)
+            self._undo.append(_Undo(entry.name, "xor", xor))
+            self._changed += int(np.count_nonzero(xor))
+        self._verify(entry, t, digest, what)
+
+    def _apply_full(self, entry: TableEntry, r: BodyReader, digest: bytes) -> None:
+        bits = records.decode_blob(r, entry.numel, entry.dtype)
+        old = self.weights.get(entry.name)
+        device = old.device if old is not None else _default_device(self.weights)
+        new = torch.from_numpy(bits.copy()).view(entry.dtype.torch_dtype).reshape(entry.shape)
+        new = new.to(device)
+        self.weights[entry.name] = new
+        self._undo.append(_Undo(entry.name, "put", old))
+        self._changed += entry.numel
+        self._verify(entry, new, digest, f"record {self._next} ({entry.name})")
+
+    def _verify(self, entry: TableEntry, t: torch.Tensor, digest: bytes, what: str) -> None:
+        got = tensor_digest(t)
+        if got[:DIGEST_BYTES] != digest:
+            raise PatchApplyError(
+                f"{what}: tensor digest after apply does not match (wrong base tensor)")
+        self._digests[entry.name] = got
+
+
+def _default_device(weights: MutableMapping[str, torch.Tensor]) -> torch.device:
+    for t in weights.values():
+        return t.device
+    return torch.device("cpu")
+
+
+def _gather(t: torch.Tensor, idx: np.ndarray) -> np.ndarray:
+    flat = bits_view(t, dtype_of(t))
+    if flat.device.type == "cpu":
+        return flat.numpy()[idx]
+    return flat[torch.from_numpy(idx).to(flat.device)].cpu().numpy()
+
+
+def _scatter(t: torch.Tensor, idx: np.ndarray, values: np.ndarray) -> None:
+    flat = bits_view(t, dtype_of(t))
+    if flat.device.type == "cpu":
+        flat.numpy()[idx] = values
+    else:
+        flat[torch.from_numpy(idx).to(flat.device)] = torch.from_numpy(values).to(flat.device)
+
+
+def _xor_into(t: torch.Tensor, xor: np.ndarray) -> None:
+    flat = bits_view(t, dtype_of(t))
+    if flat.device.type == "cpu":
+        np.bitwise_xor(flat.numpy(), xor, out=flat.numpy())
+    else:
+        flat.bitwise_xor_(torch.from_numpy(xor).to(flat.device))
+
+
+def apply_patch(weights: MutableMapping[str, torch.Tensor], patch: bytes | memoryview, *,
+                check_base: bool = True) -> ApplyReport:
+    """Apply a whole patch in place; on any error the weights are left at the base."""
+    applier = PatchApplier(weights, check_base=check_base)
+    applier.feed(patch)
+    return applier.finish()

@@ -1,0 +1,1 @@
+"""The sans-I/O swarm protocol core (see docs/protocol.md)."""

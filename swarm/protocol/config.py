@@ -1,0 +1,91 @@
+"""Policy knobs of the protocol core, one frozen dataclass per node.
+
+The same ``CoreConfig`` drives the real node (built from TOML) and every
+simulated node (built from a scenario), so a strategy is just a set of knob
+values: ``region_aware=False`` is the flat BitTorrent-style swarm,
+``relay=False`` makes the origin feed every region itself, ``origin_only=True``
+makes every node download from the origin alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from swarm.errors import ConfigError
+
+ROLES = ("node", "origin")
+
+
+@dataclass(frozen=True)
+class CoreConfig:
+    node_id: str
+    region: str
+    model: str
+    listen_addr: str  # "host:port" others dial
+    role: str = "node"  # "node" (rollout host) | "origin" (the trainer)
+    bootstrap: tuple[str, ...] = ()  # addrs to dial at start (the origin acts as tracker)
+    swarm_secret: bytes = b""  # HMAC key proving swarm membership in the handshake
+    # ---- strategy
+    region_aware: bool = True  # False -> "flat": region-unaware BitTorrent-style swarm
+    relay: bool = True  # regions relay chunks to each other; False -> origin feeds every region
+    border_nodes: int = 2  # nodes per region that take chunks from outside
+    origin_only: bool = False  # "direct": every node downloads only from the origin
+    # ---- membership
+    mesh_degree: int = 6
+    mesh_low: int = 4
+    mesh_high: int = 12
+    heartbeat_s: float = 1.0
+    peer_timeout_s: float = 5.0
+    handshake_timeout_s: float = 5.0
+    redial_s: float = 5.0  # back-off before dialling an address that failed again
+    max_known_peers: int = 256  # address book bound
+    origin_peers: int = 16  # flat: how many nodes the origin keeps as ordinary peers
+    tracker_sample: int = 16  # peers the origin hands out per joining node
+    # ---- chunk exchange
+    pipeline: int = 4  # outstanding requests per peer
+    max_requests: int = 12  # outstanding requests per node (all peers)
+    upload_slots: int = 4
+    upload_queue: int = 16  # queued requests beyond the slots; more are rejected
+    request_timeout_s: float = 10.0
+    have_batch_s: float = 0.02  # HAVEs are batched for this long (0: send at once)
+    endgame_chunks: int = 8  # duplicate requests only when this few chunks are missing
+    slow_factor: float = 4.0  # evict a peer slower than this x the median of peers
+    slow_min_samples: int = 3
+    max_bad_chunks: int = 2  # corrupt chunks before a peer is dropped
+    max_timeouts: int = 3  # request timeouts before a peer is dropped
+    # ---- seeding (origin)
+    border_inflight: int = 2  # chunks in flight into a region per border node
+    relay_slots: int = 1  # concurrent cross-region relays per border node
+    border_grace_s: float = 5.0  # wait before re-sending what a departed border held
+    # ---- versions
+    active_version: int | None = 0  # version held at start (0 = the base checkpoint)
+    keep_versions: int = 3  # versions kept announced/served behind the active one
+    chain_stall_s: float = 30.0  # stalled chain link -> fall back to a full manifest
+    apply_retries: int = 3
+    apply_retry_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ConfigError(f"role: {self.role!r} is not one of {ROLES}")
+        for name in ("node_id", "region", "model", "listen_addr"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value or len(value) > 256:
+                raise ConfigError(f"{name}: must be a non-empty string of at most 256 characters")
+        if not (1 <= self.mesh_low <= self.mesh_degree <= self.mesh_high):
+            raise ConfigError("mesh: need 1 <= mesh_low <= mesh_degree <= mesh_high")
+        for name in ("pipeline", "max_requests", "upload_slots", "border_nodes",
+                     "border_inflight", "relay_slots", "keep_versions"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1")
+        for name in ("heartbeat_s", "peer_timeout_s", "request_timeout_s", "handshake_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name}: must be > 0")
+        if self.have_batch_s < 0:
+            raise ConfigError("have_batch_s: must be >= 0")
+        if not isinstance(self.swarm_secret, bytes):
+            raise ConfigError("swarm_secret: must be bytes")
+        object.__setattr__(self, "bootstrap", tuple(self.bootstrap))
+
+    @property
+    def is_origin(self) -> bool:
+        return self.role == "origin"

@@ -1,0 +1,198 @@
+"""The contract between the sans-I/O protocol core and its drivers.
+
+The core (``swarm.protocol.core``) is a plain object. A driver feeds it
+*events* through ``core.handle(event)`` and carries out the *actions* it
+returns, in order. Two drivers exist:
+
+- ``node.driver``: aiohttp websockets, real timers, the on-disk store;
+- ``simulations``: a discrete-event loop with a virtual clock and a modelled
+  network (chunk payloads are sizes, not bytes).
+
+Rules that keep both drivers honest:
+
+- The core never reads a clock: every event carries ``now`` (seconds, float,
+  monotonic; virtual in the simulator).
+- The core never touches chunk *payloads*. It decides who sends which chunk
+  to whom; the driver reads the bytes from its store (real) or just their size
+  (simulated), hashes what arrives against the manifest and reports the result
+  with ``ChunkReceived(valid=...)``. A chunk is never shared before that.
+- Control messages are real bytes (``swarm.protocol.wire``) in both drivers,
+  so the simulator exercises the same encoder and decoder as the network.
+- ``core.next_wakeup()`` tells the driver when to send the next ``Tick``.
+
+Connection ids are opaque ints chosen by the driver, unique per core.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# ----------------------------------------------------------------- events (driver -> core)
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class Tick(Event):
+    """Time has advanced to ``now``; run timers (heartbeats, timeouts, retries)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PeerConnected(Event):
+    """A transport to a peer is up. ``outbound`` is True when we dialled it.
+
+    For an outbound connection ``addr`` is what ``Connect`` named; for an
+    inbound one it is informational. The core sends its handshake next.
+    """
+
+    conn: int
+    outbound: bool
+    addr: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectFailed(Event):
+    """A ``Connect`` action could not reach ``addr``."""
+
+    addr: str
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PeerDisconnected(Event):
+    """The transport closed (by the peer, the network, or our own ``Close``)."""
+
+    conn: int
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class FrameReceived(Event):
+    """One control frame (msgpack bytes, see ``wire``) arrived on ``conn``."""
+
+    conn: int
+    frame: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkReceived(Event):
+    """The payload of a chunk arrived on ``conn`` and the driver checked it.
+
+    ``valid`` is the driver's verdict: length and hash match the manifest and
+    the chunk is durably stored. ``valid=False`` means corrupt: the core drops
+    it, re-requests it elsewhere and penalises the sender.
+    """
+
+    conn: int
+    version: int
+    index: int
+    valid: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkSent(Event):
+    """The last byte of a ``SendChunk`` left this node (frees an upload slot)."""
+
+    conn: int
+    version: int
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class Publish(Event):
+    """Local origin (the trainer) offers a new signed manifest it holds fully."""
+
+    manifest: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class LocalChunks(Event):
+    """At start-up: the store already holds these verified chunks of a version.
+
+    ``manifest`` is the signed manifest bytes as stored. Lets a restarted node
+    resume without re-downloading what it has.
+    """
+
+    manifest: bytes
+    have: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Applied(Event):
+    """The driver finished an ``ApplyVersion``: ``ok`` and the state digest it got."""
+
+    version: int
+    ok: bool
+    reason: str = ""
+
+
+# ----------------------------------------------------------------- actions (core -> driver)
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Connect(Action):
+    """Dial ``addr`` (host:port). Answer with ``PeerConnected`` or ``ConnectFailed``."""
+
+    addr: str
+
+
+@dataclass(frozen=True, slots=True)
+class SendFrame(Action):
+    """Send one control frame on ``conn``."""
+
+    conn: int
+    frame: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class SendChunk(Action):
+    """Send chunk ``index`` of ``version`` (read from the store) on ``conn``.
+
+    ``size`` is the chunk's length from the manifest, for drivers that model
+    transfer time. Answer with ``ChunkSent`` once it has left.
+    """
+
+    conn: int
+    version: int
+    index: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Close(Action):
+    """Close ``conn`` and forget it. ``reason`` goes to the log."""
+
+    conn: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class AcceptManifest(Action):
+    """A verified manifest was accepted: the driver persists it (``raw``)."""
+
+    version: int
+    raw: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyVersion(Action):
+    """Every chunk of ``version`` is held and verified: apply it, then send ``Applied``."""
+
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class Log(Action):
+    """A structured log record: ``event`` name plus fields."""
+
+    level: str
+    event: str
+    fields: dict = field(default_factory=dict)

@@ -1,0 +1,232 @@
+"""Wire format: msgpack control frames and the binary chunk-payload header.
+
+Every control frame is one msgpack array ``[type, field, ...]``. Decoding
+checks the frame size, then the shape and bounds of every field, and raises
+``ProtocolError`` for anything else, so the core never sees a malformed value.
+Chunk payloads travel outside msgpack (the real driver sends them as binary
+messages ``CHUNK_MAGIC + header + payload``); a chunk message starts with the
+magic ``b"PSC1"``, which is never a valid msgpack array, so a driver can tell
+the two apart by their first byte.
+
+Frames that go to many peers (announcements, HAVE batches) are encoded once by
+the core and the same ``bytes`` object is sent to each of them.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import msgpack
+
+from swarm.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+
+# ---- limits (every field is bounded; see docs/protocol.md)
+MAX_CHUNKS = 262_144  # = swarm.trust.manifest.MAX_CHUNK_COUNT
+MAX_VERSION = 2**63 - 1
+MAX_MANIFEST_BYTES = 9 * 1024 * 1024
+MAX_FRAME_BYTES = MAX_MANIFEST_BYTES + 64
+MAX_SMALL_FRAME_BYTES = 64 * 1024  # every frame type except ANNOUNCE and BITFIELD
+MAX_ID_LEN = 128
+MAX_REGION_LEN = 64
+MAX_MODEL_LEN = 256
+MAX_ADDR_LEN = 256
+MAX_INDICES = 1024  # indices in one HAVE / REQUEST / CANCEL / REJECT
+MAX_PEERS = 64  # entries in one PEERS frame
+NONCE_LEN = 16
+MAC_LEN = 32
+
+# ---- frame types
+HELLO = 1  # [1, proto, model, node_id, region, listen_addr, role, nonce]
+AUTH = 2  # [2, mac]
+PING = 3  # [3]
+PEERS = 4  # [4, [[node_id, region, addr, flags], ...]]  flags: 1 origin, 2 border
+ROLE = 5  # [5, flags]  origin -> node: 1 keep this link (border / served peer)
+ANNOUNCE = 6  # [6, signed manifest bytes]
+BITFIELD = 7  # [7, version, bits (little-endian bytes)]
+HAVE = 8  # [8, version, [index, ...]]
+REQUEST = 9  # [9, version, [index, ...]]
+CANCEL = 10  # [10, version, [index, ...]]
+REJECT = 11  # [11, version, [index, ...]]
+RELAY = 12  # [12, version, index, target node id]  origin -> border
+RELAY_FAIL = 13  # [13, version, index, target node id]  border -> origin
+LINKS = 14  # [14, [node id, ...]]  border -> origin: cross-region links it holds
+
+NAMES = {
+    HELLO: "HELLO", AUTH: "AUTH", PING: "PING", PEERS: "PEERS", ROLE: "ROLE",
+    ANNOUNCE: "ANNOUNCE", BITFIELD: "BITFIELD", HAVE: "HAVE", REQUEST: "REQUEST",
+    CANCEL: "CANCEL", REJECT: "REJECT", RELAY: "RELAY", RELAY_FAIL: "RELAY_FAIL",
+    LINKS: "LINKS",
+}
+
+PEER_ORIGIN = 1
+PEER_BORDER = 2
+ROLE_KEEP = 1
+
+_pack = msgpack.Packer(use_bin_type=True).pack
+
+
+def encode(*fields: Any) -> bytes:
+    """Encode one frame; ``fields[0]`` is the frame type."""
+    return _pack(list(fields))
+
+
+def _reject_ext(code: int, data: bytes) -> Any:
+    raise ValueError("extension types are not allowed")
+
+
+def _str(v: Any, limit: int, what: str) -> str:
+    if type(v) is not str or not v or len(v) > limit:
+        raise ProtocolError(f"{what}: expected a non-empty string of at most {limit} characters")
+    return v
+
+
+def _uint(v: Any, limit: int, what: str) -> int:
+    if type(v) is not int or v < 0 or v > limit:
+        raise ProtocolError(f"{what}: expected an integer in 0..{limit}")
+    return v
+
+
+def _bin(v: Any, length: int | None, limit: int, what: str) -> bytes:
+    if type(v) is not bytes or (length is not None and len(v) != length) or len(v) > limit:
+        raise ProtocolError(f"{what}: expected {length or f'<= {limit}'} bytes")
+    return v
+
+
+def _indices(v: Any, what: str) -> list[int]:
+    if type(v) is not list or not v or len(v) > MAX_INDICES:
+        raise ProtocolError(f"{what}: expected 1..{MAX_INDICES} chunk indices")
+    for i in v:
+        if type(i) is not int or i < 0 or i >= MAX_CHUNKS:
+            raise ProtocolError(f"{what}: chunk index out of range")
+    return v
+
+
+def _arity(f: list, n: int, name: str) -> None:
+    if len(f) != n:
+        raise ProtocolError(f"{name}: expected {n - 1} fields, got {len(f) - 1}")
+
+
+def decode(frame: bytes) -> list:
+    """Decode and validate one control frame; ``ProtocolError`` on anything malformed."""
+    n = len(frame)
+    if n == 0 or n > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {n} bytes (limit {MAX_FRAME_BYTES})")
+    try:
+        f = msgpack.unpackb(
+            frame, raw=False, use_list=True, strict_map_key=True, ext_hook=_reject_ext,
+            max_str_len=MAX_MODEL_LEN, max_bin_len=MAX_MANIFEST_BYTES,
+            max_array_len=MAX_INDICES, max_map_len=0,
+        )
+    except Exception as e:  # msgpack raises a zoo of types on hostile input
+        raise ProtocolError(f"undecodable frame: {type(e).__name__}") from None
+    if type(f) is not list or not f or type(f[0]) is not int:
+        raise ProtocolError("frame is not an array starting with a type")
+    t = f[0]
+    name = NAMES.get(t)
+    if name is None:
+        raise ProtocolError(f"unknown frame type {t}")
+    if n > MAX_SMALL_FRAME_BYTES and t not in (ANNOUNCE, BITFIELD):
+        raise ProtocolError(f"{name} frame of {n} bytes (limit {MAX_SMALL_FRAME_BYTES})")
+    if t in (HAVE, REQUEST, CANCEL, REJECT):
+        _arity(f, 3, name)
+        _uint(f[1], MAX_VERSION, "version")
+        _indices(f[2], name)
+    elif t == PING:
+        _arity(f, 1, name)
+    elif t == HELLO:
+        _arity(f, 8, name)
+        _uint(f[1], 2**16, "protocol version")
+        _str(f[2], MAX_MODEL_LEN, "model")
+        _str(f[3], MAX_ID_LEN, "node id")
+        _str(f[4], MAX_REGION_LEN, "region")
+        _str(f[5], MAX_ADDR_LEN, "listen addr")
+        if f[6] not in ("node", "origin"):
+            raise ProtocolError("role: expected 'node' or 'origin'")
+        _bin(f[7], NONCE_LEN, NONCE_LEN, "nonce")
+    elif t == AUTH:
+        _arity(f, 2, name)
+        _bin(f[1], MAC_LEN, MAC_LEN, "mac")
+    elif t == PEERS:
+        _arity(f, 2, name)
+        if type(f[1]) is not list or len(f[1]) > MAX_PEERS:
+            raise ProtocolError(f"PEERS: expected at most {MAX_PEERS} entries")
+        for e in f[1]:
+            if type(e) is not list or len(e) != 4:
+                raise ProtocolError("PEERS: malformed entry")
+            _str(e[0], MAX_ID_LEN, "peer id")
+            _str(e[1], MAX_REGION_LEN, "peer region")
+            _str(e[2], MAX_ADDR_LEN, "peer addr")
+            _uint(e[3], 3, "peer flags")
+    elif t == ROLE:
+        _arity(f, 2, name)
+        _uint(f[1], 1, "role flags")
+    elif t == ANNOUNCE:
+        _arity(f, 2, name)
+        _bin(f[1], None, MAX_MANIFEST_BYTES, "manifest")
+        if not f[1]:
+            raise ProtocolError("ANNOUNCE: empty manifest")
+    elif t == BITFIELD:
+        _arity(f, 3, name)
+        _uint(f[1], MAX_VERSION, "version")
+        _bin(f[2], None, MAX_CHUNKS // 8, "bitfield")
+    elif t in (RELAY, RELAY_FAIL):
+        _arity(f, 4, name)
+        _uint(f[1], MAX_VERSION, "version")
+        _uint(f[2], MAX_CHUNKS - 1, "index")
+        _str(f[3], MAX_ID_LEN, "target")
+    elif t == LINKS:
+        _arity(f, 2, name)
+        if type(f[1]) is not list or len(f[1]) > MAX_PEERS:
+            raise ProtocolError(f"LINKS: expected at most {MAX_PEERS} ids")
+        for e in f[1]:
+            _str(e, MAX_ID_LEN, "link id")
+    return f
+
+
+# ---- bitfields: Python ints, bit i = chunk i
+
+
+def bits_to_bytes(bits: int, count: int) -> bytes:
+    return bits.to_bytes((count + 7) // 8, "little")
+
+
+def bits_from_bytes(data: bytes) -> int:
+    return int.from_bytes(data, "little")
+
+
+# ---- chunk payload messages (real driver)
+
+CHUNK_MAGIC = b"PSC1"
+_CHUNK_HEADER = struct.Struct(">4sQII")  # magic, version, index, length
+CHUNK_HEADER_LEN = _CHUNK_HEADER.size
+MAX_CHUNK_BYTES = 64 * 1024 * 1024
+
+
+def is_chunk_message(data: bytes | memoryview) -> bool:
+    return bytes(data[:4]) == CHUNK_MAGIC
+
+
+def pack_chunk_header(version: int, index: int, length: int) -> bytes:
+    """The header the real driver puts before a chunk payload on the wire."""
+    return _CHUNK_HEADER.pack(CHUNK_MAGIC, version, index, length)
+
+
+def pack_chunk(version: int, index: int, payload: bytes) -> bytes:
+    return pack_chunk_header(version, index, len(payload)) + payload
+
+
+def unpack_chunk(data: bytes | memoryview) -> tuple[int, int, memoryview]:
+    """Split a chunk message into ``(version, index, payload)``; ``ProtocolError`` if malformed."""
+    if len(data) < CHUNK_HEADER_LEN:
+        raise ProtocolError("chunk message shorter than its header")
+    magic, version, index, length = _CHUNK_HEADER.unpack_from(data)
+    if magic != CHUNK_MAGIC:
+        raise ProtocolError("chunk message without the PSC1 magic")
+    if version > MAX_VERSION or index >= MAX_CHUNKS or length > MAX_CHUNK_BYTES:
+        raise ProtocolError("chunk header out of range")
+    if len(data) - CHUNK_HEADER_LEN != length:
+        raise ProtocolError(f"chunk {index}: header says {length} bytes, got {len(data) - CHUNK_HEADER_LEN}")
+    return version, index, memoryview(data)[CHUNK_HEADER_LEN:]

@@ -1,0 +1,1 @@
+"""Signed manifests, chunks and trust (see docs/manifest.md)."""

@@ -1,0 +1,384 @@
+"""The node's chunk store: persistence, verification on load, gc, quota, disk full,
+and a writer killed with SIGKILL at random points.
+
+Run as a script (``python tests/test_store.py child ROOT``) this file is the
+writer process the crash test kills.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # the child process runs this file directly
+    sys.path.insert(0, str(ROOT))
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey  # noqa: E402
+
+from node.store import ChunkStore  # noqa: E402
+from swarm.errors import ChunkError, StoreError  # noqa: E402
+from swarm.trust.chunks import split_payload  # noqa: E402
+from swarm.trust.keys import TrustStore, key_id  # noqa: E402
+from swarm.trust.manifest import build_manifest, sign_manifest  # noqa: E402
+
+KEY = Ed25519PrivateKey.from_private_bytes(b"\x07" * 32)
+TRUST = TrustStore([KEY.public_key()])
+CHUNK = 16 * 1024
+
+
+def digest(v: int) -> bytes:
+    return v.to_bytes(32, "big")
+
+
+def version(v: int, *, kind: str | None = None, n_chunks: int = 6, parent: int | None = None):
+    """(payload, raw manifest, manifest) of version v, the same in every process."""
+    payload = random.Random(v).randbytes(n_chunks * CHUNK - 100)
+    kind = kind or ("full" if v == 1 else "patch")
+    parent = v - 1 if parent is None else parent
+    m = build_manifest(
+        payload,
+        model="m",
+        version=v,
+        kind=kind,
+        parent_version=None if kind == "full" else parent,
+        parent_digest=None if kind == "full" else digest(parent),
+        target_digest=digest(v),
+        chunk_size=CHUNK,
+        key_id=key_id(KEY),
+        created_at=1000.0 + v,
+    )
+    return payload, sign_manifest(m, KEY), m
+
+
+def put_all(store: ChunkStore, v: int, **kw) -> bytes:
+    payload, raw, m = version(v, **kw)
+    store.put_manifest(raw, m)
+    for i, c in enumerate(split_payload(payload, CHUNK)):
+        store.put_chunk(v, i, c)
+    return payload
+
+
+# ---------------------------------------------------------------- basics
+
+
+def test_put_read_restart(tmp_path):
+    payload, raw, m = version(1)
+    with ChunkStore(tmp_path, trust=TRUST) as s:
+        assert s.versions() == [] and s.active() is None
+        s.put_manifest(raw, m)
+        s.put_manifest(raw, m)  # idempotent
+        parts = split_payload(payload, CHUNK)
+        for i in (0, 2, 5):
+            s.put_chunk(1, i, parts[i])
+        s.put_chunk(1, 2, parts[2])  # idempotent
+        assert s.have(1) == {0, 2, 5} and not s.complete(1)
+        assert s.has_chunk(1, 2) and not s.has_chunk(1, 1) and not s.has_chunk(9, 0)
+        assert s.read_chunk(1, 5) == parts[5]
+        with pytest.raises(ChunkError, match="not held"):
+            s.read_chunk(1, 1)
+        with pytest.raises(StoreError, match="not complete"):
+            s.payload(1)
+    with ChunkStore(tmp_path, trust=TRUST) as s:  # restart: knows what it has
+        assert s.versions() == [1] and s.manifests() == [(raw, m)]
+        assert s.have(1) == {0, 2, 5}
+        for i in (1, 3, 4):
+            s.put_chunk(1, i, parts[i])
+        assert s.complete(1) and s.payload(1) == payload
+        assert s.used_bytes == len(raw) + len(payload)
+
+
+def test_put_chunk_rechecks_the_hash(tmp_path):
+    payload, raw, m = version(1)
+    with ChunkStore(tmp_path) as s:
+        s.put_manifest(raw, m)
+        with pytest.raises(ChunkError, match="chunk 0 of version 1 hash mismatch"):
+            s.put_chunk(1, 0, payload[CHUNK : 2 * CHUNK])
+        with pytest.raises(ChunkError, match="out of range"):
+            s.put_chunk(1, 6, b"")
+        with pytest.raises(StoreError, match="not in the store"):
+            s.put_chunk(2, 0, b"")
+        assert s.have(1) == set()
+
+
+def test_manifest_must_match_and_not_equivocate(tmp_path):
+    _, raw1, m1 = version(1)
+    _, _, m2 = version(2)
+    with ChunkStore(tmp_path) as s:
+        with pytest.raises(StoreError, match="do not match"):
+            s.put_manifest(raw1, m2)
+        with pytest.raises(StoreError, match="malformed"):
+            s.put_manifest(b"junk", m1)
+        s.put_manifest(raw1, m1)
+        _, other_raw, other = version(1, n_chunks=3)  # a second, different version 1
+        with pytest.raises(StoreError, match="different manifest"):
+            s.put_manifest(other_raw, other)
+
+
+def test_corrupt_and_stray_files_are_dropped_on_load(tmp_path):
+    with ChunkStore(tmp_path) as s:
+        put_all(s, 1)
+    vdir = tmp_path / "versions" / f"{1:020d}"
+    c3 = vdir / "chunks" / f"{3:08d}"
+    data = bytearray(c3.read_bytes())
+    data[100] ^= 0xFF
+    c3.write_bytes(data)  # bit rot
+    (vdir / "chunks" / f"{4:08d}").write_bytes(b"torn")  # short file
+    (vdir / "chunks" / "junk").write_bytes(b"?")
+    (tmp_path / "tmp" / "chunk.part").write_bytes(b"half-written")
+    (tmp_path / "versions" / f"{7:020d}" / "chunks").mkdir(parents=True)  # no manifest
+    with ChunkStore(tmp_path) as s:
+        assert s.versions() == [1]
+        assert s.have(1) == {0, 1, 2, 5}
+        assert not (tmp_path / "tmp" / "chunk.part").exists()
+        assert not (tmp_path / "versions" / f"{7:020d}").exists()
+        assert len(s.problems) == 3
+
+
+def test_rot_after_load_is_caught_on_read(tmp_path):
+    with ChunkStore(tmp_path) as s:
+        payload = put_all(s, 1)
+        path = tmp_path / "versions" / f"{1:020d}" / "chunks" / f"{0:08d}"
+        path.write_bytes(b"\x00" * CHUNK)
+        with pytest.raises(ChunkError, match="corrupt on disk"):
+            s.read_chunk(1, 0)
+        assert 0 not in s.have(1) and not s.complete(1)
+        s.put_chunk(1, 0, payload[:CHUNK])
+        assert s.payload(1) == payload
+
+
+def test_trust_reverification_on_open(tmp_path):
+    with ChunkStore(tmp_path) as s:
+        put_all(s, 1)
+    revoked = TrustStore([KEY.public_key()])
+    revoked.revoke(key_id(KEY))
+    with ChunkStore(tmp_path, trust=revoked) as s:
+        assert s.versions() == [] and "revoked" in s.problems[0]
+    mpath = tmp_path / "versions" / f"{1:020d}" / "manifest"
+    raw = bytearray(mpath.read_bytes())
+    raw[-1] ^= 1  # breaks the signature
+    mpath.write_bytes(raw)
+    with ChunkStore(tmp_path, trust=TRUST) as s:
+        assert s.versions() == [] and "bad signature" in s.problems[0]
+
+
+def test_active_record(tmp_path):
+    with ChunkStore(tmp_path) as s:
+        s.set_active(3, digest(3))
+        s.set_active(4, digest(4))
+    with ChunkStore(tmp_path) as s:
+        rec = s.active()
+        assert (rec.version, rec.digest) == (4, digest(4))
+        with pytest.raises(StoreError):
+            s.set_active(5, b"short")
+        (tmp_path / "active").write_bytes(b"\x93garbage")
+        with pytest.raises(StoreError, match="corrupt"):
+            s.active()
+
+
+def test_one_process_at_a_time(tmp_path):
+    s = ChunkStore(tmp_path)
+    with pytest.raises(StoreError, match="in use"):
+        ChunkStore(tmp_path)
+    s.close()
+    ChunkStore(tmp_path).close()
+    (tmp_path / "FORMAT").write_bytes(b"something else")
+    with pytest.raises(StoreError, match="not a patchswarm store"):
+        ChunkStore(tmp_path)
+
+
+# -------------------------------------------------------------------- gc
+
+
+def test_gc_keeps_last_k_and_the_chain_to_a_full_checkpoint(tmp_path):
+    # 1 full, 2..4 patches, 5 full, 6..8 patches
+    with ChunkStore(tmp_path) as s:
+        for v in range(1, 9):
+            put_all(s, v, kind="full" if v in (1, 5) else "patch", n_chunks=1)
+        s.set_active(8, digest(8))
+        assert s.gc(keep_last=2) == [1, 2, 3, 4]  # 7, 8 need 6 and full 5
+        assert s.versions() == [5, 6, 7, 8]
+        assert s.gc(keep_last=2) == []
+    with ChunkStore(tmp_path) as s:
+        assert s.versions() == [5, 6, 7, 8] and all(s.complete(v) for v in s.versions())
+        with pytest.raises(StoreError):
+            s.gc(keep_last=0)
+
+
+def test_gc_keeps_the_active_version(tmp_path):
+    with ChunkStore(tmp_path) as s:
+        for v in range(1, 6):
+            put_all(s, v, kind="full", n_chunks=1)
+        s.set_active(2, digest(2))  # lagging behind staged versions
+        assert s.gc(keep_last=1) == [1, 3, 4]
+        assert s.versions() == [2, 5]
+        used = s.used_bytes
+    with ChunkStore(tmp_path) as s:
+        assert s.used_bytes == used
+
+
+# ------------------------------------------------------- quota, disk full
+
+
+def test_quota_is_a_clear_error_and_keeps_earlier_versions(tmp_path):
+    with ChunkStore(tmp_path, quota_bytes=10 * CHUNK) as s:
+        p1 = put_all(s, 1)
+        with pytest.raises(StoreError, match="quota"):
+            put_all(s, 2)
+        assert s.payload(1) == p1 and not s.complete(2)
+        s.remove_version(2)
+        s.gc(keep_last=1)
+        assert s.versions() == [1]
+    assert not list((tmp_path / "tmp").iterdir())
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """A real 256 KiB tmpfs (needs root); skipped where mounting is not allowed."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)],
+        capture_output=True,
+        check=False,
+    )
+    if r.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_disk_full_is_a_clear_error_and_keeps_earlier_versions(tiny_fs):
+    with ChunkStore(tiny_fs) as s:
+        p1 = put_all(s, 1)  # ~96 KiB
+        with pytest.raises(StoreError, match="disk full"):
+            for v in range(2, 6):
+                put_all(s, v)
+        assert s.payload(1) == p1
+        assert not list((tiny_fs / "tmp").iterdir())  # no temp file left behind
+    with ChunkStore(tiny_fs) as s:  # and after a restart
+        assert s.payload(1) == p1
+        for v in s.versions()[1:]:
+            s.remove_version(v)
+        put_all(s, 6, kind="full")  # space is back
+        assert s.complete(6)
+
+
+# ------------------------------------------------------------ SIGKILL test
+
+N_VERSIONS = 12
+STEPS = (N_VERSIONS - 1) * (6 + 2)  # manifest, 6 chunks, active per version
+
+
+def child(root: str) -> None:
+    """Write versions 2.. into the store, reporting each durable step on stdout."""
+    store = ChunkStore(root)
+    out = sys.stdout
+    out.write("ready\n")
+    out.flush()
+    rng = random.Random(os.getpid())
+    for v in range(2, N_VERSIONS + 1):
+        payload, raw, m = version(v)
+        store.put_manifest(raw, m)
+        out.write(f"manifest {v}\n")
+        out.flush()
+        parts = split_payload(payload, CHUNK)
+        order = list(range(len(parts)))
+        rng.shuffle(order)
+        for i in order:
+            store.put_chunk(v, i, parts[i])
+            out.write(f"chunk {v} {i}\n")
+            out.flush()
+        store.set_active(v, digest(v))
+        out.write(f"active {v}\n")
+        out.flush()
+    out.write("finished\n")
+    out.flush()
+
+
+def crash_once(root: Path, rng: random.Random) -> None:
+    """Kill a writer at a random moment, then check the store it left."""
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "child", str(root)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        # let it get through a random number of steps, then kill it somewhere
+        # inside the following one (the child does not wait for the reader)
+        lines = [proc.stdout.readline().strip() for _ in range(rng.randrange(STEPS))]
+        time.sleep(rng.uniform(0, 0.004))
+        proc.send_signal(signal.SIGKILL)
+        lines += proc.stdout.read().splitlines()
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    done_chunks: dict[int, set[int]] = {}
+    manifests, active = set(), 1
+    for line in lines:
+        word, *nums = line.split()
+        if word == "manifest":
+            manifests.add(int(nums[0]))
+        elif word == "chunk":
+            done_chunks.setdefault(int(nums[0]), set()).add(int(nums[1]))
+        elif word == "active":
+            active = int(nums[0])
+
+    with ChunkStore(root, trust=TRUST) as s:
+        assert not list((root / "tmp").iterdir())
+        assert s.problems == []  # a killed writer never leaves a bad file at a final name
+        rec = s.active()
+        # the record is durable once reported, and never beyond the next version
+        assert rec.version in (active, active + 1) and rec.digest == digest(rec.version)
+        assert manifests <= set(s.versions())
+        for v in s.versions():
+            payload, raw, _ = version(v) if v > 1 else version(1)
+            assert s.raw_manifest(v) == raw
+            have = s.have(v)
+            assert done_chunks.get(v, set()) <= have  # nothing verified is lost
+            parts = split_payload(payload, CHUNK)
+            for i in have:
+                assert s.read_chunk(v, i) == parts[i]
+        assert s.payload(1) == version(1)[0]  # the earlier version is intact
+        # resume: fetch only the missing chunks, then the version is whole
+        for v in s.versions():
+            payload = version(v)[0]
+            parts = split_payload(payload, CHUNK)
+            for i in set(range(len(parts))) - s.have(v):
+                s.put_chunk(v, i, parts[i])
+            assert s.payload(v) == payload
+        for v in s.versions()[1:]:
+            s.remove_version(v)  # start the next round from version 1 again
+        s.set_active(1, digest(1))
+
+
+def run_crashes(tmp_path: Path, rounds: int, seed: int) -> None:
+    with ChunkStore(tmp_path) as s:
+        put_all(s, 1)
+        s.set_active(1, digest(1))
+    rng = random.Random(seed)
+    for _ in range(rounds):
+        crash_once(tmp_path, rng)
+
+
+def test_sigkill_while_writing(tmp_path):
+    run_crashes(tmp_path, rounds=10, seed=1)
+
+
+@pytest.mark.slow
+def test_sigkill_while_writing_many(tmp_path):
+    run_crashes(tmp_path, rounds=60, seed=2)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["child"]:
+    child(sys.argv[2])
