@@ -135,11 +135,11 @@ class PatchApplier:
                 return
             self.header = decode_header(self._buf)
             del self._buf[: self.header.header_bytes]
-            if self.check_base and self.header.base_digest is not None:
-                if state_digest(self.weights) != self.header.base_digest:
-                    raise PatchApplyError(
-                        "patch does not apply to these weights (base state digest differs: "
-                        "wrong base version or foreign model)")
+            base = self.header.base_digest
+            if self.check_base and base is not None and state_digest(self.weights) != base:
+                raise PatchApplyError(
+                    "patch does not apply to these weights (base state digest differs: "
+                    "wrong base version or foreign model)")
         view = memoryview(bytes(self._buf))  # a snapshot, so the buffer can shrink below
         offset = 0
         while self._next < len(self.header.entries):

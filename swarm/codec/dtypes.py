@@ -78,6 +78,8 @@ def dtype_by_code(code: int) -> DType:
 
 def bits_view(t: torch.Tensor, dt: DType) -> torch.Tensor:
     """Flat integer view of a contiguous tensor's bit patterns (no copy)."""
+    if t.numel() == 0:
+        return torch.empty(0, dtype=dt.view, device=t.device)
     return t.reshape(-1).view(dt.view)
 
 

@@ -125,7 +125,7 @@ def encrypt_payload(
     *,
     model: str,
     version: int,
-) -> tuple[bytes, dict[str, Any]]:
+) -> tuple[bytearray, dict[str, Any]]:
     """Seal ``plaintext`` chunk by chunk; returns (ciphertext payload, ``encryption`` field).
 
     Ciphertext chunks are ``chunk_size`` bytes (the last may be shorter), so the
@@ -136,12 +136,20 @@ def encrypt_payload(
         raise ManifestError(f"chunk size must exceed {TAG_LEN} bytes in confidential mode")
     version_key = AESGCM.generate_key(bit_length=256)
     enc = wrap_key(version_key, recipients, model=model, version=version)
-    enc["plaintext_length"] = len(memoryview(plaintext).cast("B"))
+    pieces = split_payload(plaintext, pcs)
+    enc["plaintext_length"] = sum(len(p) for p in pieces)
     aead = AESGCM(version_key)
-    out = bytearray()
-    for i, chunk in enumerate(split_payload(plaintext, pcs)):
-        out += aead.encrypt(chunk_nonce(i), chunk, chunk_aad(model, version, i))
-    return bytes(out), enc
+    out = bytearray(enc["plaintext_length"] + TAG_LEN * len(pieces))
+    view = memoryview(out)
+    for i, chunk in enumerate(pieces):  # sealed in place: no per-chunk copies
+        start = i * chunk_size
+        aead.encrypt_into(
+            chunk_nonce(i),
+            chunk,
+            chunk_aad(model, version, i),
+            view[start : start + len(chunk) + TAG_LEN],
+        )
+    return out, enc
 
 
 def decrypt_chunk(manifest: Manifest, version_key: bytes, index: int, data: bytes) -> bytes:
@@ -154,22 +162,31 @@ def decrypt_chunk(manifest: Manifest, version_key: bytes, index: int, data: byte
         raise ChunkError(f"chunk {index} fails decryption") from None
 
 
-def decrypt_payload(manifest: Manifest, payload: bytes, node_key: X25519PrivateKey) -> bytes:
+def decrypt_payload(
+    manifest: Manifest, payload: bytes | bytearray | memoryview, node_key: X25519PrivateKey
+) -> bytearray:
     """The plaintext of a complete, verified ciphertext payload, for this node."""
     version_key = unwrap_key(manifest, node_key)
-    aead = AESGCM(version_key)
-    out = bytearray()
-    for i, chunk in enumerate(split_payload(payload, manifest.chunk_size)):
-        try:
-            out += aead.decrypt(
-                chunk_nonce(i), chunk, chunk_aad(manifest.model, manifest.version, i)
-            )
-        except InvalidTag:
-            raise ChunkError(f"chunk {i} fails decryption") from None
     assert manifest.encryption is not None
+    aead = AESGCM(version_key)
+    pieces = split_payload(payload, manifest.chunk_size)
+    out = bytearray(max(0, len(payload) - TAG_LEN * len(pieces)))
     if len(out) != manifest.encryption["plaintext_length"]:
-        raise ChunkError("decrypted payload length does not match the manifest")
-    return bytes(out)
+        raise ChunkError("payload length does not match the manifest")
+    view = memoryview(out)
+    pcs = plaintext_chunk_size(manifest.chunk_size)
+    for i, chunk in enumerate(pieces):
+        start = i * pcs
+        try:
+            aead.decrypt_into(
+                chunk_nonce(i),
+                chunk,
+                chunk_aad(manifest.model, manifest.version, i),
+                view[start : start + len(chunk) - TAG_LEN],
+            )
+        except (InvalidTag, ValueError):
+            raise ChunkError(f"chunk {i} fails decryption") from None
+    return out
 
 
 def validate_encryption(enc: Any, m: Manifest) -> None:

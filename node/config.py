@@ -1,0 +1,276 @@
+"""TOML configuration of a node daemon (and of the trainer's seeding node).
+
+Read with ``tomllib`` and validated at start, so a typo fails before anything
+listens: every error is a ``ConfigError`` that names the offending key
+(``network.listen: ...``). Relative paths are taken relative to the config
+file's directory, so a config and its keys can travel together.
+
+Layout (see configs/node.toml for a commented example)::
+
+    [node]     id, region, model, role ("node" | "origin")
+    [network]  listen = "host:port", advertise = "host:port" (default: listen),
+               bootstrap = ["host:port", ...], swarm_secret (hex) or swarm_secret_file
+    [trust]    trainer_keys = ["trainer.pub", ...]       (Ed25519 public keys, PEM)
+    [store]    dir, quota_bytes (0 = none), keep_versions (0 = keep all), fsync
+    [weights]  base (safetensors), base_version, device ("auto" | "cpu" | "cuda" | "cuda:N")
+    [publish]  signing_key, chunk_size, served_dtype  (origin only)
+    [swarm]    any ``CoreConfig`` policy knob, e.g. mesh_degree = 6
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from swarm.errors import ConfigError
+from swarm.protocol.config import CoreConfig
+
+_SECTIONS = {
+    "node": {"id", "region", "model", "role"},
+    "network": {"listen", "advertise", "bootstrap", "swarm_secret", "swarm_secret_file"},
+    "trust": {"trainer_keys"},
+    "store": {"dir", "quota_bytes", "keep_versions", "fsync"},
+    "weights": {"base", "base_version", "device"},
+    "publish": {"signing_key", "chunk_size", "served_dtype"},
+    "swarm": None,  # checked against CoreConfig's fields
+    "log": {"level"},
+}
+# CoreConfig fields that come from other sections, never from [swarm].
+_CORE_FROM_ELSEWHERE = {
+    "node_id", "region", "model", "listen_addr", "role", "bootstrap", "swarm_secret",
+    "active_version",
+}
+MAX_CONFIG_BYTES = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """A validated node (or origin) configuration."""
+
+    node_id: str
+    region: str
+    model: str
+    role: str
+    listen_host: str
+    listen_port: int
+    advertise: str
+    bootstrap: tuple[str, ...]
+    swarm_secret: bytes
+    trainer_keys: tuple[Path, ...]
+    store_dir: Path
+    quota_bytes: int | None
+    keep_versions: int
+    fsync: bool
+    base: Path | None
+    base_version: int
+    device: str
+    signing_key: Path | None = None
+    chunk_size: int = 4 * 1024 * 1024
+    served_dtype: str = "bf16"
+    log_level: str = "info"
+    swarm: dict[str, Any] = field(default_factory=dict)
+    source: Path | None = None
+
+    def core_config(self, active_version: int | None = None) -> CoreConfig:
+        """The protocol core's knobs for this node; ``active_version`` defaults to the base."""
+        return CoreConfig(
+            node_id=self.node_id,
+            region=self.region,
+            model=self.model,
+            listen_addr=self.advertise,
+            role=self.role,
+            bootstrap=self.bootstrap,
+            swarm_secret=self.swarm_secret,
+            active_version=self.base_version if active_version is None else active_version,
+            **self.swarm,
+        )
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _get(sec: dict, section: str, key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+    name = f"{section}.{key}"
+    if key not in sec:
+        if default is ...:
+            raise ConfigError(f"{name}: missing (required)")
+        return default
+    value = sec[key]
+    if kind is int and isinstance(value, bool):
+        raise ConfigError(f"{name}: expected an integer, got {value!r}")
+    if not isinstance(value, kind):
+        want = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise ConfigError(f"{name}: expected {want}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _nonempty(value: str, name: str, limit: int = 128) -> str:
+    if not value or len(value) > limit or any(c.isspace() for c in value):
+        raise ConfigError(f"{name}: must be 1..{limit} characters without spaces, got {value!r}")
+    return value
+
+
+def parse_addr(text: str, name: str) -> tuple[str, int]:
+    """``"host:port"`` -> (host, port); ``ConfigError`` naming ``name`` otherwise."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{name}: expected \"host:port\" with a port in 1..65535, got {text!r}")
+    return host, int(port)
+
+
+def _path(base_dir: Path, text: str, name: str) -> Path:
+    if not text:
+        raise ConfigError(f"{name}: empty path")
+    p = Path(text).expanduser()
+    return p if p.is_absolute() else base_dir / p
+
+
+def _secret(net: dict, base_dir: Path) -> bytes:
+    if "swarm_secret" in net and "swarm_secret_file" in net:
+        raise ConfigError("network.swarm_secret: give either swarm_secret or swarm_secret_file")
+    if "swarm_secret_file" in net:
+        p = _path(base_dir, _get(net, "network", "swarm_secret_file", str), "network.swarm_secret_file")
+        try:
+            text = p.read_text()[:4096].strip()
+        except OSError as exc:
+            raise ConfigError(f"network.swarm_secret_file: cannot read {p}: {exc.strerror}") from None
+    else:
+        text = _get(net, "network", "swarm_secret", str)
+    try:
+        secret = bytes.fromhex(text)
+    except ValueError:
+        raise ConfigError("network.swarm_secret: expected hex digits") from None
+    if len(secret) < 16:
+        raise ConfigError("network.swarm_secret: need at least 16 bytes (32 hex digits)")
+    return secret
+
+
+def _swarm_knobs(sec: dict) -> dict[str, Any]:
+    fields = {f.name: f for f in dataclasses.fields(CoreConfig)}
+    out: dict[str, Any] = {}
+    for key, value in sec.items():
+        if key in _CORE_FROM_ELSEWHERE:
+            raise ConfigError(f"swarm.{key}: set it in its own section, not under [swarm]")
+        f = fields.get(key)
+        if f is None:
+            raise ConfigError(f"swarm.{key}: unknown protocol knob")
+        default = f.default
+        if isinstance(default, bool):
+            ok = isinstance(value, bool)
+        elif isinstance(default, int):
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif isinstance(default, float):
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+            value = float(value)
+        else:
+            ok = True
+        if not ok:
+            raise ConfigError(f"swarm.{key}: expected {type(default).__name__}, got {value!r}")
+        out[key] = value
+    return out
+
+
+# --------------------------------------------------------------------- load
+
+
+def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = None) -> NodeConfig:
+    """Validate a decoded TOML document into a ``NodeConfig``."""
+    for section, value in data.items():
+        if section not in _SECTIONS:
+            raise ConfigError(f"{section}: unknown section (expected one of {sorted(_SECTIONS)})")
+        if not isinstance(value, dict):
+            raise ConfigError(f"{section}: must be a [table]")
+        allowed = _SECTIONS[section]
+        if allowed is not None:
+            for key in value:
+                if key not in allowed:
+                    raise ConfigError(f"{section}.{key}: unknown key")
+    node = data.get("node") or {}
+    net = data.get("network") or {}
+    trust = data.get("trust") or {}
+    store = data.get("store") or {}
+    weights = data.get("weights") or {}
+    publish = data.get("publish") or {}
+    if not node:
+        raise ConfigError("node: missing section [node]")
+    role = _get(node, "node", "role", str, "node")
+    if role not in ("node", "origin"):
+        raise ConfigError(f"node.role: expected \"node\" or \"origin\", got {role!r}")
+    node_id = _nonempty(_get(node, "node", "id", str), "node.id")
+    region = _nonempty(_get(node, "node", "region", str), "node.region", 64)
+    model = _nonempty(_get(node, "node", "model", str), "node.model")
+    listen = _get(net, "network", "listen", str)
+    host, port = parse_addr(listen, "network.listen")
+    advertise = _get(net, "network", "advertise", str, listen)
+    parse_addr(advertise, "network.advertise")
+    bootstrap = _get(net, "network", "bootstrap", list, [])
+    for i, b in enumerate(bootstrap):
+        if not isinstance(b, str):
+            raise ConfigError(f"network.bootstrap[{i}]: expected \"host:port\", got {b!r}")
+        parse_addr(b, f"network.bootstrap[{i}]")
+    secret = _secret(net, base_dir)
+    keys = _get(trust, "trust", "trainer_keys", list, [])
+    if role == "node" and not keys:
+        raise ConfigError("trust.trainer_keys: a node needs at least one trusted trainer key")
+    key_paths = tuple(_path(base_dir, _get({"k": k}, "trust", "k", str), "trust.trainer_keys")
+                      for k in keys)
+    quota = _get(store, "store", "quota_bytes", int, 0)
+    if quota < 0:
+        raise ConfigError("store.quota_bytes: must be >= 0 (0 = no quota)")
+    keep = _get(store, "store", "keep_versions", int, 0)
+    if keep < 0:
+        raise ConfigError("store.keep_versions: must be >= 0 (0 = keep all)")
+    base_text = _get(weights, "weights", "base", str, "")
+    base = _path(base_dir, base_text, "weights.base") if base_text else None
+    if role == "node" and base is None:
+        raise ConfigError("weights.base: a node needs a base safetensors checkpoint")
+    base_version = _get(weights, "weights", "base_version", int, 1)
+    if base_version < 1:
+        raise ConfigError("weights.base_version: must be >= 1 (manifests number versions from 1)")
+    device = _get(weights, "weights", "device", str, "auto")
+    if device != "auto" and device != "cpu" and not (device == "cuda" or device.startswith("cuda:")):
+        raise ConfigError(f"weights.device: expected auto, cpu, cuda or cuda:N, got {device!r}")
+    sk = _get(publish, "publish", "signing_key", str, "")
+    signing_key = _path(base_dir, sk, "publish.signing_key") if sk else None
+    if role == "origin" and signing_key is None:
+        raise ConfigError("publish.signing_key: the origin needs an Ed25519 signing key")
+    chunk_size = _get(publish, "publish", "chunk_size", int, 4 * 1024 * 1024)
+    if not 1024 <= chunk_size <= 64 * 1024 * 1024:
+        raise ConfigError("publish.chunk_size: must be in 1 KiB..64 MiB")
+    served = _get(publish, "publish", "served_dtype", str, "bf16")
+    if served not in ("bf16", "fp8"):
+        raise ConfigError(f"publish.served_dtype: expected bf16 or fp8, got {served!r}")
+    level = _get(data.get("log") or {}, "log", "level", str, "info")
+    if level not in ("debug", "info", "warning", "error"):
+        raise ConfigError(f"log.level: expected debug, info, warning or error, got {level!r}")
+    cfg = NodeConfig(
+        node_id=node_id, region=region, model=model, role=role, listen_host=host,
+        listen_port=port, advertise=advertise, bootstrap=tuple(bootstrap), swarm_secret=secret,
+        trainer_keys=key_paths,
+        store_dir=_path(base_dir, _get(store, "store", "dir", str), "store.dir"),
+        quota_bytes=quota or None, keep_versions=keep,
+        fsync=_get(store, "store", "fsync", bool, True), base=base, base_version=base_version,
+        device=device, signing_key=signing_key, chunk_size=chunk_size, served_dtype=served,
+        log_level=level, swarm=_swarm_knobs(data.get("swarm") or {}), source=source,
+    )
+    cfg.core_config()  # CoreConfig's own validation (ConfigError naming the knob)
+    return cfg
+
+
+def load_config(path: str | Path) -> NodeConfig:
+    """Read and validate a TOML config file; ``ConfigError`` on any problem."""
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {p}: {exc.strerror or exc}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config {p} is larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{p}: not valid TOML: {exc}") from None
+    return parse_config(data, p.resolve().parent, p)

@@ -1,0 +1,376 @@
+"""The origin's seeding policy: who feeds which region which chunk.
+
+Three modes, chosen by the origin's ``CoreConfig``:
+
+- ``regions`` (region_aware): the origin is the coordinator of a two-level
+  swarm. Per region it grants up to ``border_nodes`` border nodes (ROLE keep)
+  and keeps, per version and region, the set of chunks that entered the region
+  (``sent``) and those in flight. A chunk enters a region exactly once: pushed
+  by the origin (super-seeding: spread over the region's borders, novel chunks
+  first so regions hold different chunks to relay), or, with ``relay``,
+  relayed by a border of another region that holds it (RELAY order) whenever
+  such a border has a free relay slot, which keeps the origin's uplink for
+  chunks no region has yet. A chunk is sent into a region again only when its
+  transfer timed out, or when the border that took it left and no other border
+  of the region reported it within ``border_grace_s``.
+- ``direct`` (origin_only): every node is kept; the origin pushes each node
+  every chunk, round-robin over nodes, ``upload_slots`` at a time.
+- ``flat`` (not region_aware): the origin is an ordinary seed of a
+  region-unaware swarm: it keeps ``origin_peers`` nodes and serves their
+  requests; everybody else only gets peer addresses.
+
+The origin is also the tracker: every joining node gets a sample of its region
+(PEERS), so the origin's address is the natural bootstrap address.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+from swarm.protocol import events as ev
+from swarm.protocol import wire
+from swarm.protocol.handshake import READY
+from swarm.protocol.picker import iter_bits, lowest
+
+if TYPE_CHECKING:
+    from swarm.protocol.core import NodeCore
+    from swarm.protocol.peer import Peer
+
+ORIGIN_SRC = -1
+
+
+class RegionPlan:
+    """One version in one region: what entered it and what is on its way."""
+
+    __slots__ = ("infl", "inflight", "sent")
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.infl = 0
+        self.inflight: dict[int, list] = {}  # index -> [source conn | -1, target conn, deadline | None]
+
+
+class Seeder:
+    def __init__(self, core: NodeCore) -> None:
+        c = core.cfg
+        self.core = core
+        self.cfg = c
+        self.mode = "direct" if c.origin_only else ("regions" if c.region_aware else "flat")
+        self.borders: dict[str, list[Peer]] = {}
+        self.plans: dict[int, dict[str, RegionPlan]] = {}
+        self.versions: list[int] = []
+        self.pushes: dict[tuple[int, int, int], str] = {}  # (conn, v, i) -> region
+        self.graces: list[tuple[float, str, int, int]] = []  # (due, region, version, bits)
+        self.kept = 0
+        self.rr: deque[int] = deque()
+        self.rr_set: set[int] = set()
+        self.pushed: dict[int, dict[int, int]] = {}  # direct: conn -> version -> bits pushed
+        self.replaced = 0  # border replacements dialled
+
+    # ------------------------------------------------------------------ membership
+    def on_ready(self, p: Peer) -> None:
+        core, c = self.core, self.cfg
+        if p.is_origin:
+            core._close(p, "two origins in one swarm", "warning")
+            return
+        core.book.add(p.node_id, p.region, p.listen_addr, 0)
+        keep = False
+        if self.mode == "direct":
+            keep = True
+        elif self.mode == "flat":
+            keep = self.kept < c.origin_peers
+        else:
+            bs = self.borders.setdefault(p.region, [])
+            if len(bs) < c.border_nodes:
+                keep = True
+                p.border = True
+                bs.append(p)
+        p.kept = keep
+        if keep:
+            self.kept += 1
+        core._send(p, wire.encode(wire.ROLE, wire.ROLE_KEEP if keep else 0))
+        region = p.region if c.region_aware else None
+        sample = [list(x) for x in core.book.sample(region, c.tracker_sample + 1) if x[0] != p.node_id]
+        if p.border and c.relay:
+            others = [[b.node_id, r, b.listen_addr, wire.PEER_BORDER]
+                      for r, lst in self.borders.items() if r != p.region for b in lst]
+            sample = (others + sample)[: wire.MAX_PEERS]
+            note = wire.encode(wire.PEERS, [[p.node_id, p.region, p.listen_addr, wire.PEER_BORDER]])
+            for r, lst in self.borders.items():
+                if r != p.region:
+                    for b in lst:
+                        core._send(b, note)
+        if sample:
+            core._send(p, wire.encode(wire.PEERS, sample[: wire.MAX_PEERS]))
+        if self.mode == "direct":
+            self._rr_add(p.conn)
+        self.schedule()
+
+    def on_leave(self, p: Peer) -> None:
+        core = self.core
+        if p.kept:
+            self.kept -= 1
+        for key in [k for k in self.pushes if k[0] == p.conn]:
+            del self.pushes[key]
+        self.pushed.pop(p.conn, None)
+        if self.mode != "regions" or not p.border:
+            self.schedule()
+            return
+        bs = self.borders.get(p.region, [])
+        if p in bs:
+            bs.remove(p)
+        for v, plans in self.plans.items():
+            for plan in plans.values():
+                for i, (src, dst, _d) in list(plan.inflight.items()):
+                    if src == p.conn or dst == p.conn:
+                        self._drop_inflight(plan, i)
+            plan = plans.get(p.region)
+            if plan is not None:
+                others = 0
+                for b in bs:
+                    others |= b.bits.get(v, 0)
+                lost = p.bits.get(v, 0) & plan.sent & ~others
+                if lost:
+                    self.graces.append((core.now + self.cfg.border_grace_s, p.region, v, lost))
+        # find a replacement border: dial a node of that region we heard of
+        connected = {q.node_id for q in core.peers.values()}
+        cands = [i for i in core.book.region_ids(p.region) if i != p.node_id and i not in connected]
+        if cands:
+            entry = core.book.get(cands[core.rng.randrange(len(cands))])
+            if entry is not None:
+                self.replaced += 1
+                core._dial(entry[1])
+        self.schedule()
+
+    def on_links(self, p: Peer, ids: list[str]) -> None:
+        p.links = set(ids)
+        self.schedule()
+
+    # ------------------------------------------------------------------ chunk flow
+    def on_publish(self, v: int) -> None:
+        self.versions.append(v)
+        self.versions.sort()
+        self.plans[v] = {}
+        if self.mode == "direct":
+            for p in self.core.peers.values():
+                if p.state == READY and p.kept:
+                    self._rr_add(p.conn)
+        self.schedule()
+
+    def on_have(self, p: Peer, v: int, gained: int) -> None:
+        if self.mode == "direct":
+            self._rr_add(p.conn)
+        elif self.mode == "regions" and p.border and gained:
+            plan = self.plans.get(v, {}).get(p.region)
+            if plan is not None:
+                for i in iter_bits(gained & plan.infl):
+                    self._drop_inflight(plan, i)
+                plan.sent |= gained
+        self.schedule()
+
+    def on_relay_fail(self, p: Peer, v: int, i: int, target: str) -> None:
+        p.links.discard(target)
+        tc = self.core.by_id.get(target)
+        t = self.core.peers.get(tc) if tc is not None else None
+        if t is not None:
+            plan = self.plans.get(v, {}).get(t.region)
+            if plan is not None and i in plan.inflight and plan.inflight[i][0] == p.conn:
+                self._drop_inflight(plan, i)
+        self.schedule()
+
+    def on_sent(self, conn: int, v: int, i: int) -> bool:
+        region = self.pushes.pop((conn, v, i), None)
+        if region is None:
+            return False
+        if region:
+            plan = self.plans.get(v, {}).get(region)
+            if plan is not None and i in plan.inflight:
+                plan.inflight[i][2] = self.core.now + self.cfg.request_timeout_s
+        return True
+
+    def _drop_inflight(self, plan: RegionPlan, i: int) -> None:
+        src, _dst, _d = plan.inflight.pop(i)
+        plan.infl &= ~(1 << i)
+        if src != ORIGIN_SRC:
+            s = self.core.peers.get(src)
+            if s is not None and s.relay_busy > 0:
+                s.relay_busy -= 1
+
+    # ------------------------------------------------------------------ timers
+    def next_wakeup(self) -> float | None:
+        t = None
+        for due, *_ in self.graces:
+            if t is None or due < t:
+                t = due
+        for plans in self.plans.values():
+            for plan in plans.values():
+                for entry in plan.inflight.values():
+                    d = entry[2]
+                    if d is not None and (t is None or d < t):
+                        t = d
+        return t
+
+    def tick(self) -> None:
+        now = self.core.now
+        changed = False
+        for v, plans in self.plans.items():
+            for r, plan in plans.items():
+                for i, (_s, _t, d) in list(plan.inflight.items()):
+                    if d is not None and d <= now:
+                        self.core._log("info", "region_transfer_timeout", version=v, region=r, index=i)
+                        self._drop_inflight(plan, i)
+                        changed = True
+        if self.graces:
+            keep = []
+            for g in self.graces:
+                due, r, v, lost = g
+                if due > now:
+                    keep.append(g)
+                    continue
+                plan = self.plans.get(v, {}).get(r)
+                if plan is None:
+                    continue
+                held = 0
+                for b in self.borders.get(r, []):
+                    held |= b.bits.get(v, 0)
+                gone = lost & ~held
+                if gone:
+                    plan.sent &= ~gone
+                    self.core._log("info", "region_resend", version=v, region=r, chunks=gone.bit_count())
+                    changed = True
+            self.graces = keep
+        if changed:
+            self.schedule()
+
+    # ------------------------------------------------------------------ scheduling
+    def _rr_add(self, conn: int) -> None:
+        if conn not in self.rr_set:
+            self.rr_set.add(conn)
+            self.rr.append(conn)
+
+    def _push(self, p: Peer, v: int, i: int, region: str) -> None:
+        m = self.core.manifests[v]
+        self.pushes[(p.conn, v, i)] = region
+        self.core._out.append(ev.SendChunk(p.conn, v, i, m.chunk_length(i)))
+
+    def schedule(self) -> None:
+        if not self.versions:
+            return
+        if self.mode == "direct":
+            self._schedule_direct()
+        elif self.mode == "regions":
+            self._schedule_regions()
+
+    def _schedule_direct(self) -> None:
+        core, slots = self.core, self.cfg.upload_slots
+        while len(self.pushes) < slots and self.rr:
+            conn = self.rr.popleft()
+            self.rr_set.discard(conn)
+            p = core.peers.get(conn)
+            if p is None or p.state != READY:
+                continue
+            pushed = self.pushed.setdefault(conn, {})
+            for v in self.versions:
+                if v not in p.bits or v not in core._full:
+                    continue
+                need = core._full[v] & ~p.bits[v] & ~pushed.get(v, 0)
+                if need:
+                    i = lowest(need)
+                    pushed[v] = pushed.get(v, 0) | (1 << i)
+                    self._push(p, v, i, "")
+                    if need & (need - 1):
+                        self._rr_add(conn)
+                    break
+
+    def _schedule_regions(self) -> None:
+        core, c = self.core, self.cfg
+        now = core.now
+        for v in self.versions:
+            full = core._full.get(v)
+            if full is None:
+                continue
+            plans = self.plans[v]
+            holders: dict[str, list[Peer]] = {}
+            rbits: dict[str, int] = {}
+            union = 0
+            for r, lst in self.borders.items():
+                hs = [b for b in lst if v in b.bits]
+                holders[r] = hs
+                bits = 0
+                for b in hs:
+                    bits |= b.bits[v]
+                plan = plans.get(r)
+                if plan is None and hs:
+                    plan = plans[r] = RegionPlan()
+                if plan is not None:
+                    bits |= plan.sent | plan.infl
+                rbits[r] = bits
+                union |= bits
+            # regions furthest behind first
+            order = sorted(holders, key=lambda r: rbits[r].bit_count())
+            for r in order:
+                bs = holders[r]
+                if not bs:
+                    continue
+                plan = plans[r]
+                limit = c.border_inflight * len(bs)
+                while len(plan.inflight) < limit:
+                    missing = full & ~rbits[r]
+                    if not missing:
+                        break
+                    i = self._relay_one(v, r, bs, plan, missing, now)
+                    if i < 0:
+                        i = self._push_one(v, r, bs, plan, missing & ~union or missing)
+                    if i < 0:
+                        break
+                    rbits[r] |= 1 << i
+                    union |= 1 << i
+
+    def _target(self, bs: list[Peer], plan: RegionPlan, allowed: set[str] | None = None) -> Peer | None:
+        load: dict[int, int] = {}
+        for _s, dst, _d in plan.inflight.values():
+            load[dst] = load.get(dst, 0) + 1
+        best = None
+        for b in bs:
+            if allowed is not None and b.node_id not in allowed:
+                continue
+            if best is None or load.get(b.conn, 0) < load.get(best.conn, 0):
+                best = b
+        return best
+
+    def _relay_one(self, v: int, r: str, bs: list[Peer], plan: RegionPlan, missing: int,
+                   now: float) -> int:
+        if not self.cfg.relay:
+            return -1
+        for r2, lst in self.borders.items():
+            if r2 == r:
+                continue
+            for b in lst:
+                if b.relay_busy >= self.cfg.relay_slots or not b.links:
+                    continue
+                cand = b.bits.get(v, 0) & missing
+                if not cand:
+                    continue
+                t = self._target(bs, plan, b.links)
+                if t is None:
+                    continue
+                i = lowest(cand)
+                b.relay_busy += 1
+                plan.inflight[i] = [b.conn, t.conn, now + 2 * self.cfg.request_timeout_s]
+                plan.infl |= 1 << i
+                self.core._send(b, wire.encode(wire.RELAY, v, i, t.node_id))
+                return i
+        return -1
+
+    def _push_one(self, v: int, r: str, bs: list[Peer], plan: RegionPlan, cand: int) -> int:
+        if len(self.pushes) >= self.cfg.upload_slots:
+            return -1
+        t = self._target(bs, plan)
+        if t is None:
+            return -1
+        i = lowest(cand)
+        plan.inflight[i] = [ORIGIN_SRC, t.conn, None]
+        plan.infl |= 1 << i
+        self._push(t, v, i, r)
+        return i
