@@ -349,19 +349,22 @@ class ChunkStore:
         with self._mutex:
             if index not in self._scan(version):
                 raise ChunkError(f"chunk {index} of version {version} is not held")
-            path = self._cpath(version, index)
-            try:
-                data = path.read_bytes()
-            except OSError as exc:
-                data = b""
-                self.problems.append(f"version {version}: chunk {index} unreadable: {exc}")
-            if len(data) == m.chunk_length(index) and chunk_hash(data) == m.chunk_hashes[index]:
-                return data
-            self._have[version].discard(index)
-            with contextlib.suppress(OSError):
-                self._used -= path.stat().st_size
-                path.unlink()
-            raise ChunkError(f"chunk {index} of version {version} was corrupt on disk; dropped")
+        path = self._cpath(version, index)
+        try:  # read and hash outside the lock: uploads may run in parallel threads
+            data = path.read_bytes()
+        except OSError as exc:
+            data = b""
+            self.problems.append(f"version {version}: chunk {index} unreadable: {exc}")
+        if len(data) == m.chunk_length(index) and chunk_hash(data) == m.chunk_hashes[index]:
+            return data
+        with self._mutex:
+            have = self._have.get(version)
+            if have is not None and index in have:
+                have.discard(index)
+                with contextlib.suppress(OSError):
+                    self._used -= path.stat().st_size
+                    path.unlink()
+        raise ChunkError(f"chunk {index} of version {version} was corrupt on disk; dropped")
 
     def iter_payload(self, version: int) -> Iterator[bytes]:
         """The verified chunks of a complete version, in order."""

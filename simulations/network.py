@@ -45,18 +45,21 @@ from typing import Any
 from simulations.engine import Engine
 
 INF = float("inf")
+EXACT_FLOWS = 64  # resources with at most this many flows are re-rated exactly on every change
+TOLERANCE = 0.005  # crowded resources: re-rate their flows when the share moved by more
 
 
 class Resource:
     """A capacity (bytes/s) shared equally by the flows crossing it."""
 
-    __slots__ = ("bytes", "cap", "flows", "name")
+    __slots__ = ("bytes", "cap", "flows", "name", "rated")
 
     def __init__(self, name: str, cap: float) -> None:
         self.name = name
         self.cap = cap
         self.flows: dict[Flow, None] = {}  # insertion-ordered set: deterministic iteration
         self.bytes = 0.0  # bytes carried by completed flows
+        self.rated = cap  # the share its flows were last rated at
 
     def share(self) -> float:
         n = len(self.flows)
@@ -123,7 +126,7 @@ class FlowNet:
         for r in resources:
             r.flows[flow] = None
         self.active += 1
-        self._reshare(resources, now)
+        self._reshare(resources, now, flow)
         return flow
 
     def cancel(self, flow: Flow) -> None:
@@ -135,6 +138,7 @@ class FlowNet:
     def set_capacity(self, resource: Resource, cap: float) -> None:
         """Change a capacity mid-run (slow-node faults) and re-rate its flows."""
         resource.cap = cap
+        resource.rated = -1.0  # force an exact re-rate of every flow on it
         self._reshare((resource,), self.engine.now)
 
     def progress(self, flow: Flow) -> float:
@@ -151,14 +155,26 @@ class FlowNet:
         self.active -= 1
         self._reshare(flow.resources, self.engine.now)
 
-    def _reshare(self, resources: tuple[Resource, ...], now: float) -> None:
-        if len(resources) == 1:
-            touched: Any = resources[0].flows
-        else:
-            touched = {}
-            for r in resources:
+    def _reshare(self, resources: tuple[Resource, ...], now: float, new: Flow | None = None) -> None:
+        """Re-rate the flows whose share may have changed.
+
+        A resource with few flows re-rates all of them (exact). A crowded one
+        (more than ``EXACT_FLOWS``) re-rates them only once its share has moved
+        more than ``TOLERANCE`` since it last did; in between, its flows keep
+        their rate (error < TOLERANCE) and only a newly started flow is rated.
+        This bounds the cost of a change on, say, an inter-region link carrying
+        thousands of flows to O(1/TOLERANCE) amortised instead of O(flows).
+        """
+        touched: dict[Flow, None] = {}
+        for r in resources:
+            n = len(r.flows)
+            share = r.cap / n if n else r.cap
+            if n <= EXACT_FLOWS or abs(share - r.rated) > TOLERANCE * r.rated:
+                r.rated = share
                 touched.update(r.flows)
-        for f in list(touched):
+        if new is not None:
+            touched[new] = None
+        for f in touched:
             self._rerate(f, now)
 
     def _rerate(self, f: Flow, now: float) -> None:

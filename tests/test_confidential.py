@@ -143,6 +143,7 @@ def test_encryption_field_validation():
         {**good, "plaintext_length": -1},
         {**good, "recipients": []},
         {**good, "recipients": [good["recipients"][0]] * 2},
+        {**good, "recipients": list(reversed(good["recipients"]))},
         {**good, "recipients": [{"id": "zz", "wrapped": b"\x00" * 48}]},
         {**good, "recipients": [{"id": "0" * 32, "wrapped": b"\x00" * 47}]},
         {**good, "extra": 1},

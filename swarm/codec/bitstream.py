@@ -39,9 +39,10 @@ class BitWriter:
         """Each value as ``width`` bits (0 <= width <= 64); values must fit."""
         if width == 0 or values.size == 0:
             return
-        v = values.astype(np.uint64, copy=False)
-        shifts = np.arange(width - 1, -1, -1, dtype=np.uint64)
-        self.parts.append(((v[:, None] >> shifts) & np.uint64(1)).astype(np.uint8).ravel())
+        word = 8 if width <= 8 else 16 if width <= 16 else 32 if width <= 32 else 64
+        v = values.astype(f">u{word // 8}")
+        bits = np.unpackbits(v.view(np.uint8).reshape(-1, word // 8), axis=1)
+        self.parts.append(bits[:, word - width:].ravel())
 
     def varbits(self, values: np.ndarray, lengths: np.ndarray) -> None:
         """Value i as ``lengths[i]`` bits (MSB first), all concatenated."""

@@ -527,7 +527,7 @@ class NodeCore:
                 self._send(p, wire.encode(wire.LINKS, sorted(links)[: wire.MAX_PEERS]))
 
     # ================================================================ versions
-    def _accept(self, m: Any, raw: bytes, *, persist: bool) -> None:
+    def _accept(self, m: Any, raw: bytes, *, persist: bool, have_all: bool = False) -> None:
         v = m.version
         self.manifests[v] = m
         self.raw[v] = raw
@@ -535,6 +535,8 @@ class NodeCore:
         n = m.chunk_count
         self._full[v] = (1 << n) - 1
         self._have.setdefault(v, 0)
+        if have_all:
+            self._have[v] = self._full[v]
         self._inflight.setdefault(v, 0)
         self._ann[v] = wire.encode(wire.ANNOUNCE, raw)
         if persist:
@@ -545,13 +547,14 @@ class NodeCore:
         for p in self.peers.values():
             if p.state != hs.READY:
                 continue
-            if v in p.bits:
+            if v not in p.bits:
+                self._send(p, self._ann[v])
+            else:
                 p.bits[v] &= full
+            if v in p.bits or self._have[v]:
                 if bf is None:
                     bf = self._bitfield(v)
                 self._send(p, bf)
-            else:
-                self._send(p, self._ann[v])
         self._replan()
 
     def _replan(self) -> None:
@@ -647,16 +650,10 @@ class NodeCore:
             return
         if m.version in self.manifests:
             return
-        self._accept(m, e.manifest, persist=False)
-        self._have[m.version] = self._full[m.version]
+        # the origin holds what it publishes: it is active at once, nothing to apply
         if self.active_version is None or m.version > self.active_version:
             self.active_version = m.version
-        self._avail.pop(m.version, None)
-        self.wanted = [v for v in self.wanted if v != m.version]
-        # announce what we now hold to peers that already know the version
-        for p in self.peers.values():
-            if p.state == hs.READY and m.version in p.bits:
-                self._send(p, self._bitfield(m.version))
+        self._accept(m, e.manifest, persist=False, have_all=True)
         if self.seeder is not None:
             self.seeder.on_publish(m.version)
 

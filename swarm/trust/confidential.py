@@ -208,6 +208,11 @@ def validate_encryption(enc: Any, m: Manifest) -> None:
     if not isinstance(recips, list) or not 1 <= len(recips) <= MAX_RECIPIENTS:
         raise ManifestError(f"encryption.recipients must list 1..{MAX_RECIPIENTS} entries")
     seen: set[str] = set()
+    if not all(isinstance(r, dict) for r in recips):
+        raise ManifestError("each encryption recipient must be a map")
+    ids = [r.get("id") for r in recips]
+    if not all(type(i) is str for i in ids) or ids != sorted(ids):
+        raise ManifestError("encryption recipients must be sorted by id")
     for r in recips:
         if not isinstance(r, dict) or set(r) != {"id", "wrapped"}:
             raise ManifestError("each encryption recipient has exactly id and wrapped")

@@ -1,0 +1,155 @@
+"""Assemble and run one node: trust, store, weights, protocol core, driver, API.
+
+Start-up order matters for crash recovery: the store is opened (it re-verifies
+manifests and drops torn chunk files), the weights are rebuilt to the active
+version the store recorded (base checkpoint + the stored chain of patches,
+checked against the recorded digest), the core starts at that version, and
+then learns every chunk already held (``LocalChunks``), so a restarted node
+fetches only what it lacks. SIGTERM (or SIGINT) drains and exits cleanly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import signal
+from dataclasses import dataclass
+
+from node.api import add_routes
+from node.config import NodeConfig
+from node.driver import Driver, Faults
+from node.store import ChunkStore
+from node.weights import InProcessWeights
+from swarm.errors import ConfigError, PatchswarmError
+from swarm.protocol.core import NodeCore
+from swarm.trust.keys import TrustStore
+from swarm.trust.manifest import verify_manifest
+
+log = logging.getLogger("patchswarm.node")
+
+
+def faults_from_env() -> Faults:
+    """Test-only fault injection: ``PATCHSWARM_FAULTS=corrupt_chunks``."""
+    names = {n.strip() for n in os.environ.get("PATCHSWARM_FAULTS", "").split(",") if n.strip()}
+    unknown = names - {"corrupt_chunks"}
+    if unknown:
+        raise ConfigError(f"PATCHSWARM_FAULTS: unknown fault(s) {sorted(unknown)}")
+    return Faults(corrupt_chunks="corrupt_chunks" in names)
+
+
+def open_trust(cfg: NodeConfig) -> TrustStore:
+    return TrustStore.from_files(cfg.trainer_keys)
+
+
+def restore_weights(cfg: NodeConfig, store: ChunkStore) -> InProcessWeights:
+    """Load the base and replay the stored patches up to the recorded active version."""
+    assert cfg.base is not None
+    engine = InProcessWeights.load(cfg.base, cfg.base_version, cfg.device)
+    rec = store.active()
+    if rec is None or rec.version <= cfg.base_version:
+        return engine
+    try:
+        for v in range(cfg.base_version + 1, rec.version + 1):
+            m = store.manifest(v)
+            engine.stage(v, m.kind, store.payload(v), m.parent_digest)
+            engine.commit(v, m.target_digest)
+        if engine.digest != rec.digest:
+            raise PatchswarmError("rebuilt state does not match the recorded digest")
+    except PatchswarmError as exc:
+        log.warning("cannot rebuild active version %d from the store (%s); starting from the base",
+                    rec.version, exc)
+        engine = InProcessWeights.load(cfg.base, cfg.base_version, cfg.device)
+    return engine
+
+
+@dataclass
+class Node:
+    cfg: NodeConfig
+    store: ChunkStore
+    engine: InProcessWeights | None
+    core: NodeCore
+    driver: Driver
+
+
+def build_node(cfg: NodeConfig, *, engine: InProcessWeights | None = None,
+               trust: TrustStore | None = None, faults: Faults | None = None,
+               loop_now: float = 0.0) -> Node:
+    """Everything but the sockets; ``engine=None`` for a node loads it from config."""
+    if trust is None:
+        trust = open_trust(cfg)
+    store = ChunkStore(cfg.store_dir, cfg.quota_bytes, trust=trust, fsync=cfg.fsync)
+    try:
+        for problem in store.problems:
+            log.warning("store: %s", problem)
+        if engine is None and cfg.role == "node":
+            engine = restore_weights(cfg, store)
+        active = engine.version if engine is not None else None
+        if cfg.role == "origin":
+            rec = store.active()
+            active = rec.version if rec is not None else cfg.base_version
+        core = NodeCore(cfg.core_config(active_version=active),
+                        verify_manifest=lambda raw: verify_manifest(raw, trust),
+                        rng=random.Random(), now=loop_now)
+    except BaseException:
+        store.close()
+        raise
+    host, port = cfg.listen_host, cfg.listen_port
+    driver = Driver(core, store, trust, engine=engine, host=host, port=port,
+                    faults=faults if faults is not None else faults_from_env(),
+                    keep_versions=cfg.keep_versions)
+    add_routes(driver.app, driver, cfg.model)
+    return Node(cfg, store, engine, core, driver)
+
+
+async def serve(node: Node, stop: asyncio.Event, ready: asyncio.Event | None = None) -> None:
+    """Run ``node`` until ``stop`` is set, then drain."""
+    try:
+        await node.driver.start()
+    except OSError as exc:
+        raise ConfigError(f"network.listen: cannot listen on {node.cfg.listen_host}:"
+                          f"{node.cfg.listen_port}: {exc.strerror or exc}") from None
+    node.driver.resume_from_store()
+    log.info("node %s (%s, region %s) listening on %s:%d, active version %s",
+             node.cfg.node_id, node.cfg.role, node.cfg.region, node.cfg.listen_host,
+             node.cfg.listen_port, node.core.active_version)
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+    log.info("draining")
+    await node.driver.stop()
+    node.store.close()
+    if node.engine is not None:
+        node.engine.close()
+
+
+def install_uvloop() -> bool:
+    try:
+        import uvloop
+    except ImportError:
+        return False
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    return True
+
+
+def run_node(cfg: NodeConfig) -> int:
+    """Blocking entry point of ``patchswarm node``."""
+    logging.basicConfig(level=cfg.log_level.upper(),
+                        format=f"%(asctime)s {cfg.node_id} %(levelname)s %(message)s")
+    import torch
+
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    uv = install_uvloop()
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        node = build_node(cfg, loop_now=loop.time())
+        log.info("event loop: %s", "uvloop" if uv else "asyncio")
+        await serve(node, stop)
+
+    asyncio.run(main())
+    return 0

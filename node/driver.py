@@ -1,0 +1,436 @@
+"""The real driver: runs a ``NodeCore`` over aiohttp websockets, real timers and disk.
+
+One aiohttp application serves the peer protocol (websocket at ``/swarm``)
+and the HTTP API on the same port. Every websocket message is binary: a
+control frame (msgpack, fed to the core as ``FrameReceived``) or a chunk
+(``PSC1`` header + payload, see ``swarm.protocol.wire``). The driver owns
+everything the core may not touch:
+
+- chunk payloads: on ``SendChunk`` it reads the chunk from the ``ChunkStore``
+  (which re-hashes it) and sends it; on receipt it checks the chunk against the
+  manifest hash, stores it durably, and only then reports
+  ``ChunkReceived(valid=True)``;
+- time: ``loop.time()`` (monotonic) is the core's ``now``; one timer, re-armed
+  after every event from ``core.next_wakeup()``;
+- the apply pipeline: ``ApplyVersion`` -> stage + commit on the engine in a
+  worker thread -> record the active version in the store -> ``Applied``.
+
+All core calls happen on the event-loop thread; other threads (a training
+loop using ``Publisher``) go through ``call`` / ``feed_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from swarm.errors import ChunkError, PatchswarmError, ProtocolError, StoreError
+from swarm.protocol import events as ev
+from swarm.protocol import wire
+from swarm.trust.chunks import verify_chunk
+from swarm.trust.manifest import verify_manifest
+
+log = logging.getLogger("patchswarm.node")
+
+SWARM_PATH = "/swarm"
+MAX_WS_MESSAGE = wire.CHUNK_HEADER_LEN + wire.MAX_CHUNK_BYTES
+SEND_QUEUE_LIMIT = 4096  # frames queued per peer before it is dropped as too slow
+CONNECT_TIMEOUT_S = 5.0
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+           "error": logging.ERROR}
+
+
+@dataclass
+class Faults:
+    """Deliberate misbehaviour, for tests of the swarm's defences only."""
+
+    corrupt_chunks: bool = False  # flip a byte in every chunk this node sends
+
+
+@dataclass
+class Conn:
+    """One websocket to a peer, with its ordered send queue."""
+
+    id: int
+    ws: web.WebSocketResponse | aiohttp.ClientWebSocketResponse
+    outbound: bool
+    addr: str
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    writer: asyncio.Task | None = None
+    closing: bool = False
+
+
+class Driver:
+    """Carry out a core's actions over real sockets; see the module docstring."""
+
+    def __init__(self, core: Any, store: Any, trust: Any, *, engine: Any = None,
+                 host: str, port: int, faults: Faults | None = None,
+                 keep_versions: int = 0) -> None:
+        self.core = core
+        self.store = store
+        self.trust = trust
+        self.engine = engine
+        self.host, self.port = host, port
+        self.faults = faults or Faults()
+        self.keep_versions = keep_versions
+        self.conns: dict[int, Conn] = {}
+        self._ids = itertools.count(1)
+        self._timer: asyncio.TimerHandle | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._apply_task: asyncio.Task | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.session: aiohttp.ClientSession | None = None
+        self.runner: web.AppRunner | None = None
+        self.draining = False
+        self.started_at = time.time()
+        self.sent_to_region: dict[int, dict[str, set[int]]] = {}  # origin: v -> region -> chunks
+        self.wire_bytes = {"sent": 0, "received": 0}
+        self.apply_seconds: dict[int, float] = {}
+        self.activated_at: dict[int, float] = {}
+        self.listeners: list[Callable[[ev.Action], None]] = []
+        self.app = web.Application(client_max_size=1024 * 1024)
+        self.app.router.add_get(SWARM_PATH, self._accept_ws)
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Listen, dial the bootstrap peers and arm the timer."""
+        self.loop = asyncio.get_running_loop()
+        self.session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S))
+        self.runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, self.host, self.port, reuse_address=True)
+        await site.start()
+        self._run(self.core.start(self.now()))
+
+    def resume_from_store(self) -> None:
+        """Tell the core what the store already holds (``LocalChunks``), after a restart."""
+        for raw, m in self.store.manifests():
+            have = tuple(sorted(self.store.have(m.version)))
+            self.feed(ev.LocalChunks(self.now(), raw, have))
+
+    async def stop(self, drain_s: float = 5.0) -> None:
+        """Drain: refuse new peers, let an apply and queued sends finish, then close."""
+        self.draining = True
+        deadline = time.monotonic() + drain_s
+        if self._apply_task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(self._apply_task), drain_s)
+        while any(not c.queue.empty() for c in self.conns.values()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self._timer is not None:
+            self._timer.cancel()
+        for c in list(self.conns.values()):
+            c.closing = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(c.ws.close(code=aiohttp.WSCloseCode.GOING_AWAY,
+                                                  message=b"shutting down"), 1.0)
+        for t in list(self._tasks):
+            t.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=2.0)
+        if self.session is not None:
+            await self.session.close()
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    def now(self) -> float:
+        assert self.loop is not None
+        return self.loop.time()
+
+    # --------------------------------------------------------------- events
+
+    def feed(self, event: ev.Event) -> None:
+        """Hand one event to the core and carry out its actions (loop thread only)."""
+        self._run(self.core.handle(event))
+
+    def feed_threadsafe(self, make: Callable[[float], ev.Event]) -> None:
+        """From another thread: ``make(now)`` builds the event on the loop thread."""
+        assert self.loop is not None
+        self.loop.call_soon_threadsafe(lambda: self.feed(make(self.now())))
+
+    def call(self, fn: Callable[[], Any], timeout: float = 30.0) -> Any:
+        """Run ``fn`` on the loop thread and return its result (from another thread)."""
+        assert self.loop is not None
+
+        async def wrapper() -> Any:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(wrapper(), self.loop).result(timeout)
+
+    def _spawn(self, coro: Any) -> asyncio.Task:
+        t = asyncio.ensure_future(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return t
+
+    def _run(self, actions: list[ev.Action]) -> None:
+        for a in actions:
+            try:
+                self._do(a)
+            except Exception:  # one failed action must not stop the rest
+                log.exception("action %s failed", type(a).__name__)
+            for fn in self.listeners:
+                fn(a)
+        self._arm_timer()
+
+    def _arm_timer(self) -> None:
+        if self.loop is None:
+            return
+        t = self.core.next_wakeup()
+        if self._timer is not None:
+            if t is not None and abs(self._timer.when() - t) < 1e-4:
+                return
+            self._timer.cancel()
+            self._timer = None
+        if t is None or self.draining:
+            return
+        t = max(t, self.now() + 0.001)
+        self._timer = self.loop.call_at(t, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self.feed(ev.Tick(self.now()))
+
+    # -------------------------------------------------------------- actions
+
+    def _do(self, a: ev.Action) -> None:
+        if isinstance(a, ev.SendFrame):
+            c = self.conns.get(a.conn)
+            if c is not None:
+                self._enqueue(c, ("frame", a.frame))
+        elif isinstance(a, ev.SendChunk):
+            c = self.conns.get(a.conn)
+            if c is None:
+                self.feed(ev.ChunkSent(self.now(), a.conn, a.version, a.index))
+            else:
+                self._enqueue(c, ("chunk", a.version, a.index))
+        elif isinstance(a, ev.Connect):
+            self._spawn(self._dial(a.addr))
+        elif isinstance(a, ev.Close):
+            c = self.conns.pop(a.conn, None)
+            if c is not None:
+                c.closing = True
+                self._spawn(self._close_ws(c, a.reason))
+        elif isinstance(a, ev.AcceptManifest):
+            self._persist_manifest(a.version, a.raw)
+        elif isinstance(a, ev.ApplyVersion):
+            self._apply_task = self._spawn(self._apply(a.version))
+        elif isinstance(a, ev.Log):
+            level = _LEVELS.get(a.level, logging.INFO)
+            if log.isEnabledFor(level):
+                fields = " ".join(f"{k}={v}" for k, v in a.fields.items())
+                log.log(level, "%s %s", a.event, fields)
+        else:
+            log.warning("unknown action %s", type(a).__name__)
+
+    def _enqueue(self, c: Conn, item: tuple) -> None:
+        if c.queue.qsize() >= SEND_QUEUE_LIMIT:
+            log.warning("peer %s: send queue full, dropping it", c.addr)
+            self.conns.pop(c.id, None)
+            c.closing = True
+            self._spawn(self._close_ws(c, "send queue full"))
+            self.feed(ev.PeerDisconnected(self.now(), c.id, "send queue full"))
+            return
+        c.queue.put_nowait(item)
+
+    def _persist_manifest(self, version: int, raw: bytes) -> None:
+        try:
+            m = verify_manifest(raw, self.trust)
+            self.store.put_manifest(raw, m)
+        except PatchswarmError as exc:
+            log.error("cannot persist manifest of version %d: %s", version, exc)
+
+    # ---------------------------------------------------------- connections
+
+    def _register(self, ws: Any, outbound: bool, addr: str) -> Conn:
+        c = Conn(next(self._ids), ws, outbound, addr)
+        self.conns[c.id] = c
+        c.writer = self._spawn(self._writer(c))
+        self.feed(ev.PeerConnected(self.now(), c.id, outbound, addr))
+        return c
+
+    async def _accept_ws(self, request: web.Request) -> web.StreamResponse:
+        if self.draining:
+            raise web.HTTPServiceUnavailable(text="draining")
+        ws = web.WebSocketResponse(max_msg_size=MAX_WS_MESSAGE, autoping=True, compress=False)
+        await ws.prepare(request)
+        peer = request.transport.get_extra_info("peername") if request.transport else None
+        addr = f"{peer[0]}:{peer[1]}" if peer else "?"
+        c = self._register(ws, False, addr)
+        await self._reader(c)
+        return ws
+
+    async def _dial(self, addr: str) -> None:
+        assert self.session is not None
+        try:
+            ws = await self.session.ws_connect(
+                f"http://{addr}{SWARM_PATH}", max_msg_size=MAX_WS_MESSAGE, autoping=True,
+                timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=2.0))
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
+            if not self.draining:
+                self.feed(ev.ConnectFailed(self.now(), addr, f"{type(exc).__name__}: {exc}"[:200]))
+            return
+        if self.draining:
+            await ws.close()
+            return
+        c = self._register(ws, True, addr)
+        await self._reader(c)
+
+    async def _reader(self, c: Conn) -> None:
+        reason = "closed by peer"
+        try:
+            async for msg in c.ws:
+                if msg.type != aiohttp.WSMsgType.BINARY:
+                    if msg.type == aiohttp.WSMsgType.ERROR:
+                        reason = f"websocket error: {c.ws.exception()}"
+                        break
+                    reason = "non-binary message"
+                    break
+                data: bytes = msg.data
+                self.wire_bytes["received"] += len(data)
+                if c.id not in self.conns:
+                    break
+                if wire.is_chunk_message(data):
+                    await self._on_chunk(c, data)
+                else:
+                    self.feed(ev.FrameReceived(self.now(), c.id, data))
+        except (TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+        finally:
+            if self.conns.pop(c.id, None) is not None:
+                self.feed(ev.PeerDisconnected(self.now(), c.id, reason[:200]))
+            c.closing = True
+            if c.writer is not None:
+                c.writer.cancel()
+            with contextlib.suppress(Exception):
+                await c.ws.close()
+
+    async def _close_ws(self, c: Conn, reason: str) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(c.ws.close(code=aiohttp.WSCloseCode.POLICY_VIOLATION,
+                                              message=reason[:120].encode()), 2.0)
+        if c.writer is not None:
+            c.writer.cancel()
+
+    async def _writer(self, c: Conn) -> None:
+        while not c.closing:
+            item = await c.queue.get()
+            if item[0] == "frame":
+                data = item[1]
+            else:
+                _, v, i = item
+                data = await self._chunk_bytes(v, i)
+                if data is None:
+                    self.feed(ev.ChunkSent(self.now(), c.id, v, i))
+                    continue
+            try:
+                await c.ws.send_bytes(data)
+            except (ConnectionError, RuntimeError, aiohttp.ClientError):
+                return  # the reader notices the closed socket and reports it
+            self.wire_bytes["sent"] += len(data)
+            if item[0] == "chunk":
+                self._note_sent(c, item[1], item[2])
+                self.feed(ev.ChunkSent(self.now(), c.id, item[1], item[2]))
+
+    async def _chunk_bytes(self, v: int, i: int) -> bytes | None:
+        try:
+            payload = await asyncio.to_thread(self.store.read_chunk, v, i)
+        except (ChunkError, StoreError) as exc:
+            log.warning("cannot send chunk %d of version %d: %s", i, v, exc)
+            return None
+        if self.faults.corrupt_chunks and payload:
+            payload = bytes([payload[0] ^ 0xFF]) + payload[1:]
+        return wire.pack_chunk(v, i, payload)
+
+    def _note_sent(self, c: Conn, v: int, i: int) -> None:
+        peer = self.core.peers.get(c.id)
+        if peer is not None and peer.region:
+            self.sent_to_region.setdefault(v, {}).setdefault(peer.region, set()).add(i)
+
+    # --------------------------------------------------------------- chunks
+
+    async def _on_chunk(self, c: Conn, data: bytes) -> None:
+        try:
+            v, i, payload = wire.unpack_chunk(data)
+        except ProtocolError as exc:
+            log.warning("peer %s: %s", c.addr, exc)
+            self.conns.pop(c.id, None)
+            c.closing = True
+            self.feed(ev.PeerDisconnected(self.now(), c.id, str(exc)))
+            await self._close_ws(c, str(exc))
+            return
+        valid = await asyncio.to_thread(self._check_and_store, v, i, payload)
+        if c.id in self.conns or valid:
+            self.feed(ev.ChunkReceived(self.now(), c.id, v, i, valid))
+
+    def _check_and_store(self, v: int, i: int, payload: memoryview) -> bool:
+        """Hash the chunk against its manifest and keep it durably; False if it is bad."""
+        try:
+            m = self.store.manifest(v)
+            verify_chunk(m, i, payload)
+            self.store.put_chunk(v, i, payload)
+            return True
+        except (ChunkError, StoreError) as exc:
+            log.warning("chunk %d of version %d refused: %s", i, v, exc)
+            return False
+
+    # ---------------------------------------------------------------- apply
+
+    async def _apply(self, version: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            if self.engine is None:
+                raise StoreError("this node has no engine to apply versions to")
+            digest = await asyncio.to_thread(self._apply_sync, version)
+        except (PatchswarmError, OSError, RuntimeError, ValueError) as exc:
+            log.error("apply of version %d failed: %s", version, exc)
+            self.feed(ev.Applied(self.now(), version, False, str(exc)[:200]))
+            return
+        self.apply_seconds[version] = time.perf_counter() - t0
+        self.activated_at[version] = time.time()
+        log.info("version %d active (digest %s, %.3f s)", version, digest.hex()[:16],
+                 self.apply_seconds[version])
+        self.feed(ev.Applied(self.now(), version, True))
+
+    def _apply_sync(self, version: int) -> bytes:
+        m = self.store.manifest(version)
+        payload = self.store.payload(version)
+        self.engine.stage(version, m.kind, payload, m.parent_digest)
+        digest = self.engine.commit(version, m.target_digest)
+        self.store.set_active(version, digest)
+        if self.keep_versions:
+            self.store.gc(self.keep_versions)
+        return digest
+
+    # --------------------------------------------------------------- status
+
+    def region_progress(self, version: int) -> dict[str, int]:
+        """Origin's view: chunks of ``version`` that reached each region (loop thread)."""
+        out: dict[str, int] = {}
+        union: dict[str, int] = {}
+        for p in self.core.peers.values():
+            if p.region and p.region != self.core.cfg.region:
+                union[p.region] = union.get(p.region, 0) | p.bits.get(version, 0)
+        seeder = getattr(self.core, "seeder", None)
+        plans = getattr(seeder, "plans", {}).get(version, {}) if seeder is not None else {}
+        for region, plan in plans.items():
+            union[region] = union.get(region, 0) | getattr(plan, "sent", 0)
+        for region, sent in self.sent_to_region.get(version, {}).items():
+            bits = union.get(region, 0)
+            for i in sent:
+                bits |= 1 << i
+            union[region] = bits
+        for region, bits in union.items():
+            out[region] = bits.bit_count()
+        return out

@@ -1,0 +1,203 @@
+"""In-memory wiring for protocol tests: many ``NodeCore``s, one virtual clock.
+
+A deliberately simple driver (the real simulator lives in ``simulations/``):
+frames arrive ``latency`` later, FIFO per direction; a chunk takes
+``size / rate`` seconds to leave its sender (every upload at full rate, no
+sharing) and arrives ``latency`` after that. Chunk verdicts come from a
+per-node ``corrupt`` predicate, so tests can make a node lie. Manifests are
+real Ed25519-signed ones from ``swarm.trust``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from swarm.protocol import events as ev
+from swarm.protocol.config import CoreConfig
+from swarm.protocol.core import NodeCore
+from swarm.trust.keys import TrustStore, key_id
+from swarm.trust.manifest import Manifest, sign_manifest, verify_manifest
+
+MODEL = "test/model"
+SECRET = b"test-secret"
+
+
+class Signer:
+    """A trainer key and the manifests it signs (chunk hashes stand in for payloads)."""
+
+    def __init__(self, seed: int = 1) -> None:
+        self.key = Ed25519PrivateKey.from_private_bytes(random.Random(seed).randbytes(32))
+        self.kid = key_id(self.key)
+        self.trust = TrustStore([self.key.public_key()])
+
+    def verify(self, raw: bytes) -> Manifest:
+        return verify_manifest(raw, self.trust)
+
+    def manifest(self, version: int, chunks: int, *, kind: str = "patch", chunk_size: int = 1000,
+                 key: Ed25519PrivateKey | None = None, model: str = MODEL) -> bytes:
+        r = random.Random(version)
+        parent = version - 1 if kind == "patch" else None
+        m = Manifest(
+            model=model, version=version, kind=kind, parent_version=parent,
+            parent_digest=r.randbytes(32) if parent else None, target_digest=r.randbytes(32),
+            payload_length=chunks * chunk_size, chunk_size=chunk_size,
+            chunk_hashes=tuple(r.randbytes(32) for _ in range(chunks)), created_at=float(version),
+            key_id=self.kid if key is None else key_id(key),
+        )
+        return sign_manifest(m, key or self.key)
+
+
+@dataclass
+class Host:
+    core: NodeCore
+    addr: str
+    region: str
+    alive: bool = True
+    conns: dict[int, tuple[Host, int]] = field(default_factory=dict)  # my conn -> (peer host, its conn)
+    applied: list[int] = field(default_factory=list)
+    corrupt: Callable[[int, int], bool] = lambda v, i: False  # chunks this host sends corrupt
+    tick_at: float = float("inf")
+    apply_ok: bool = True
+
+
+class Net:
+    """Hosts by address, an event heap and a virtual clock."""
+
+    def __init__(self, signer: Signer, *, latency: float = 0.005, rate: float = 1e6, seed: int = 0) -> None:
+        self.signer = signer
+        self.latency = latency
+        self.rate = rate
+        self.now = 0.0
+        self.rng = random.Random(seed)
+        self.hosts: dict[str, Host] = {}
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._cid = itertools.count(1)
+        self.events = 0
+        self.logs: list[tuple[str, ev.Log]] = []
+        self.sent_chunks: list[tuple[str, str, int, int]] = []  # (from id, to id, v, i)
+
+    # ---- building
+    def add(self, node_id: str, region: str, *, role: str = "node", bootstrap: tuple[str, ...] = (),
+            secret: bytes = SECRET, **knobs: Any) -> Host:
+        addr = f"{node_id}:1"
+        cfg = CoreConfig(node_id=node_id, region=region, model=MODEL, listen_addr=addr, role=role,
+                         bootstrap=bootstrap, swarm_secret=secret, **knobs)
+        core = NodeCore(cfg, verify_manifest=self.signer.verify, rng=random.Random(f"{node_id}"),
+                        now=self.now)
+        core.raise_internal_errors = True
+        h = Host(core, addr, region)
+        self.hosts[addr] = h
+        return h
+
+    def start(self, h: Host) -> None:
+        h.alive = True
+        self._run(h, h.core.start(self.now))
+
+    def host(self, node_id: str) -> Host:
+        return self.hosts[f"{node_id}:1"]
+
+    # ---- scheduling
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), fn))
+
+    def deliver(self, h: Host, event: ev.Event) -> None:
+        if h.alive:
+            self._run(h, h.core.handle(event))
+
+    def _run(self, h: Host, actions: list[ev.Action]) -> None:
+        for a in actions:
+            self._do(h, a)
+        w = h.core.next_wakeup()
+        if w is not None and w < h.tick_at:
+            h.tick_at = max(w, self.now)
+            t = h.tick_at
+
+            def fire(h: Host = h, t: float = t) -> None:
+                if h.tick_at == t:
+                    h.tick_at = float("inf")
+                    self.deliver(h, ev.Tick(self.now))
+
+            self.at(t, fire)
+
+    def _do(self, h: Host, a: ev.Action) -> None:
+        now, lat = self.now, self.latency
+        if isinstance(a, ev.Log):
+            self.logs.append((h.core.cfg.node_id, a))
+        elif isinstance(a, ev.SendFrame):
+            link = h.conns.get(a.conn)
+            if link is not None:
+                peer, pc = link
+                self.at(now + lat, lambda: peer.conns.get(pc) and self.deliver(peer, ev.FrameReceived(self.now, pc, a.frame)))
+        elif isinstance(a, ev.SendChunk):
+            link = h.conns.get(a.conn)
+            if link is None:
+                return
+            peer, pc = link
+            done = now + a.size / self.rate
+            bad = h.corrupt(a.version, a.index)
+            self.sent_chunks.append((h.core.cfg.node_id, peer.core.cfg.node_id, a.version, a.index))
+            self.at(done, lambda: h.conns.get(a.conn) and self.deliver(h, ev.ChunkSent(self.now, a.conn, a.version, a.index)))
+            self.at(done + lat, lambda: peer.conns.get(pc) and self.deliver(
+                peer, ev.ChunkReceived(self.now, pc, a.version, a.index, not bad)))
+        elif isinstance(a, ev.Connect):
+            target = self.hosts.get(a.addr)
+            if target is None or not target.alive:
+                self.at(now + 2 * lat, lambda: self.deliver(h, ev.ConnectFailed(self.now, a.addr, "refused")))
+                return
+            c1, c2 = next(self._cid), next(self._cid)
+            h.conns[c1] = (target, c2)
+            target.conns[c2] = (h, c1)
+            # both ends learn of the connection before any frame can arrive on it
+            self.at(now + lat, lambda: self.deliver(h, ev.PeerConnected(self.now, c1, True, a.addr)))
+            self.at(now + lat, lambda: self.deliver(target, ev.PeerConnected(self.now, c2, False, h.addr)))
+        elif isinstance(a, ev.Close):
+            link = h.conns.pop(a.conn, None)
+            if link is not None:
+                peer, pc = link
+
+                def gone() -> None:
+                    if peer.conns.pop(pc, None) is not None:
+                        self.deliver(peer, ev.PeerDisconnected(self.now, pc, "closed by peer"))
+
+                self.at(now + lat, gone)
+        elif isinstance(a, ev.ApplyVersion):
+            ok = h.apply_ok
+            self.at(now + 0.01, lambda: (h.applied.append(a.version) if ok else None,
+                                         self.deliver(h, ev.Applied(self.now, a.version, ok)))[-1])
+
+    def kill(self, h: Host) -> None:
+        """The host vanishes: its peers see their connections drop."""
+        h.alive = False
+        for _c, (peer, pc) in list(h.conns.items()):
+            if peer.conns.pop(pc, None) is not None:
+                self.at(self.now + self.latency,
+                        lambda peer=peer, pc=pc: self.deliver(peer, ev.PeerDisconnected(self.now, pc, "reset")))
+        h.conns.clear()
+
+    def run(self, until: float, stop: Callable[[], bool] | None = None, max_events: int = 5_000_000) -> None:
+        while self._heap and self.events < max_events:
+            t, _s, fn = self._heap[0]
+            if t > until:
+                break
+            heapq.heappop(self._heap)
+            self.now = t
+            self.events += 1
+            fn()
+            if stop is not None and self.events % 64 == 0 and stop():
+                return
+        self.now = max(self.now, min(until, self.now if self._heap else until))
+
+    def nodes(self) -> list[Host]:
+        return [h for h in self.hosts.values() if h.core.cfg.role == "node"]
+
+
+def region_of(node_id: str, net: Net) -> str:
+    return net.host(node_id).region

@@ -1,0 +1,252 @@
+"""NodeCore sessions wired together in memory (tests/protocol_net.py)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from protocol_net import Host, Net, Signer
+
+from swarm.protocol import events as ev
+from swarm.protocol import wire
+from swarm.protocol.handshake import READY
+from swarm.protocol.peer import ORIGIN
+
+
+def fleet(regions: int, per: int, *, seed: int = 0, start: bool = True, **knobs) -> tuple[Signer, Net, Host, list[Host]]:
+    """An origin plus ``regions x per`` nodes that all hold base version 1."""
+    s = Signer()
+    net = Net(s, seed=seed)
+    base = s.manifest(1, 4, kind="full")
+    o = net.add("origin", "trainer", role="origin", active_version=1, **knobs)
+    net.start(o)
+    hosts = []
+    for r in range(regions):
+        for k in range(per):
+            boot = (o.addr, *tuple(f"r{r}n{j}:1" for j in range(k))[-3:])
+            hosts.append(net.add(f"r{r}n{k}", f"reg{r}", bootstrap=boot, active_version=1, **knobs))
+    if start:
+        for h in hosts:
+            net.start(h)
+            net.deliver(h, ev.LocalChunks(net.now, base, tuple(range(4))))
+        net.run(net.now + 3.0)
+    return s, net, o, hosts
+
+
+def publish(s: Signer, net: Net, o: Host, v: int, chunks: int) -> None:
+    net.deliver(o, ev.Publish(net.now, s.manifest(v, chunks)))
+
+
+def inflow(net: Net, v: int) -> Counter:
+    """Chunks of version ``v`` that entered each region from outside."""
+    c: Counter = Counter()
+    for a, b, ver, _i in net.sent_chunks:
+        if ver == v and net.host(a).region != net.host(b).region:
+            c[net.host(b).region] += 1
+    return c
+
+
+def test_handshake_two_cores() -> None:
+    s = Signer()
+    net = Net(s)
+    a = net.add("a", "r")
+    b = net.add("b", "r", bootstrap=("a:1",))
+    net.start(a)
+    net.start(b)
+    net.run(1.0)
+    assert "b" in a.core.by_id and "a" in b.core.by_id
+    assert all(p.state == READY for p in a.core.peers.values())
+    assert a.core.peer_list()[0]["region"] == "r"
+
+
+def test_bad_hmac_is_refused() -> None:
+    s = Signer()
+    net = Net(s)
+    a = net.add("a", "r")
+    b = net.add("b", "r", bootstrap=("a:1",), secret=b"wrong")
+    net.start(a)
+    net.start(b)
+    net.run(1.0)
+    assert not a.core.by_id and not b.core.by_id
+    reasons = [log.fields.get("reason", "") for _n, log in net.logs if log.event == "peer_closed"]
+    assert any("HMAC" in r for r in reasons)
+
+
+def test_malformed_and_out_of_order_frames_close_the_peer() -> None:
+    s = Signer()
+    net = Net(s)
+    a = net.add("a", "r")
+    core = a.core
+    for k, frame in enumerate([b"\xc1garbage", wire.encode(wire.HAVE, 1, [0]),
+                               wire.encode(wire.HELLO, 1, "other-model", "x", "r", "x:1", "node", b"n" * 16)]):
+        core.handle(ev.PeerConnected(0.0, k + 1, False, "x"))
+        acts = core.handle(ev.FrameReceived(0.0, k + 1, frame))
+        assert any(isinstance(x, ev.Close) and x.conn == k + 1 for x in acts)
+        assert any(isinstance(x, ev.Log) and x.level == "warning" for x in acts)
+        assert k + 1 not in core.peers
+
+
+def test_transfer_of_a_version_with_signed_manifests() -> None:
+    s, net, o, hosts = fleet(1, 1)
+    (n,) = hosts
+    assert n.core.is_border
+    publish(s, net, o, 2, 10)
+    net.run(net.now + 20, stop=lambda: 2 in n.applied)
+    assert n.applied == [2] and n.core.active_version == 2
+    assert n.core.have(2) == set(range(10))
+    assert n.core.counters.recv_chunks[ORIGIN] == 10
+    assert o.core.counters.region_sent[("trainer", "reg0")] == 10 * 1000
+
+
+def test_fifty_peers_three_regions_each_region_takes_each_chunk_once() -> None:
+    s, net, o, hosts = fleet(3, 17)
+    publish(s, net, o, 2, 30)
+    net.run(net.now + 60, stop=lambda: all(2 in h.applied for h in hosts))
+    assert all(h.core.active_version == 2 for h in hosts)
+    assert inflow(net, 2) == {"reg0": 30, "reg1": 30, "reg2": 30}
+    # the nodes' own accounting agrees: cross-region bytes = one copy per region
+    cross = sum(n for h in hosts for (a, b), n in h.core.counters.region_recv.items() if a != b)
+    assert cross == 3 * 30 * 1000
+    # the origin did not feed every region everything itself: regions relayed
+    assert sum(o.core.counters.sent_chunks.values()) < 3 * 30
+
+
+def test_per_region_and_direct_and_flat_strategies_converge() -> None:
+    for knobs, check in (({"relay": False}, "per-region"), ({"origin_only": True}, "direct"),
+                         ({"region_aware": False}, "flat")):
+        s, net, o, hosts = fleet(2, 6, **knobs)
+        publish(s, net, o, 2, 12)
+        net.run(net.now + 60, stop=lambda hosts=hosts: all(2 in h.applied for h in hosts))
+        assert all(h.core.active_version == 2 for h in hosts), check
+        if check == "per-region":
+            assert sum(o.core.counters.sent_chunks.values()) == 2 * 12
+            assert inflow(net, 2) == {"reg0": 12, "reg1": 12}
+        if check == "direct":
+            assert sum(o.core.counters.sent_chunks.values()) == 12 * 12
+
+
+def test_corrupt_sender_is_dropped_and_chunks_come_from_elsewhere() -> None:
+    s, net, o, hosts = fleet(1, 12)
+    liar = hosts[5]
+    liar.corrupt = lambda v, i: True
+    publish(s, net, o, 2, 20)
+    honest = [h for h in hosts if h is not liar]
+    net.run(net.now + 60, stop=lambda: all(2 in h.applied for h in honest))
+    assert all(h.core.active_version == 2 for h in honest)
+    bad = sum(h.core.counters.bad_chunks for h in hosts)
+    assert bad >= 1
+    dropped = [log for _n, log in net.logs if log.event == "peer_closed" and "corrupt" in log.fields["reason"]]
+    assert dropped and all(log.fields["peer"] == liar.core.cfg.node_id for log in dropped)
+
+
+def test_forged_announcement_is_refused_and_not_forwarded() -> None:
+    s, net, o, hosts = fleet(1, 6)
+    evil = Ed25519PrivateKey.from_private_bytes(random.Random(99).randbytes(32))
+    forged = s.manifest(2, 5, key=evil)
+    victim = hosts[2]
+    conn = next(iter(victim.core.peers))
+    sender = victim.core.peers[conn]
+    # the forged frame comes from one of its peers
+    peer_host = net.host(sender.node_id)
+    peer_conn = next(c for c, (h, pc) in peer_host.conns.items() if h is victim and pc == conn)
+    peer_host.core.handle(ev.Tick(net.now))
+    net._do(peer_host, ev.SendFrame(peer_conn, wire.encode(wire.ANNOUNCE, forged)))
+    net.run(net.now + 2)
+    assert all(2 not in h.core.manifests for h in hosts)
+    assert any(log.event == "manifest_refused" for _n, log in net.logs)
+    # nobody else saw it: the victim did not forward it
+    refused_by = {n for n, log in net.logs if log.event == "manifest_refused"}
+    assert refused_by == {victim.core.cfg.node_id}
+    # the genuine version still flows
+    publish(s, net, o, 2, 5)
+    net.run(net.now + 30, stop=lambda: all(2 in h.applied for h in hosts))
+    assert all(h.core.active_version == 2 for h in hosts)
+
+
+def test_border_leaving_mid_transfer_the_rest_converge() -> None:
+    s, net, o, hosts = fleet(2, 8)
+    publish(s, net, o, 2, 40)
+    net.run(net.now + 0.01)
+    border = next(h for h in hosts if h.core.is_border)
+    net.kill(border)
+    rest = [h for h in hosts if h is not border]
+    net.run(net.now + 120, stop=lambda: all(2 in h.applied for h in rest))
+    assert all(h.core.active_version == 2 for h in rest)
+    flow = inflow(net, 2)
+    assert flow[border.region] <= 2 * 40  # re-sent only what left with the border
+
+
+def test_node_several_versions_behind_catches_up_in_order() -> None:
+    s, net, o, hosts = fleet(1, 6, start=False)
+    base = s.manifest(1, 4, kind="full")
+    late = hosts[-1]
+    for h in hosts[:-1]:
+        net.start(h)
+        net.deliver(h, ev.LocalChunks(net.now, base, tuple(range(4))))
+    net.run(net.now + 3)
+    for v in (2, 3, 4):
+        publish(s, net, o, v, 8)
+        net.run(net.now + 30, stop=lambda v=v: all(v in h.applied for h in hosts[:-1]))
+    assert all(h.core.active_version == 4 for h in hosts[:-1])
+    net.start(late)
+    net.deliver(late, ev.LocalChunks(net.now, base, tuple(range(4))))
+    net.run(net.now + 60, stop=lambda: 4 in late.applied)
+    assert late.applied == [2, 3, 4]
+
+
+def test_replayed_old_manifest_is_ignored() -> None:
+    s, net, o, hosts = fleet(1, 3)
+    publish(s, net, o, 2, 4)
+    net.run(net.now + 30, stop=lambda: all(2 in h.applied for h in hosts))
+    h = hosts[0]
+    acts = h.core.handle(ev.FrameReceived(net.now, next(iter(h.core.peers)),
+                                          wire.encode(wire.ANNOUNCE, s.manifest(2, 4))))
+    assert not any(isinstance(a, (ev.AcceptManifest, ev.ApplyVersion)) for a in acts)
+
+
+# ---------------------------------------------------------------- random event sequences
+
+def _invariants(h: Host) -> None:
+    c = h.core
+    assert c.uploading <= c.cfg.upload_slots
+    assert 0 <= c.n_req <= c.cfg.max_requests + c.cfg.endgame_chunks
+    assert c.n_req == sum(len(p.req) for p in c.peers.values())
+    for v, bits in c._have.items():
+        assert bits & ~c._full[v] == 0
+    for p in c.peers.values():
+        for (v, i) in p.req:
+            assert not (c._have[v] >> i) & 1 or v not in c.wanted
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["run", "kill", "bad", "tick", "junk", "chunk", "dup"]),
+                          st.integers(0, 100)), min_size=1, max_size=12))
+def test_random_event_sequences_keep_invariants(script: list[tuple[str, int]]) -> None:
+    s, net, o, hosts = fleet(2, 4, seed=len(script))
+    publish(s, net, o, 2, 12)
+    for op, k in script:
+        h = hosts[k % len(hosts)]
+        if op == "run":
+            net.run(net.now + 0.01 * (k + 1))
+        elif op == "kill" and h.alive:
+            net.kill(h)
+        elif op == "bad":
+            h.corrupt = lambda v, i: True
+        elif op == "tick":
+            net.deliver(h, ev.Tick(net.now + 0.5))
+        elif op == "junk" and h.core.peers:
+            net.deliver(h, ev.FrameReceived(net.now, next(iter(h.core.peers)), bytes([k]) * 3))
+        elif op == "chunk" and h.core.peers:
+            net.deliver(h, ev.ChunkReceived(net.now, next(iter(h.core.peers)), 2, k % 14, k % 2 == 0))
+        elif op == "dup":
+            net.deliver(h, ev.ChunkSent(net.now, k, 2, k % 12))
+        for x in hosts:
+            if x.alive:
+                _invariants(x)
+    live = [h for h in hosts if h.alive and h.corrupt(2, 0) is False]
+    net.run(net.now + 120, stop=lambda: all(2 in h.applied for h in live))
+    for h in live:
+        _invariants(h)

@@ -1,0 +1,304 @@
+"""A loopback fleet: one trainer and N node daemons as separate OS processes.
+
+The trainer listens on 127.0.0.1; node ``i`` of region ``r`` on
+``127.0.{r+1}.{i+1}``, all on one free port, so every node is its own
+address as on a real network. Each node runs the real ``patchswarm node``
+command from a generated TOML config. ``LoopbackFleet`` starts them, talks to
+the trainer over a pipe (``publish``), reads every node's ``/status`` over
+HTTP, kills and restarts nodes (by PID) and removes everything it made.
+Used by ``patchswarm demo`` and by the integration tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import selectors
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from swarm.errors import PatchswarmError
+
+MODEL = "all-MiniLM-L6-v2"
+
+
+class FleetError(PatchswarmError):
+    """The loopback fleet could not start or did not converge in time."""
+
+
+@dataclass
+class NodeProc:
+    name: str
+    region: str
+    host: str
+    port: int
+    config: Path
+    log: Path
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def addr(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def free_port(hosts: list[str], tries: int = 50) -> int:
+    """A port free on every one of ``hosts``."""
+    for _ in range(tries):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        ok = True
+        for h in hosts:
+            with socket.socket() as s:
+                try:
+                    s.bind((h, port))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return port
+    raise FleetError("no port free on every loopback address")
+
+
+class LoopbackFleet:
+    """See the module docstring. Use as a context manager; ``close`` kills what it started."""
+
+    def __init__(self, regions: int = 3, nodes_per_region: int = 4, *, lr: float = 1e-6,
+                 chunk_size: int = 64 * 1024, workdir: Path | None = None,
+                 keep_workdir: bool = False, swarm: dict[str, Any] | None = None,
+                 node_env: dict[str, dict[str, str]] | None = None) -> None:
+        if regions < 1 or nodes_per_region < 1:
+            raise FleetError("need at least one region and one node per region")
+        if regions > 200 or nodes_per_region > 200:
+            raise FleetError("at most 200 regions and 200 nodes per region on loopback")
+        self.regions = [f"region-{r}" for r in range(regions)]
+        self.lr = lr
+        self.chunk_size = chunk_size
+        self.own_workdir = workdir is None
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="patchswarm-demo-"))
+        self.keep_workdir = keep_workdir
+        self.swarm = swarm or {}
+        self.node_env = node_env or {}
+        self.trainer_host = "127.0.0.1"
+        self.nodes: list[NodeProc] = []
+        hosts = [self.trainer_host] + [f"127.0.{r + 1}.{i + 1}" for r in range(regions)
+                                       for i in range(nodes_per_region)]
+        self.port = free_port(hosts)
+        for r, region in enumerate(self.regions):
+            for i in range(nodes_per_region):
+                name = f"n{r}-{i}"
+                self.nodes.append(NodeProc(name, region, f"127.0.{r + 1}.{i + 1}", self.port,
+                                           self.workdir / f"{name}.toml",
+                                           self.workdir / f"{name}.log",
+                                           dict(self.node_env.get(name, {}))))
+        self.trainer: subprocess.Popen | None = None
+        self.trainer_log = self.workdir / "trainer.log"
+        self.ready: dict[str, Any] = {}
+        self.published: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------ configs
+
+    @property
+    def trainer_addr(self) -> str:
+        return f"{self.trainer_host}:{self.port}"
+
+    def _write_configs(self) -> None:
+        from swarm.trust.keys import generate_keypair
+
+        w = self.workdir
+        generate_keypair(w / "trainer.key")
+        (w / "swarm.secret").write_text(os.urandom(32).hex() + "\n")
+        knobs = "".join(f"{k} = {json.dumps(v)}\n" for k, v in self.swarm.items())
+        common = '[network]\nswarm_secret_file = "swarm.secret"\n'
+        (w / "trainer.toml").write_text(
+            f'[node]\nid = "trainer"\nregion = "trainer"\nmodel = "{MODEL}"\nrole = "origin"\n\n'
+            f'{common}listen = "{self.trainer_addr}"\n\n'
+            f'[store]\ndir = "trainer-store"\nfsync = false\n\n'
+            f'[weights]\nbase = "base.safetensors"\nbase_version = 1\n\n'
+            f'[publish]\nsigning_key = "trainer.key"\nchunk_size = {self.chunk_size}\n'
+            f'served_dtype = "bf16"\n\n[swarm]\n{knobs}'
+        )
+        for n in self.nodes:
+            n.config.write_text(
+                f'[node]\nid = "{n.name}"\nregion = "{n.region}"\nmodel = "{MODEL}"\n\n'
+                f'{common}listen = "{n.addr}"\nbootstrap = ["{self.trainer_addr}"]\n\n'
+                f'[trust]\ntrainer_keys = ["trainer.key.pub"]\n\n'
+                f'[store]\ndir = "{n.name}-store"\nfsync = false\n\n'
+                f'[weights]\nbase = "base.safetensors"\nbase_version = 1\ndevice = "cpu"\n\n'
+                f'[swarm]\n{knobs}'
+            )
+
+    # ------------------------------------------------------------ processes
+
+    def start(self, timeout: float = 150.0) -> None:
+        """Start the trainer, wait for its base checkpoint, then every node."""
+        self._write_configs()
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        with self.trainer_log.open("ab") as logf:
+            self.trainer = subprocess.Popen(
+                [sys.executable, "-m", "trainer.demo_trainer", "--config",
+                 str(self.workdir / "trainer.toml"), "--base-out",
+                 str(self.workdir / "base.safetensors"), "--lr", str(self.lr)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logf, env=env,
+                cwd=self.workdir, text=True)
+        self.ready = self._read_trainer(timeout)
+        if self.ready.get("event") != "ready":
+            raise FleetError(f"trainer did not start: {self.ready}")
+        for n in self.nodes:
+            self.start_node(n)
+        self.wait_healthy(timeout)
+
+    def start_node(self, n: NodeProc) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **n.env)
+        with n.log.open("ab") as logf:
+            n.proc = subprocess.Popen(
+                [sys.executable, "-m", "swarm.cli", "node", "--config", str(n.config)],
+                stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                cwd=self.workdir)
+
+    def _read_trainer(self, timeout: float) -> dict[str, Any]:
+        assert self.trainer is not None and self.trainer.stdout is not None
+        sel = selectors.DefaultSelector()
+        sel.register(self.trainer.stdout, selectors.EVENT_READ)
+        try:
+            if not sel.select(timeout):
+                raise FleetError(f"trainer silent for {timeout:.0f} s (log: {self.trainer_log})")
+        finally:
+            sel.close()
+        line = self.trainer.stdout.readline()
+        if not line:
+            raise FleetError(f"trainer exited: {self._tail(self.trainer_log)}")
+        return json.loads(line)
+
+    @staticmethod
+    def _tail(path: Path, n: int = 1500) -> str:
+        try:
+            return path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def wait_healthy(self, timeout: float, nodes: list[NodeProc] | None = None) -> None:
+        deadline = time.monotonic() + timeout
+        pending = list(nodes or self.nodes)
+        while pending and time.monotonic() < deadline:
+            for n in list(pending):
+                if n.proc is not None and n.proc.poll() is not None:
+                    raise FleetError(f"node {n.name} exited with {n.proc.returncode}: "
+                                     f"{self._tail(n.log)}")
+                if self.http(n.addr, "/healthz") is not None:
+                    pending.remove(n)
+            time.sleep(0.1)
+        if pending:
+            raise FleetError(f"nodes not healthy after {timeout:.0f} s: {[n.name for n in pending]}")
+
+    @staticmethod
+    def http(addr: str, path: str, timeout: float = 2.0) -> Any:
+        try:
+            with urllib.request.urlopen(f"http://{addr}{path}", timeout=timeout) as r:
+                body = r.read()
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+        return json.loads(body) if path == "/status" else body
+
+    def status(self, n: NodeProc) -> dict[str, Any] | None:
+        return self.http(n.addr, "/status")
+
+    def trainer_status(self) -> dict[str, Any] | None:
+        return self.http(self.trainer_addr, "/status")
+
+    # ------------------------------------------------------------ versions
+
+    def publish(self, timeout: float = 120.0) -> dict[str, Any]:
+        """One AdamW step + publish in the trainer; returns its report."""
+        assert self.trainer is not None and self.trainer.stdin is not None
+        self.trainer.stdin.write("publish\n")
+        self.trainer.stdin.flush()
+        r = self._read_trainer(timeout)
+        if r.get("event") != "published":
+            raise FleetError(f"publish failed: {r}")
+        self.published.append(r)
+        return r
+
+    def wait_version(self, version: int, timeout: float, nodes: list[NodeProc] | None = None,
+                     on_poll: Any = None) -> dict[str, dict[str, Any]]:
+        """Poll /status until every node in ``nodes`` is active at ``version``."""
+        nodes = nodes if nodes is not None else self.nodes
+        deadline = time.monotonic() + timeout
+        last: dict[str, dict[str, Any]] = {}
+        while True:
+            for n in nodes:
+                st = self.status(n)
+                if st is not None:
+                    last[n.name] = st
+            done = sum(1 for n in nodes
+                       if (last.get(n.name) or {}).get("active_version") == version)
+            if on_poll is not None:
+                on_poll(done, last)
+            if done == len(nodes):
+                return last
+            if time.monotonic() > deadline:
+                raise FleetError(f"version {version}: {done}/{len(nodes)} nodes active after "
+                                 f"{timeout:.0f} s (logs in {self.workdir})")
+            time.sleep(0.1)
+
+    # ------------------------------------------------------------ faults
+
+    def kill(self, n: NodeProc, sig: int = signal.SIGKILL) -> int | None:
+        """Send ``sig`` to one node's process (by PID) and reap it."""
+        if n.proc is None or n.proc.poll() is not None:
+            return None if n.proc is None else n.proc.returncode
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(n.proc.pid, sig)
+        try:
+            return n.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            os.kill(n.proc.pid, signal.SIGKILL)
+            return n.proc.wait(5)
+
+    # ------------------------------------------------------------ cleanup
+
+    def close(self) -> None:
+        """SIGTERM every process we started (by PID), SIGKILL stragglers, remove temp files."""
+        if self.trainer is not None and self.trainer.poll() is None:
+            with contextlib.suppress(BrokenPipeError, OSError, AssertionError):
+                assert self.trainer.stdin is not None
+                self.trainer.stdin.write("quit\n")
+                self.trainer.stdin.flush()
+        procs = [n.proc for n in self.nodes if n.proc is not None and n.proc.poll() is None]
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for p in [*procs, self.trainer]:
+            if p is None:
+                continue
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGKILL)
+                p.wait(5)
+        if self.trainer is not None:
+            for stream in (self.trainer.stdin, self.trainer.stdout):
+                with contextlib.suppress(Exception):
+                    stream.close()  # type: ignore[union-attr]
+        if self.own_workdir and not self.keep_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> LoopbackFleet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
