@@ -46,10 +46,10 @@ def version_pairs(draw):
 
 
 @settings(max_examples=150, deadline=None)
-@given(version_pairs())
-def test_roundtrip_any_bits(pair):
+@given(version_pairs(), st.sampled_from(["auto", "on", "off"]))
+def test_roundtrip_any_bits(pair, context):
     old, new = pair
-    result = encode_patch(old, new, threads=1)
+    result = encode_patch(old, new, threads=1, context=context)
     weights = clone(old)
     report = apply_patch(weights, result.patch)
     assert same_bits(weights, new)

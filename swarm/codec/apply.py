@@ -184,8 +184,9 @@ class PatchApplier:
     def _apply_in_place(self, entry: TableEntry, r: BodyReader, digest: bytes, what: str) -> None:
         t = self._base_tensor(entry, what)
         dt = entry.dtype
-        if entry.op == Op.SPARSE:
-            idx, head = records.decode_sparse_positions(r, entry.numel)
+        if entry.op in (Op.SPARSE, Op.SPARSE_CTX):
+            reader = _block_reader(t) if entry.op == Op.SPARSE_CTX else None
+            idx, head = records.decode_sparse_positions(r, entry.numel, dt, reader)
             old = _gather(t, idx)
             new = records.decode_sparse_values(head, old, dt, what)
             _scatter(t, idx, new)
@@ -221,6 +222,15 @@ def _default_device(weights: MutableMapping[str, torch.Tensor]) -> torch.device:
     for t in weights.values():
         return t.device
     return torch.device("cpu")
+
+
+def _block_reader(t: torch.Tensor):
+    """Host bit patterns of ``t`` one block at a time (a bounded copy on CUDA)."""
+    flat = bits_view(t, dtype_of(t))
+    if flat.device.type == "cpu":
+        arr = flat.numpy()
+        return lambda start, stop: arr[start:stop]
+    return lambda start, stop: flat[start:stop].cpu().numpy()
 
 
 def _gather(t: torch.Tensor, idx: np.ndarray) -> np.ndarray:

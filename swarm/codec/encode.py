@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from swarm.codec import context as ctx
 from swarm.codec import records
 from swarm.codec.digest import state_digest, tensor_digest
 from swarm.codec.dtypes import DType, bits_view, dtype_of
@@ -66,7 +67,18 @@ def _bits(t: torch.Tensor, dt: DType) -> np.ndarray:
     return bits_view(t, dt).numpy()
 
 
-def _encode_one(name: str, old: torch.Tensor | None, new: torch.Tensor | None
+def use_context(mode: str, dt: DType) -> bool:
+    """Context modelling costs passes over the whole tensor: by default ("auto")
+    only for 8-bit floats, where it is cheap and the patch is mostly positions."""
+    if mode == "on":
+        return ctx.supports(dt)
+    if mode == "auto":
+        return ctx.supports(dt) and dt.width == 8
+    return False
+
+
+def _encode_one(name: str, old: torch.Tensor | None, new: torch.Tensor | None,
+                context: str = "auto"
                 ) -> tuple[TableEntry, bytes | None, TensorStats, bytes | None]:
     """-> (table entry, record body or None when unchanged, stats, new tensor digest)."""
     if new is None:
@@ -87,8 +99,17 @@ def _encode_one(name: str, old: torch.Tensor | None, new: torch.Tensor | None
     stats = TensorStats(name, "SPARSE", new.numel(), int(idx.size), 0, full_bytes)
     if idx.size == 0:
         return TableEntry(name, Op.SPARSE, dt, tuple(new.shape)), None, stats, digest
-    payload, _ = records.encode_sparse(idx, old_bits[idx], new_bits[idx], dt)
+    old_vals, new_vals = old_bits[idx], new_bits[idx]
+    payload, _ = records.encode_sparse(idx, old_vals, new_vals, dt)
     op = Op.SPARSE
+    if use_context(context, dt):
+        thresholds = ctx.choose_thresholds(old_bits, idx, dt)
+        if thresholds:
+            ranks = ctx.encode_ranks(old_bits, idx, thresholds, dt)
+            with_ctx, _ = records.encode_sparse(idx, old_vals, new_vals, dt,
+                                                thresholds=thresholds, ranks=ranks)
+            if len(with_ctx) < len(payload):
+                payload, op = with_ctx, Op.SPARSE_CTX
     if idx.size > DENSE_TRY_FRACTION * new.numel():
         dense = records.encode_blob(old_bits ^ new_bits, dt)
         if len(dense) < len(payload):
@@ -99,15 +120,21 @@ def _encode_one(name: str, old: torch.Tensor | None, new: torch.Tensor | None
 
 
 def encode_patch(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], *,
-                 threads: int = 2) -> EncodeResult:
-    """Encode the patch that turns ``old`` into ``new`` bit for bit."""
+                 threads: int = 2, context: str = "auto") -> EncodeResult:
+    """Encode the patch that turns ``old`` into ``new`` bit for bit.
+
+    ``context``: "auto" (magnitude-bucket position models for 8-bit floats),
+    "on" (for every float dtype: smaller, slower), or "off".
+    """
+    if context not in ("auto", "on", "off"):
+        raise ValueError(f"context must be 'auto', 'on' or 'off', not {context!r}")
     t0 = time.perf_counter()
     names = sorted(set(old) | set(new))
     olds = {n: _cpu(old[n]) for n in names if n in old}
     news = {n: _cpu(new[n]) for n in names if n in new}
 
     def work(name: str):
-        return _encode_one(name, olds.get(name), news.get(name))
+        return _encode_one(name, olds.get(name), news.get(name), context)
 
     if threads > 1 and len(names) > 1:
         with ThreadPoolExecutor(max_workers=threads) as pool:

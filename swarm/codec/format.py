@@ -49,6 +49,7 @@ class Op(IntEnum):
     DENSE = 2  # XOR of old and new bit patterns, byte-shuffled, zstd (same dtype and shape)
     FULL = 3  # the whole new tensor, byte-shuffled, zstd (added, reshaped or re-typed)
     DELETE = 4  # the tensor is gone in the new version
+    SPARSE_CTX = 5  # SPARSE with positions coded per magnitude bucket (context.py)
 
 
 @dataclass(frozen=True)

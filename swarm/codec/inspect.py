@@ -19,7 +19,7 @@ def read_patch_info(patch: bytes | memoryview) -> dict:
         body, end = got
         r = BodyReader(body, f"record {i} ({entry.name})")
         changed = None
-        if entry.op == Op.SPARSE:
+        if entry.op in (Op.SPARSE, Op.SPARSE_CTX):
             r.take(DIGEST_BYTES)
             changed = r.varint()
         elif entry.op == Op.FULL:

@@ -15,12 +15,15 @@ nearly everywhere, or is new, reshaped or re-typed.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import zstandard
 
 from swarm.codec import bitstream as bs
+from swarm.codec import context
 from swarm.codec.dtypes import DType, from_ordinal, to_ordinal
 from swarm.codec.format import BodyReader, put_varint
 from swarm.errors import PatchFormatError
@@ -40,13 +43,18 @@ class SparseStats:
 
 
 def encode_sparse(idx: np.ndarray, old_vals: np.ndarray, new_vals: np.ndarray,
-                  dt: DType) -> tuple[bytes, SparseStats]:
+                  dt: DType, *, thresholds: list[int] | None = None,
+                  ranks: list[np.ndarray] | None = None) -> tuple[bytes, SparseStats]:
     """Body (after the digest) for changes at sorted ``idx`` from old to new bits.
 
     Layout: varint k | u8 (kp | big<<6 | esc<<7) | [varint nb | u8 kb]
-    | [varint ne | u8 ke] | bits,
-    where bits = Rice(kp) position gaps, k sign bits, [Rice(kb) big gaps],
+    | [varint ne | u8 ke] | [context] | bits,
+    where bits = positions, k sign bits, [Rice(kb) big gaps],
     [Rice(ke) escape gaps], [Exp-Golomb(|Δ|-2) of non-escaped big], [raw values].
+    Positions are Rice(kp) gaps (SPARSE) or, with ``thresholds`` and ``ranks``
+    (SPARSE_CTX, see context.py), per magnitude bucket the Rice(kp_b) gaps of
+    the changed elements' ranks within the bucket; then [context] is
+    u8 T | T x varint threshold | (T+1) x (varint k_b | u8 kp_b) and kp = 0.
     """
     k = idx.size
     delta = to_ordinal(new_vals, dt) - to_ordinal(old_vals, dt)
@@ -59,13 +67,27 @@ def encode_sparse(idx: np.ndarray, old_vals: np.ndarray, new_vals: np.ndarray,
     nb, ne = big.size, esc.size
     sign[big[esc]] = 0  # the sign of an escaped entry is not used
 
-    gaps = bs.positions_to_gaps(idx)
-    kp = bs.best_rice_k(gaps)
     head = bytearray()
     put_varint(head, k)
-    head.append(kp | (nb > 0) << 6 | (ne > 0) << 7)
     w = bs.BitWriter()
-    w.rice(gaps, kp)
+    ctx = bytearray()
+    if ranks is None:
+        gaps = bs.positions_to_gaps(idx)
+        kp = bs.best_rice_k(gaps)
+        w.rice(gaps, kp)
+    else:
+        assert thresholds is not None
+        kp = 0
+        ctx.append(len(thresholds))
+        for t in thresholds:
+            put_varint(ctx, t)
+        for r in ranks:
+            g = bs.positions_to_gaps(r)
+            kb_ = bs.best_rice_k(g)
+            put_varint(ctx, r.size)
+            ctx.append(kb_)
+            w.rice(g, kb_)
+    head.append(kp | (nb > 0) << 6 | (ne > 0) << 7)
     w.bits(sign)
     if nb:
         big_gaps = bs.positions_to_gaps(big)
@@ -85,7 +107,7 @@ def encode_sparse(idx: np.ndarray, old_vals: np.ndarray, new_vals: np.ndarray,
         w.expgolomb(mag_big[keep] - 2)
     if ne:
         w.fixed(new_vals[big[esc]].view(_unsigned(dt)), dt.width)
-    return bytes(head) + w.to_bytes(), SparseStats(k, nb, ne)
+    return bytes(head) + bytes(ctx) + w.to_bytes(), SparseStats(k, nb, ne)
 
 
 @dataclass
@@ -98,9 +120,13 @@ class SparseHead:
     bits: bs.BitReader
 
 
-def decode_sparse_positions(r: BodyReader, numel: int) -> tuple[np.ndarray, SparseHead]:
+def decode_sparse_positions(r: BodyReader, numel: int, dt: DType,
+                            old_block: Callable[[int, int], np.ndarray] | None = None
+                            ) -> tuple[np.ndarray, SparseHead]:
     """First half of decoding: the changed positions (so the caller can gather the
-    old values there, which are also its undo log)."""
+    old values there, which are also its undo log). ``old_block(start, stop)``
+    returns the base tensor's bit patterns in a range; it is needed (and only
+    called) for SPARSE_CTX records."""
     what = r.what
     k = r.varint(limit=numel)
     if k == 0:
@@ -118,9 +144,28 @@ def decode_sparse_positions(r: BodyReader, numel: int) -> tuple[np.ndarray, Spar
         ke = r.u8()
         if ne == 0:
             raise PatchFormatError(f"{what}: empty escape list flagged present")
+    if old_block is None:
+        bits = bs.BitReader(r.rest(), what)
+        gaps = bits.rice(k, kp, "positions")
+        idx = bs.gaps_to_positions(gaps, numel, f"{what} positions")
+        return idx, SparseHead(k, nb, ne, kb, ke, bits)
+    nthresh = r.u8()
+    if nthresh > context.MAX_THRESHOLDS or not context.supports(dt):
+        raise PatchFormatError(f"{what}: bad context model ({nthresh} thresholds, {dt.name})")
+    limit = (1 << (dt.width - 1)) - 1
+    thresholds = [r.varint(limit=limit) for _ in range(nthresh)]
+    if any(a >= b for a, b in itertools.pairwise(thresholds)):
+        raise PatchFormatError(f"{what}: context thresholds not increasing")
+    sizes, params = [], []
+    for _ in range(nthresh + 1):
+        sizes.append(r.varint(limit=k))
+        params.append(r.u8())
+    if sum(sizes) != k:
+        raise PatchFormatError(f"{what}: bucket sizes do not add up to {k}")
     bits = bs.BitReader(r.rest(), what)
-    gaps = bits.rice(k, kp, "positions")
-    idx = bs.gaps_to_positions(gaps, numel, f"{what} positions")
+    ranks = [bs.gaps_to_positions(bits.rice(size, kp_b, "positions"), numel, f"{what} positions")
+             for size, kp_b in zip(sizes, params, strict=True)]
+    idx = context.decode_positions(old_block, numel, ranks, thresholds, dt, what)
     return idx, SparseHead(k, nb, ne, kb, ke, bits)
 
 
