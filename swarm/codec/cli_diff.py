@@ -20,6 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print statistics as one JSON object")
     p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1),
                    help="encoder threads (default: %(default)s)")
+    p.add_argument("--context", choices=("auto", "on", "off"), default="auto",
+                   help="magnitude-bucket position models: smaller patches, slower encode; "
+                        "auto = for 8-bit floats only (default: %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -28,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
 
     old = load_checkpoint(args.old)
     new = load_checkpoint(args.new)
-    result = encode_patch(old, new, threads=max(1, args.threads))
+    result = encode_patch(old, new, threads=max(1, args.threads), context=args.context)
     out = Path(args.output)
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.write_bytes(result.patch)
