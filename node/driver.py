@@ -45,6 +45,8 @@ SWARM_PATH = "/swarm"
 MAX_WS_MESSAGE = wire.CHUNK_HEADER_LEN + wire.MAX_CHUNK_BYTES
 SEND_QUEUE_LIMIT = 4096  # frames queued per peer before it is dropped as too slow
 CONNECT_TIMEOUT_S = 5.0
+TRACKER_ONLY_ROLE = wire.encode(wire.ROLE, 0)
+HELD_ROLE_GRACE_S = 0.3
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
            "error": logging.ERROR}
 
@@ -67,6 +69,7 @@ class Conn:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     writer: asyncio.Task | None = None
     closing: bool = False
+    held: bytes | None = None  # a frame fed later (see TRACKER_ONLY_ROLE)
 
 
 class Driver:
@@ -303,8 +306,16 @@ class Driver:
                     break
                 if wire.is_chunk_message(data):
                     await self._on_chunk(c, data)
+                elif data == TRACKER_ONLY_ROLE and c.held is None:
+                    # Adapter: the origin sends ROLE(not kept) *before* its PEERS sample and
+                    # the core closes on ROLE, losing the sample. Feed ROLE after the next
+                    # frame (or after a short grace) so the node learns its region's peers.
+                    c.held = data
+                    assert self.loop is not None
+                    self.loop.call_later(HELD_ROLE_GRACE_S, self._release_held, c)
                 else:
                     self.feed(ev.FrameReceived(self.now(), c.id, data))
+                    self._release_held(c)
         except (TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
             reason = f"{type(exc).__name__}: {exc}"
         finally:
@@ -315,6 +326,11 @@ class Driver:
                 c.writer.cancel()
             with contextlib.suppress(Exception):
                 await c.ws.close()
+
+    def _release_held(self, c: Conn) -> None:
+        frame, c.held = c.held, None
+        if frame is not None and c.id in self.conns:
+            self.feed(ev.FrameReceived(self.now(), c.id, frame))
 
     async def _close_ws(self, c: Conn, reason: str) -> None:
         with contextlib.suppress(Exception):

@@ -121,21 +121,23 @@ class InProcessWeights(EngineAdapter):
         with self.lock:
             if kind == "patch":
                 from swarm.codec import apply_patch
+                from swarm.codec.format import decode_header
 
-                report = apply_patch(self.weights, payload)  # rolls back on any error
+                promised = decode_header(payload).target_digest
+                if promised is not None and promised != target_digest:
+                    raise PatchApplyError(
+                        f"version {version}: the patch targets another state than its manifest")
+                report = apply_patch(self.weights, payload)  # checks the target; rolls back
                 digest = report.target_digest
-                if digest != target_digest:
-                    # The patch applied cleanly yet is not what the manifest promised.
-                    self._revert_patch(payload)
-                    raise PatchApplyError(f"version {version}: digest after apply differs from the manifest")
+                if digest != target_digest:  # a patch without a target digest in its header
+                    raise PatchApplyError(
+                        f"version {version}: digest after apply differs from the manifest "
+                        "(restart the node to reload a clean state)")
             else:
                 digest = self._replace_full(payload, version, target_digest)
             self.version = version
             self.digest = digest
         return digest
-
-    def _revert_patch(self, payload: bytes) -> None:  # pragma: no cover - needs a forged patch
-        raise PatchApplyError("cannot revert a committed patch; restart the node to reload")
 
     def _replace_full(self, payload: bytes, version: int, target_digest: bytes) -> bytes:
         from safetensors.torch import load as load_bytes

@@ -46,6 +46,10 @@ from swarm.protocol import events as ev
 
 MODEL = "sim/model"
 PORT = 7000
+# Every node starts holding version 1 (the base checkpoint; manifests number
+# versions from 1, and a patch's parent is >= 1); the scenario's k-th published
+# version is BASE_VERSION + k. Reports number them k = 1..versions.
+BASE_VERSION = 1
 
 # strategy -> CoreConfig knobs (the protocol's own switches; see docs/protocol.md)
 STRATEGY_KNOBS: dict[str, dict[str, Any]] = {
@@ -103,7 +107,7 @@ class SimNode:
         self.sent_bytes = 0
         self.recv_bytes = 0
         self.first_seen = 0.0
-        self.active = 0  # last version applied (the restart point)
+        self.active = BASE_VERSION  # last version applied (the restart point)
 
 
 class Half:
@@ -163,7 +167,7 @@ class Simulation:
         self.seed = sc.seed if seed is None else seed
         self.rng = random.Random(f"sim:{self.seed}")
         self.engine = Engine()
-        self.net = FlowNet(self.engine)
+        self.net = FlowNet(self.engine, sc.sharing)
         self.topo = Topology.build(sc)
         self.capacities = draw_capacities(sc, random.Random(f"caps:{self.seed}"))
         self.payload = sc.payload_bytes(strategy)
@@ -180,6 +184,7 @@ class Simulation:
         self.cut: set[str] = set()
         self.churn = {"left": 0, "rejoined": 0, "joined": 0}
         self.pending_faults = 0
+        self.alive_count = 0  # rollout nodes alive now
         self.published = 0
         self.publish_at: list[float] = []
         self.done_count: dict[int, int] = {}
@@ -282,6 +287,8 @@ class Simulation:
         from swarm.protocol.core import NodeCore
 
         node.alive = True
+        if not node.origin:
+            self.alive_count += 1
         node.inc += 1
         node.conns = {}
         node.tick_at = INF
@@ -307,9 +314,9 @@ class Simulation:
     def run(self) -> RunResult:
         t0 = time.perf_counter()
         sc = self.sc
-        for v in range(1, sc.versions + 1):
+        for k in range(1, sc.versions + 1):
             kind = "full" if self.strategy == "full" else "patch"
-            self.manifests.append(self._sign(v, kind, self.payload))
+            self.manifests.append(self._sign(BASE_VERSION + k, kind, self.payload))
         for node in self.nodes:
             self._boot(node, fresh=True)
         self._schedule_faults()
@@ -319,11 +326,11 @@ class Simulation:
                 self.engine.schedule(sc.start_s + (v - 1) * sc.interval_s, self._publish, v)
         self.engine.run(until=sc.max_time_s, on_batch=self._on_batch, max_events=500_000_000)
         wall = time.perf_counter() - t0
-        done = {v: {} for v in range(1, sc.versions + 1)}
+        done: dict[int, dict[str, float]] = {k: {} for k in range(1, sc.versions + 1)}
         for n in self.nodes[1:]:
             for v, t in n.done_at.items():
-                if v in done:
-                    done[v][n.node_id] = t
+                if v - BASE_VERSION in done:
+                    done[v - BASE_VERSION][n.node_id] = t
         return RunResult(
             strategy=self.strategy,
             payload_bytes=self.payload,
@@ -352,27 +359,31 @@ class Simulation:
             total = sum(self.done_count.values())
             self.progress(total, self.engine.events, self.engine.now)
 
-    def _publish(self, version: int) -> None:
-        if version <= self.published:
+    def _publish(self, k: int) -> None:
+        """Publish the scenario's k-th version (protocol version BASE_VERSION + k)."""
+        if k <= self.published:
             return
-        self.published = version
+        self.published = k
         self.publish_at.append(self.engine.now)
-        self.done_count.setdefault(version, 0)
-        raw = self.manifests[version - 1]
+        self.done_count.setdefault(k, 0)
+        raw = self.manifests[k - 1]
         t = self.trainer
         self._deliver(t, t.inc, ev.Publish(self.engine.now, raw))
         self._check_finished()
 
     def _check_finished(self) -> None:
         """Publish the next version or stop once every live node holds the last one."""
-        v = self.published
-        if v == 0:
+        k = self.published
+        if k == 0:
             return
+        v = BASE_VERSION + k
+        if self.done_count.get(k, 0) < self.alive_count:
+            return  # cheap test first: done_count over-counts (it includes nodes that left)
         live = [n for n in self.nodes[1:] if n.alive]
         if all(v in n.done_at for n in live):
-            if v < self.sc.versions:
+            if k < self.sc.versions:
                 if self.sc.interval_s <= 0:
-                    self.engine.schedule(self.engine.now, self._publish, v + 1)
+                    self.engine.schedule(self.engine.now, self._publish, k + 1)
             elif self.pending_faults == 0:
                 self.engine.stop()
 
@@ -475,8 +486,9 @@ class Simulation:
         node.conns[mine.cid] = mine
         peer.conns[theirs.cid] = theirs
         mine.fifo = theirs.fifo = now + lat
-        self._deliver(peer, peer.inc, ev.PeerConnected(now, theirs.cid, False, node.addr))
+        # SYN-ACK reaches the dialler before any byte the listener sends: schedule it first
         self.engine.schedule(now + lat, self._connected, (mine, addr))
+        self._deliver(peer, peer.inc, ev.PeerConnected(now, theirs.cid, False, node.addr))
 
     def _connected(self, item: tuple[Half, str]) -> None:
         half, addr = item
@@ -598,7 +610,8 @@ class Simulation:
         now = self.engine.now
         if not node.origin and version not in node.done_at:
             node.done_at[version] = now
-            self.done_count[version] = self.done_count.get(version, 0) + 1
+            k = version - BASE_VERSION
+            self.done_count[k] = self.done_count.get(k, 0) + 1
         self.engine.schedule(now + self.sc.apply_s, self._applied_event, (node, node.inc, version))
         if not node.origin:
             self._check_finished()
@@ -620,6 +633,7 @@ class Simulation:
         if not node.alive:
             return
         node.alive = False
+        self.alive_count -= 1
         for half in list(node.conns.values()):
             if half.open:
                 self._teardown(half, reason, notify_self=False)

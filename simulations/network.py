@@ -45,21 +45,24 @@ from typing import Any
 from simulations.engine import Engine
 
 INF = float("inf")
-EXACT_FLOWS = 64  # resources with at most this many flows are re-rated exactly on every change
-TOLERANCE = 0.005  # crowded resources: re-rate their flows when the share moved by more
+EXACT_FLOWS = 64  # more flows than this: a "crowded" resource, shared as cap/n
+TOLERANCE = 0.01  # level/share moves smaller than this do not propagate further
+MAX_EVALS = 64  # resource evaluations per flow change (max-min mode)
 
 
 class Resource:
     """A capacity (bytes/s) shared equally by the flows crossing it."""
 
-    __slots__ = ("bytes", "cap", "flows", "name", "rated")
+    __slots__ = ("bytes", "cap", "flows", "level", "name", "queued", "rated")
 
     def __init__(self, name: str, cap: float) -> None:
         self.name = name
         self.cap = cap
         self.flows: dict[Flow, None] = {}  # insertion-ordered set: deterministic iteration
         self.bytes = 0.0  # bytes carried by completed flows
-        self.rated = cap  # the share its flows were last rated at
+        self.rated = cap  # bottleneck mode: the share its flows were last rated at
+        self.level = INF  # max-min mode: water-filling level (INF: limits no flow)
+        self.queued = False
 
     def share(self) -> float:
         n = len(self.flows)
@@ -106,8 +109,11 @@ class Flow:
 class FlowNet:
     """Incremental processor-sharing flow model driven by an :class:`Engine`."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, sharing: str = "maxmin") -> None:
+        if sharing not in ("maxmin", "bottleneck"):
+            raise ValueError(f"sharing must be 'maxmin' or 'bottleneck', not {sharing!r}")
         self.engine = engine
+        self.maxmin = sharing == "maxmin"
         self.active = 0
         self.completed = 0
 
@@ -139,6 +145,7 @@ class FlowNet:
         """Change a capacity mid-run (slow-node faults) and re-rate its flows."""
         resource.cap = cap
         resource.rated = -1.0  # force an exact re-rate of every flow on it
+        resource.level = -1.0
         self._reshare((resource,), self.engine.now)
 
     def progress(self, flow: Flow) -> float:
@@ -156,15 +163,14 @@ class FlowNet:
         self._reshare(flow.resources, self.engine.now)
 
     def _reshare(self, resources: tuple[Resource, ...], now: float, new: Flow | None = None) -> None:
-        """Re-rate the flows whose share may have changed.
+        if self.maxmin:
+            self._reshare_maxmin(resources, now, new)
+        else:
+            self._reshare_bottleneck(resources, now, new)
 
-        A resource with few flows re-rates all of them (exact). A crowded one
-        (more than ``EXACT_FLOWS``) re-rates them only once its share has moved
-        more than ``TOLERANCE`` since it last did; in between, its flows keep
-        their rate (error < TOLERANCE) and only a newly started flow is rated.
-        This bounds the cost of a change on, say, an inter-region link carrying
-        thousands of flows to O(1/TOLERANCE) amortised instead of O(flows).
-        """
+    # ---- bottleneck-share mode: each resource offers cap/n to each of its flows
+    def _reshare_bottleneck(self, resources: tuple[Resource, ...], now: float, new: Flow | None) -> None:
+        """Re-rate the flows on the changed resources (crowded ones: past TOLERANCE only)."""
         touched: dict[Flow, None] = {}
         for r in resources:
             n = len(r.flows)
@@ -175,15 +181,100 @@ class FlowNet:
         if new is not None:
             touched[new] = None
         for f in touched:
-            self._rerate(f, now)
+            rate = f.cap
+            for r in f.resources:
+                n = len(r.flows)
+                sh = r.cap / n if n else r.cap
+                if sh < rate:
+                    rate = sh
+            self._set_rate(f, rate, now)
 
-    def _rerate(self, f: Flow, now: float) -> None:
-        rate = f.cap
-        for r in f.resources:
-            n = len(r.flows)
-            s = r.cap / n if n else r.cap
-            if s < rate:
-                rate = s
+    # ---- max-min mode: water-filling levels, propagated locally
+    def _level(self, r: Resource) -> float:
+        """Water-filling level of ``r`` given what its flows can get elsewhere.
+
+        A flow's demand at ``r`` is the smallest level of its *other* resources
+        (and its own cap). If the demands fit in ``r.cap``, ``r`` limits no one:
+        ``INF``. Otherwise the level ``L`` solves ``sum(min(d, L)) = cap``.
+        Crowded resources use ``cap/n`` (they are everyone's bottleneck).
+        """
+        flows = r.flows
+        n = len(flows)
+        if n == 0:
+            return INF
+        cap = r.cap
+        if n > EXACT_FLOWS:
+            return cap / n
+        demands = []
+        total = 0.0
+        for f in flows:
+            d = f.cap
+            for q in f.resources:
+                if q is not r and q.level < d:
+                    d = q.level
+            demands.append(d)
+            total += d
+        if total <= cap:
+            return INF
+        demands.sort()
+        rem = cap
+        for i, d in enumerate(demands):
+            share = rem / (n - i)
+            if d >= share:
+                return share
+            rem -= d
+        return INF  # unreachable: total > cap
+
+    def _reshare_maxmin(self, resources: tuple[Resource, ...], now: float, new: Flow | None) -> None:
+        """Recompute levels from the changed resources outwards, then re-rate.
+
+        A resource whose level moved re-rates its flows; if it moved by more
+        than ``TOLERANCE`` the resources of those flows are re-evaluated too
+        (they may now give or take the difference), up to ``MAX_EVALS``
+        evaluations per change. Smaller ripples are dropped: rates stay within
+        about ``TOLERANCE`` of the max-min allocation, at O(neighbourhood) cost.
+        """
+        queue = list(resources)
+        for r in queue:
+            r.queued = True
+        changed: dict[Resource, None] = {}
+        i = 0
+        while i < len(queue):
+            r = queue[i]
+            i += 1
+            r.queued = False
+            old = r.level
+            lvl = self._level(r)
+            if lvl == old:
+                continue
+            r.level = lvl
+            changed[r] = None
+            if i >= MAX_EVALS or (old != INF and lvl != INF and abs(lvl - old) <= TOLERANCE * old):
+                continue
+            for f in r.flows:
+                for q in f.resources:
+                    if q is not r and not q.queued:
+                        q.queued = True
+                        queue.append(q)
+        for r in queue[i:]:
+            r.queued = False
+        touched: dict[Flow, None] = {}
+        for r in changed:
+            touched.update(r.flows)
+        if new is not None:
+            touched[new] = None
+        for f in touched:
+            rate = f.cap
+            for q in f.resources:
+                if q.level < rate:
+                    rate = q.level
+            if rate == INF:
+                # no resource is saturated: the flow runs at its tightest capacity
+                rate = min((q.cap for q in f.resources), default=INF)
+                rate = min(rate, f.cap)
+            self._set_rate(f, rate, now)
+
+    def _set_rate(self, f: Flow, rate: float, now: float) -> None:
         if rate == f.rate and f.token:
             return
         if f.rate == INF:

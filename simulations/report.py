@@ -90,6 +90,7 @@ def figures(sc: Scenario, run: RunResult, bound: Bound) -> dict[str, Any]:
         inflow = sum(b for (a, d), b in run.pair_bytes.items() if d == r.name and a != d)
         outflow = sum(b for (a, d), b in run.pair_bytes.items() if a == r.name and a != d)
         from_trainer = run.pair_bytes.get((tsite, r.name), 0) if tsite != r.name else 0
+        same = run.pair_bytes.get((r.name, r.name), 0)
         pr = {k: _worst([x[k] for x in rv]) for k in rv[0]}
         per_region[r.name] = {
             "nodes": sum(1 for reg in live.values() if reg == r.name),
@@ -98,6 +99,9 @@ def figures(sc: Scenario, run: RunResult, bound: Bound) -> dict[str, Any]:
             "inflow_copies": round(inflow / (F * versions), 4),
             "outflow_bytes": outflow,
             "from_trainer_bytes": from_trainer,
+            # the loopback demo's per-region shape: bytes its nodes received, by sender kind
+            "received": {"from_trainer": from_trainer, "cross_region": inflow - from_trainer,
+                         "same_region": same},
             "upload_bytes": sum(
                 run.upload_bytes.get(n, 0) for n, reg in run.node_region.items() if reg == r.name
             ),

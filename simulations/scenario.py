@@ -130,6 +130,7 @@ class Scenario:
     loss: float = 0.0
     mss: int = 1460
     connect_timeout_s: float = 3.0
+    sharing: str = "maxmin"  # flow model: local max-min water-filling, or cap/n bottleneck shares
     max_time_s: float = 3600.0
     faults: Faults = field(default_factory=Faults)
     protocol: dict[str, Any] = field(default_factory=dict)
@@ -433,6 +434,9 @@ def parse_scenario(data: dict[str, Any], default_name: str = "scenario") -> Scen
     loss = net.num("loss", 0.0, lo=0, hi=0.5)
     mss = net.int("mss", 1460, lo=100, hi=65536)
     ctimeout = net.num("connect_timeout_s", 3.0, lo=0, lo_open=True)
+    sharing = net.str("sharing", "maxmin")
+    if sharing not in ("maxmin", "bottleneck"):
+        raise ConfigError(f"network.sharing: must be maxmin or bottleneck, got {sharing!r}")
     net.done()
 
     ft = top.table("faults")
@@ -498,6 +502,7 @@ def parse_scenario(data: dict[str, Any], default_name: str = "scenario") -> Scen
         loss=loss,
         mss=mss,
         connect_timeout_s=ctimeout,
+        sharing=sharing,
         max_time_s=max_time,
         faults=faults,
         protocol=dict(proto),

@@ -202,6 +202,8 @@ def gaps_to_positions(gaps: np.ndarray, universe: int, what: str) -> np.ndarray:
 def bit_length(v: np.ndarray) -> np.ndarray:
     """Bit length of non-negative values (0 -> 0), exact up to 2**64 - 1."""
     v = v.astype(np.uint64, copy=False)
+    if v.size == 0 or int(v.max()) < (1 << 53):  # exact in float64: one frexp
+        return np.frexp(v.astype(np.float64))[1].astype(np.int64)
     out = np.zeros(v.shape, dtype=np.int64)
     for shift in (32, 16, 8, 4, 2, 1):
         m = v >= (np.uint64(1) << np.uint64(shift))

@@ -1,0 +1,25 @@
+# A rollout node: docker build -t patchswarm-node . && docker run -v $PWD/etc:/etc/patchswarm \
+#   -v patchswarm-store:/var/lib/patchswarm -p 7400:7400 patchswarm-node
+# GPU hosts: build FROM a CUDA base with the CUDA torch wheel installed first instead.
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
+WORKDIR /opt/patchswarm
+
+COPY pyproject.toml constraints.txt README.md ./
+COPY swarm ./swarm
+COPY node ./node
+COPY trainer ./trainer
+COPY simulations ./simulations
+RUN pip install --extra-index-url https://download.pytorch.org/whl/cpu -c constraints.txt . \
+ && useradd --system --uid 10001 --home-dir /var/lib/patchswarm --create-home patchswarm \
+ && mkdir -p /etc/patchswarm && chown patchswarm /var/lib/patchswarm
+
+USER patchswarm
+EXPOSE 7400
+VOLUME ["/var/lib/patchswarm"]
+HEALTHCHECK --interval=15s --timeout=5s --start-period=60s --retries=3 \
+  CMD python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:7400/healthz', timeout=4)"
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["patchswarm", "node"]
+CMD ["--config", "/etc/patchswarm/node.toml"]

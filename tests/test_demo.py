@@ -1,0 +1,123 @@
+"""Integration: real node processes on loopback, real aiohttp, real AdamW versions.
+
+The unmarked test runs a 2-region x 3-node fleet (7 OS processes) through two
+versions and checks bitwise convergence, egress accounting and that a forged
+announcement is refused. The slow ones kill a node mid-transfer and restart
+it, and run a node that corrupts every chunk it sends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import aiohttp
+import pytest
+
+from swarm.protocol import handshake as hs
+from swarm.protocol import wire
+from trainer.fleet import MODEL, LoopbackFleet
+
+
+def _cross_bytes(statuses: dict) -> int:
+    return sum(st["bytes"]["received"]["cross_region"] + st["bytes"]["received"]["from_trainer"]
+               for st in statuses.values())
+
+
+def _forged_manifest() -> bytes:
+    """A well-formed manifest signed by a key no node trusts."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from swarm.trust.keys import key_id
+    from swarm.trust.manifest import build_manifest, sign_manifest
+
+    key = Ed25519PrivateKey.generate()
+    payload = os.urandom(1000)
+    m = build_manifest(payload, model=MODEL, version=99, kind="full", parent_version=None,
+                       parent_digest=None, target_digest=b"\x01" * 32, chunk_size=4096,
+                       key_id=key_id(key))
+    return sign_manifest(m, key)
+
+
+async def _rogue_announce(addr: str, secret: bytes, manifest: bytes) -> str:
+    """Join as a member that knows the swarm secret, announce ``manifest``; how it ended."""
+    async with aiohttp.ClientSession() as s, s.ws_connect(f"http://{addr}/swarm") as ws:
+        mine = hs.hello_frame(model=MODEL, node_id="rogue", region="region-0",
+                              addr="127.0.9.9:1", role="node", nonce=os.urandom(16))
+        await ws.send_bytes(mine)
+        theirs = (await ws.receive(timeout=5)).data
+        await ws.send_bytes(wire.encode(wire.AUTH, hs.mac(secret, mine, theirs)))
+        await ws.send_bytes(wire.encode(wire.ANNOUNCE, manifest))
+        for _ in range(50):
+            msg = await ws.receive(timeout=5)
+            if msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED):
+                return f"closed: {msg.extra}"
+        return "still open"
+
+
+def test_fleet_converges_bitwise_with_one_copy_per_region() -> None:
+    with LoopbackFleet(2, 3, chunk_size=32 * 1024) as fleet:
+        fleet.start(timeout=120)
+        patch_bytes = []
+        for _ in range(2):
+            pub = fleet.publish()
+            patch_bytes.append(pub["patch_bytes"])
+            statuses = fleet.wait_version(pub["version"], timeout=60)
+            assert {st["active_digest"] for st in statuses.values()} == {pub["digest"]}
+        # every region took in each chunk from outside at least once, and (on a clean
+        # loopback) nothing more than one copy per region
+        cross = _cross_bytes(statuses)
+        assert 2 * sum(patch_bytes) <= cross <= 1.05 * 2 * sum(patch_bytes)
+        trainer = fleet.trainer_status()
+        assert trainer is not None
+        assert sum(trainer["bytes"]["sent"].values()) <= 2 * sum(patch_bytes)
+        assert all(st["bad_chunks"] == 0 for st in statuses.values())
+        # a member that announces a manifest signed by an untrusted key is cut off
+        secret = bytes.fromhex((fleet.workdir / "swarm.secret").read_text().strip())
+        target = fleet.nodes[0]
+        ended = asyncio.run(_rogue_announce(target.addr, secret, _forged_manifest()))
+        assert ended.startswith("closed")
+        st = fleet.status(target)
+        assert st["active_version"] == pub["version"] and st["staged_versions"] == []
+        assert fleet.http(target.addr, "/healthz") == b"ok\n"
+        metrics = fleet.http(target.addr, "/metrics").decode()
+        assert "patchswarm_active_version" in metrics
+
+
+@pytest.mark.slow
+def test_killed_node_resumes_from_its_store() -> None:
+    with LoopbackFleet(2, 3, chunk_size=4 * 1024) as fleet:
+        fleet.start(timeout=120)
+        v2 = fleet.publish()
+        fleet.wait_version(v2["version"], timeout=60)
+        victim = fleet.nodes[4]
+        v3 = fleet.publish()
+        fleet.kill(victim, signal.SIGKILL)  # mid-transfer of v3 (~80 chunks of 4 KiB)
+        others = [n for n in fleet.nodes if n is not victim]
+        fleet.wait_version(v3["version"], timeout=90, nodes=others)
+        fleet.start_node(victim)
+        fleet.wait_healthy(60, [victim])
+        st = fleet.wait_version(v3["version"], timeout=60, nodes=[victim])[victim.name]
+        assert st["active_digest"] == v3["digest"]
+        # v2 came back from the store: the restarted node fetched at most v3 again
+        # (endgame duplicates aside)
+        got = sum(st["bytes"]["received"].values()) - st["dup_chunks"] * 4 * 1024
+        assert got <= v3["patch_bytes"]
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(reason="core gap: a dropped corrupt peer is redialled (no ban by node id) "
+                          "and its region can stall; see the issue-4 report", strict=False)
+def test_corrupt_chunk_sender_is_detected_and_the_rest_converge() -> None:
+    # n0-2 joins after the two border nodes of region-0, so it serves only its region
+    env = {"n0-2": {"PATCHSWARM_FAULTS": "corrupt_chunks"}}
+    with LoopbackFleet(2, 3, chunk_size=8 * 1024, node_env=env) as fleet:
+        fleet.start(timeout=120)
+        bad = 0
+        for _ in range(2):
+            pub = fleet.publish()
+            statuses = fleet.wait_version(pub["version"], timeout=90)
+            assert {st["active_digest"] for st in statuses.values()} == {pub["digest"]}
+            bad = sum(st["bad_chunks"] for st in statuses.values())
+        assert bad >= 1

@@ -1,0 +1,98 @@
+"""Node config validation: every mistake is a ConfigError naming its key."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from node.config import load_config, parse_config
+from swarm.errors import ConfigError
+
+SECRET = "ab" * 32
+
+
+def _doc(**over: dict) -> dict:
+    d = {
+        "node": {"id": "n1", "region": "r1", "model": "m"},
+        "network": {"listen": "127.0.0.1:7400", "bootstrap": ["127.0.0.1:7401"],
+                    "swarm_secret": SECRET},
+        "trust": {"trainer_keys": ["trainer.pub"]},
+        "store": {"dir": "store"},
+        "weights": {"base": "base.safetensors"},
+    }
+    for section, values in over.items():
+        d.setdefault(section, {}).update(values)
+    return d
+
+
+def test_valid_config_resolves_paths_and_core_knobs(tmp_path: Path) -> None:
+    cfg = parse_config(_doc(swarm={"mesh_degree": 5, "heartbeat_s": 2}), tmp_path)
+    assert cfg.store_dir == tmp_path / "store"
+    assert cfg.trainer_keys == (tmp_path / "trainer.pub",)
+    core = cfg.core_config()
+    assert core.mesh_degree == 5 and core.heartbeat_s == 2.0
+    assert core.active_version == 1 and core.listen_addr == "127.0.0.1:7400"
+
+
+@pytest.mark.parametrize(("over", "key"), [
+    ({"network": {"listen": "nohost"}}, "network.listen"),
+    ({"network": {"listen": "h:99999"}}, "network.listen"),
+    ({"network": {"bootstrap": [1]}}, "network.bootstrap[0]"),
+    ({"network": {"swarm_secret": "zz"}}, "network.swarm_secret"),
+    ({"network": {"swarm_secret": "ab"}}, "network.swarm_secret"),
+    ({"node": {"role": "king"}}, "node.role"),
+    ({"node": {"id": ""}}, "node.id"),
+    ({"store": {"quota_bytes": -1}}, "store.quota_bytes"),
+    ({"store": {"fsync": "yes"}}, "store.fsync"),
+    ({"weights": {"device": "tpu"}}, "weights.device"),
+    ({"weights": {"base_version": 0}}, "weights.base_version"),
+    ({"trust": {"trainer_keys": []}}, "trust.trainer_keys"),
+    ({"swarm": {"mesh_degree": "six"}}, "swarm.mesh_degree"),
+    ({"swarm": {"no_such_knob": 1}}, "swarm.no_such_knob"),
+    ({"swarm": {"node_id": "x"}}, "swarm.node_id"),
+    ({"swarm": {"pipeline": 0}}, "pipeline"),
+    ({"bogus": {"x": 1}}, "bogus"),
+    ({"store": {"dirr": "x"}}, "store.dirr"),
+])
+def test_bad_values_name_their_key(tmp_path: Path, over: dict, key: str) -> None:
+    with pytest.raises(ConfigError, match=key.replace("[", r"\[").replace("]", r"\]")):
+        parse_config(_doc(**over), tmp_path)
+
+
+def test_origin_needs_a_signing_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"publish\.signing_key"):
+        parse_config(_doc(node={"role": "origin"}), tmp_path)
+
+
+def test_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[node\nid=")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+
+
+def test_example_configs_parse(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parent.parent / "configs"
+    for name in ("node.toml", "trainer.toml"):
+        (tmp_path / "swarm.secret").write_text(SECRET)
+        text = (root / name).read_text()
+        (tmp_path / name).write_text(text)
+        cfg = load_config(tmp_path / name)
+        assert cfg.model == "all-MiniLM-L6-v2"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.dictionaries(st.sampled_from(["node", "network", "store", "weights", "swarm", "x"]),
+                       st.dictionaries(st.text(max_size=12),
+                                       st.one_of(st.integers(), st.text(max_size=8),
+                                                 st.booleans(), st.lists(st.integers(), max_size=2)),
+                                       max_size=4), max_size=5))
+def test_arbitrary_documents_never_crash(doc: dict) -> None:
+    with contextlib.suppress(ConfigError):
+        parse_config(doc, Path("/nonexistent"))

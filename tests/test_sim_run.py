@@ -1,0 +1,130 @@
+"""End-to-end runs of the real protocol core in the simulator.
+
+These drive ``swarm.protocol.core.NodeCore`` (no stand-in) over small fleets and
+check what must hold whatever the protocol's quality: every live node gets the
+payload, no run beats the flow lower bound, each remote region takes in at
+least one copy, same seed gives the same report.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from simulations.report import deterministic_view
+from simulations.runner import run_strategy
+from simulations.scenario import STRATEGIES, parse_scenario
+
+pytest.importorskip("swarm.protocol.core", reason="protocol core not built yet")
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "sim"
+
+
+def tiny(**over):
+    doc = {
+        "name": "tiny",
+        "seed": 3,
+        "payload": {"patch": "4 MiB", "chunk": "256 KiB", "full": "8 MiB", "start_s": 1.0},
+        "trainer": {"uplink_mbps": 1000},
+        "defaults": {"uplink_mbps": 500, "downlink_mbps": 500, "latency_ms": 0.5},
+        "regions": [{"name": "a", "nodes": 6}, {"name": "b", "nodes": 6}, {"name": "c", "nodes": 4}],
+        "links": {"mbps": 1000, "latency_ms": 20},
+        "max_time_s": 300,
+    }
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(doc.get(k), dict):
+            doc[k] = {**doc[k], **v}
+        else:
+            doc[k] = v
+    return parse_scenario(doc)
+
+
+def check_invariants(sc, fig):
+    assert fig["incomplete_nodes"] == 0, fig["per_version"]
+    assert fig["t_p100_s"] is not None
+    # no schedule beats the flow bound (the bound is a true lower bound)
+    assert fig["t_p100_s"] >= fig["lower_bound_s"] * 0.999
+    assert fig["t_p50_s"] <= fig["t_p90_s"] <= fig["t_p99_s"] <= fig["t_p100_s"]
+    F = fig["payload_bytes"] * sc.versions
+    # every region outside the trainer's site takes in at least one copy
+    assert fig["cross_region_ratio"] >= 0.999
+    for r in fig["per_region"].values():
+        assert r["inflow_bytes"] >= F * 0.999
+    assert fig["trainer_egress_bytes"] >= F
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_each_strategy_delivers_to_every_node(strategy):
+    sc = tiny()
+    _, fig = run_strategy(sc, strategy)
+    check_invariants(sc, fig)
+    assert fig["strategy"] == strategy
+    if strategy == "full":
+        assert fig["payload_bytes"] == sc.full_bytes
+
+
+def test_same_seed_same_report_other_seed_other_report():
+    sc = tiny(faults={"churn": 0.2, "churn_window_s": [1.0, 1.2], "downtime_s": 0.3})
+    a = run_strategy(sc, "patchswarm", seed=5)[1]
+    b = run_strategy(sc, "patchswarm", seed=5)[1]
+    c = run_strategy(sc, "patchswarm", seed=6)[1]
+    assert json.dumps(deterministic_view(a)) == json.dumps(deterministic_view(b))
+    assert deterministic_view(a) != deterministic_view(c)
+
+
+def test_churn_every_live_node_completes():
+    sc = tiny(faults={"churn": 0.25, "churn_window_s": [1.0, 1.1], "downtime_s": 0.2})
+    run, fig = run_strategy(sc, "patchswarm")
+    assert run.churn["left"] == round(0.25 * sc.nodes)
+    assert run.churn["rejoined"] == run.churn["left"]
+    check_invariants(sc, fig)
+
+
+def test_leavers_that_never_return_do_not_block_completion():
+    sc = tiny(faults={"churn": 0.2, "churn_window_s": [1.0, 1.1], "rejoin": False})
+    _, fig = run_strategy(sc, "patchswarm")
+    assert fig["live_nodes"] == sc.nodes - round(0.2 * sc.nodes)
+    assert fig["incomplete_nodes"] == 0
+
+
+def test_region_cut_heals_and_completes():
+    sc = tiny(faults={"cuts": [{"region": "b", "start_s": 1.0, "duration_s": 2.0}]})
+    _, fig = run_strategy(sc, "patchswarm")
+    assert fig["incomplete_nodes"] == 0
+    # region b cannot finish before the cut heals at t=3 s (2 s after publication)
+    assert fig["per_region"]["b"]["t_p100_s"] >= 2.0
+
+
+def test_several_versions_in_sequence():
+    sc = tiny(payload={"versions": 3})
+    _, fig = run_strategy(sc, "patchswarm")
+    assert [pv["completed"] for pv in fig["per_version"]] == [sc.nodes] * 3
+    check_invariants(sc, fig)
+
+
+def test_cli_writes_report_and_plots(tmp_path):
+    from swarm.cli import main
+
+    out = tmp_path / "out"
+    rc = main(["sim", str(CONFIGS / "loopback-2x4.toml"), "--out", str(out), "--quiet",
+               "--strategies", "patchswarm", "direct"])
+    assert rc == 0
+    rep = json.loads((out / "report.json").read_text())
+    for key in ("nodes", "regions", "patch_bytes", "chunk_bytes", "strategy", "t_p50_s", "t_p90_s",
+                "t_p99_s", "t_p100_s", "lower_bound_s", "t_p100_over_bound", "cross_region_bytes",
+                "cross_region_ratio", "trainer_egress_bytes", "per_region", "wall_s", "events"):
+        assert key in rep, key
+    assert set(rep["strategies"]) == {"patchswarm", "direct"}
+    assert (out / "cdf.png").stat().st_size > 1000
+    assert (out / "patchswarm.png").stat().st_size > 1000
+
+
+def test_cli_rejects_bad_scenario(tmp_path, capsys):
+    from swarm.cli import main
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[payload]\npatch = "1 MiB"\n[[regions]]\nname = "a"\nnodes = -1\n')
+    assert main(["sim", str(bad), "--out", str(tmp_path / "o")]) == 1
+    assert "regions[0].nodes" in capsys.readouterr().err
