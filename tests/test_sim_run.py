@@ -74,6 +74,23 @@ def test_same_seed_same_report_other_seed_other_report():
     assert deterministic_view(a) != deterministic_view(c)
 
 
+def test_same_seed_same_report_across_processes(tmp_path):
+    """String hashing differs per process (PYTHONHASHSEED); the report must not."""
+    import os
+    import subprocess
+    import sys
+
+    reports = []
+    for hashseed in ("1", "2"):
+        out = tmp_path / hashseed
+        env = {**os.environ, "PYTHONHASHSEED": hashseed}
+        subprocess.run([sys.executable, "-m", "swarm.cli", "sim", str(CONFIGS / "loopback-2x4.toml"),
+                        "--out", str(out), "--quiet", "--no-plots"], check=True, env=env,
+                       cwd=CONFIGS.parent.parent, capture_output=True, timeout=120)
+        reports.append(deterministic_view(json.loads((out / "report.json").read_text())))
+    assert reports[0] == reports[1]
+
+
 def test_churn_every_live_node_completes():
     sc = tiny(faults={"churn": 0.25, "churn_window_s": [1.0, 1.1], "downtime_s": 0.2})
     run, fig = run_strategy(sc, "patchswarm")

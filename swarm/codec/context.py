@@ -104,6 +104,63 @@ def bucket_of(mags: np.ndarray, thresholds: list[int]) -> np.ndarray:
     return out
 
 
+SUB = 128  # sub-block size for counting members without materialising them
+_POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.uint8)
+
+
+def _sub_counts(mask: np.ndarray) -> np.ndarray:
+    """Members per SUB-element sub-block, via packbits + a popcount table (fast)."""
+    pc = _POPCOUNT[np.packbits(mask)]
+    pad = (-pc.size) % (SUB // 8)
+    if pad:
+        pc = np.concatenate([pc, np.zeros(pad, dtype=np.uint8)])
+    return pc.reshape(-1, SUB // 8).sum(axis=1, dtype=np.int64)
+
+
+def _rows(mask: np.ndarray, sb: np.ndarray) -> np.ndarray:
+    """The SUB mask bits of each listed sub-block, one row each (False past the end)."""
+    cols = np.arange(SUB)
+    idx = sb[:, None] * SUB + cols
+    inside = idx < mask.size
+    return mask[np.minimum(idx, mask.size - 1)] & inside
+
+
+def _sparse(count: int, size: int) -> bool:
+    return count * SUB * 4 < size
+
+
+def _prefix_counts(mask: np.ndarray, p: np.ndarray) -> tuple[np.ndarray, int]:
+    """For sorted distinct local positions ``p``: how many True in ``mask`` precede each,
+    and the mask's total, without index arrays of the block's size."""
+    if p.size == 0:
+        return p, int(np.count_nonzero(mask))
+    if _sparse(p.size, mask.size):
+        counts = _sub_counts(mask)
+        cum = np.concatenate([[0], np.cumsum(counts)])
+        sb = p // SUB
+        partial = (_rows(mask, sb) & (np.arange(SUB) < (p - sb * SUB)[:, None])).sum(axis=1)
+        return cum[sb] + partial, int(cum[-1])
+    head = int(np.count_nonzero(mask[: p[0]]))
+    seg = np.add.reduceat(mask, p, dtype=np.int64)  # sums over [p_i, p_{i+1}) and [p_last, end)
+    before = np.empty(p.size, dtype=np.int64)
+    before[0] = head
+    np.cumsum(seg[:-1], out=before[1:])
+    before[1:] += head
+    return before, head + int(seg.sum())
+
+
+def _select(mask: np.ndarray, local: np.ndarray) -> np.ndarray:
+    """Positions of the ``local``-th True elements of ``mask`` (sorted ranks)."""
+    if not _sparse(local.size, mask.size):
+        return np.flatnonzero(mask)[local]
+    counts = _sub_counts(mask)
+    cum = np.cumsum(counts)
+    sb = np.searchsorted(cum, local, side="right")
+    within = local - (cum[sb] - counts[sb])
+    seen = np.cumsum(_rows(mask, sb), axis=1)
+    return sb * SUB + np.argmax(seen > within[:, None], axis=1)
+
+
 def encode_ranks(old_bits: np.ndarray, idx: np.ndarray, thresholds: list[int],
                  dt: DType) -> list[np.ndarray]:
     """For each bucket, the sorted ranks of its changed elements within the bucket."""
@@ -111,27 +168,27 @@ def encode_ranks(old_bits: np.ndarray, idx: np.ndarray, thresholds: list[int],
     buckets = bucket_of(magnitude(old_bits[idx], dt), thresholds)
     ranks = [np.empty(int((buckets == b).sum()), dtype=np.int64) for b in range(nb)]
     filled = [0] * nb
-    below = [0] * (nb + 1)  # running count of members of S_j = {mag < t_j}, j = 1..T
+    below = [0] * (nb + 1)  # running count of S_j = {mag < t_j} in earlier blocks, j = 1..T
     n = old_bits.size
     for start in range(0, n, BLOCK):
         stop = min(n, start + BLOCK)
-        lo, hi = np.searchsorted(idx, [start, stop])
+        lo, hi = (int(x) for x in np.searchsorted(idx, [start, stop]))
         mag = magnitude(old_bits[start:stop], dt)
-        members = [np.flatnonzero(mag < t) for t in thresholds]
-        if hi > lo:
-            p = idx[lo:hi] - start
-            bk = buckets[lo:hi]
-            for b in range(nb):
-                sel = p[bk == b]
-                if sel.size == 0:
-                    continue
-                upper = (np.searchsorted(members[b], sel) + below[b + 1]) if b < nb - 1 \
-                    else sel + start
-                lower = (np.searchsorted(members[b - 1], sel) + below[b]) if b > 0 else 0
-                ranks[b][filled[b]:filled[b] + sel.size] = upper - lower
-                filled[b] += sel.size
-        for j, m in enumerate(members):
-            below[j + 1] += m.size
+        p = idx[lo:hi] - start
+        # c[j][i]: members of S_j before position i (global); S_0 is empty, S_{T+1} is all.
+        c = [np.zeros(p.size, dtype=np.int64)]
+        for j, t in enumerate(thresholds, start=1):
+            before, total = _prefix_counts(mag < t, p)
+            c.append(before + below[j])
+            below[j] += total
+        c.append(p + start)
+        bk = buckets[lo:hi]
+        for b in range(nb):
+            sel = bk == b
+            m = int(np.count_nonzero(sel))
+            if m:
+                ranks[b][filled[b]:filled[b] + m] = c[b + 1][sel] - c[b][sel]
+                filled[b] += m
     return ranks
 
 
@@ -143,6 +200,7 @@ def decode_positions(old_block: Callable[[int, int], np.ndarray], n: int,
     ``old_block(start, stop)`` returns the old bit patterns of one block (on the
     host), so a CUDA tensor is read a block at a time, never copied whole."""
     nb = len(thresholds) + 1
+    edges = [None, *thresholds, None]
     out = [np.empty(r.size, dtype=np.int64) for r in ranks]
     done = [0] * nb
     seen = [0] * nb  # bucket members in earlier blocks
@@ -151,21 +209,22 @@ def decode_positions(old_block: Callable[[int, int], np.ndarray], n: int,
             break
         stop = min(n, start + BLOCK)
         mag = magnitude(old_block(start, stop), dt)
-        members = [np.flatnonzero(mag < t) for t in thresholds]
         for b in range(nb):
-            # S_{b+1} within the block (all elements for the last bucket), minus S_b.
-            upper = members[b] if b < nb - 1 else None
-            lower = members[b - 1] if b > 0 else None
-            size_upper = upper.size if upper is not None else stop - start
-            count = size_upper - (lower.size if lower is not None else 0)
+            lo_t, hi_t = edges[b], edges[b + 1]
+            if lo_t is None and hi_t is None:
+                mask = None
+            elif lo_t is None:
+                mask = mag < hi_t
+            elif hi_t is None:
+                mask = mag >= lo_t
+            else:
+                mask = (mag >= lo_t) & (mag < hi_t)
+            count = stop - start if mask is None else int(np.count_nonzero(mask))
             r = ranks[b]
             hi = int(np.searchsorted(r, seen[b] + count))
             if hi > done[b]:
                 local = r[done[b]:hi] - seen[b]
-                if lower is not None and lower.size:
-                    q = np.searchsorted(upper, lower) if upper is not None else lower
-                    local = local + np.searchsorted(q - np.arange(q.size), local, side="right")
-                pos = upper[local] if upper is not None else local
+                pos = local if mask is None else _select(mask, local)
                 out[b][done[b]:hi] = pos + start
                 done[b] = hi
             seen[b] += count

@@ -51,7 +51,8 @@ class CoreConfig:
     endgame_chunks: int = 8  # duplicate requests only when this few chunks are missing
     slow_factor: float = 4.0  # evict a peer slower than this x the median of peers
     slow_min_samples: int = 3
-    max_bad_chunks: int = 2  # corrupt chunks before a peer is dropped
+    max_bad_chunks: int = 2  # corrupt chunks (per node id, across reconnects) before a ban
+    ban_s: float = 600.0  # a banned node id is refused (and not dialled) for this long
     max_timeouts: int = 3  # request timeouts before a peer is dropped
     # ---- seeding (origin)
     border_inflight: int = 2  # chunks in flight into a region per border node
@@ -80,6 +81,8 @@ class CoreConfig:
         for name in ("heartbeat_s", "peer_timeout_s", "request_timeout_s", "handshake_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}: must be > 0")
+        if self.ban_s < 0:
+            raise ConfigError("ban_s: must be >= 0")
         if self.have_batch_s < 0:
             raise ConfigError("have_batch_s: must be >= 0")
         if not isinstance(self.swarm_secret, bytes):

@@ -53,12 +53,13 @@ REJECT = 11  # [11, version, [index, ...]]
 RELAY = 12  # [12, version, index, target node id]  origin -> border
 RELAY_FAIL = 13  # [13, version, index, target node id]  border -> origin
 LINKS = 14  # [14, [node id, ...]]  border -> origin: cross-region links it holds
+REPORT = 15  # [15, node id]  node -> origin: I banned this node (it sent corrupt chunks)
 
 NAMES = {
     HELLO: "HELLO", AUTH: "AUTH", PING: "PING", PEERS: "PEERS", ROLE: "ROLE",
     ANNOUNCE: "ANNOUNCE", BITFIELD: "BITFIELD", HAVE: "HAVE", REQUEST: "REQUEST",
     CANCEL: "CANCEL", REJECT: "REJECT", RELAY: "RELAY", RELAY_FAIL: "RELAY_FAIL",
-    LINKS: "LINKS",
+    LINKS: "LINKS", REPORT: "REPORT",
 }
 
 PEER_ORIGIN = 1
@@ -183,6 +184,9 @@ def decode(frame: bytes) -> list:
             raise ProtocolError(f"LINKS: expected at most {MAX_PEERS} ids")
         for e in f[1]:
             _str(e, MAX_ID_LEN, "link id")
+    elif t == REPORT:
+        _arity(f, 2, name)
+        _str(f[1], MAX_ID_LEN, "reported id")
     return f
 
 
