@@ -1,7 +1,10 @@
 # A rollout node: docker build -t patchswarm-node . && docker run -v $PWD/etc:/etc/patchswarm \
 #   -v patchswarm-store:/var/lib/patchswarm -p 7400:7400 patchswarm-node
 # GPU hosts: build FROM a CUDA base with the CUDA torch wheel installed first instead.
+# For a CPU-only image pass your CPU wheel index:
+#   docker build --build-arg PIP_EXTRA_INDEX_URL=<your torch CPU wheel index> .
 FROM python:3.11-slim
+ARG PIP_EXTRA_INDEX_URL=""
 
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 WORKDIR /opt/patchswarm
@@ -11,7 +14,7 @@ COPY swarm ./swarm
 COPY node ./node
 COPY trainer ./trainer
 COPY simulations ./simulations
-RUN pip install --extra-index-url https://download.pytorch.org/whl/cpu -c constraints.txt . \
+RUN pip install -c constraints.txt . \
  && useradd --system --uid 10001 --home-dir /var/lib/patchswarm --create-home patchswarm \
  && mkdir -p /etc/patchswarm && chown patchswarm /var/lib/patchswarm
 

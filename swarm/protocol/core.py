@@ -108,6 +108,12 @@ class NodeCore:
         self.is_border = False
         self._links_sent: frozenset[str] = frozenset()
         self._kind_origin = config.is_origin
+        # bans: corrupt chunks are counted per node id, so reconnecting does not reset them
+        self._bad_by_id: dict[str, int] = {}
+        self._banned: dict[str, float] = {}  # node id -> banned until
+        self._reports: list[str] = []  # bans not yet reported to the origin
+        self._want_origin = False  # lost a kept origin link: redial the bootstrap list
+        self._origin_dial_at = float("-inf")
         self.seeder = Seeder(self) if config.is_origin else None
 
     # ================================================================ public API
@@ -161,6 +167,65 @@ class NodeCore:
 
     def have(self, version: int) -> set[int]:
         return set(iter_bits(self._have.get(version, 0)))
+
+    def banned(self, node_id: str) -> bool:
+        """True while ``node_id`` is banned (it sent corrupt chunks, or the origin was told so)."""
+        until = self._banned.get(node_id)
+        if until is None:
+            return False
+        if until <= self.now:
+            del self._banned[node_id]
+            self._bad_by_id.pop(node_id, None)
+            return False
+        return True
+
+    def ban(self, node_id: str, reason: str) -> None:
+        """Refuse ``node_id`` for ``ban_s``: close its link, forget its address, never dial it.
+
+        A node (not the origin) also reports the ban to the origin, which re-plans
+        chunks a banned border was the region's only source of.
+        """
+        if not node_id or node_id == self.cfg.node_id:
+            return
+        first = not self.banned(node_id)
+        self._banned[node_id] = self.now + self.cfg.ban_s
+        self.book.remove(node_id)
+        conn = self.by_id.get(node_id)
+        if conn is not None:
+            self._close(self.peers[conn], reason, "warning")
+        if not first:
+            return
+        self._log("warning", "peer_banned", peer=node_id, reason=reason, seconds=self.cfg.ban_s)
+        if self.cfg.is_origin:
+            if self.seeder is not None:
+                self.seeder.schedule()
+            return
+        if node_id not in self._reports:
+            self._reports.append(node_id)
+        self._flush_reports()
+
+    def _flush_reports(self) -> None:
+        """Send pending bans to the origin; with no origin link, dial the bootstrap list."""
+        if not self._reports:
+            return
+        for p in self.peers.values():
+            if p.state == hs.READY and p.is_origin:
+                for node_id in self._reports:
+                    self._send(p, wire.encode(wire.REPORT, node_id))
+                self._reports.clear()
+                return
+        self._dial_origin()
+
+    def _dial_origin(self) -> None:
+        """Dial the bootstrap list (the origin is the tracker), at most once per ``redial_s``."""
+        if self.now - self._origin_dial_at < self.cfg.redial_s:
+            return
+        if any(a in self._dialing for a in self.cfg.bootstrap):
+            return
+        self._origin_dial_at = self.now
+        for addr in self.cfg.bootstrap:
+            if self._retry_at.get(addr, 0.0) <= self.now:
+                self._dial(addr)
 
     def complete(self, version: int) -> bool:
         return version in self._full and self._have[version] == self._full[version]
@@ -263,6 +328,9 @@ class NodeCore:
             self._pump_uploads()
         if self.seeder is not None:
             self.seeder.on_leave(p)
+        if p.is_origin and p.kept and not self.cfg.is_origin:
+            # the origin went away (restart, one-shot publish, network): come back to it
+            self._want_origin = True
         if p.is_origin and self.is_border:
             self.is_border = False
             self._links_sent = frozenset()
@@ -300,6 +368,11 @@ class NodeCore:
 
     def _on_hello(self, p: Peer, f: list, raw: bytes) -> None:
         hs.check_hello(f, model=self.cfg.model, node_id=self.cfg.node_id)
+        if self.banned(f[3]):
+            if p.outbound:
+                self._retry_at[p.addr] = self.now + self.cfg.redial_s
+            self._close(p, "banned")
+            return
         p.hello_in = raw
         p.node_id, p.region, p.listen_addr, p.role = f[3], f[4], f[5], f[6]
         p.state = hs.AUTH_WAIT
