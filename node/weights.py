@@ -81,7 +81,7 @@ class InProcessWeights(EngineAdapter):
         self.version = version
         self.digest = state_digest(weights)
         self.lock = threading.RLock()
-        self._staged: tuple[int, str, bytes] | None = None
+        self._staged: tuple[int, str, object] | None = None
 
     @classmethod
     def load(cls, path: Path, version: int, device: str = "auto") -> InProcessWeights:
@@ -98,43 +98,43 @@ class InProcessWeights(EngineAdapter):
         return cls(dict(weights), version, dev)
 
     def stage(self, version: int, kind: str, payload: bytes, base_digest: bytes | None) -> None:
+        """Decode the patch against the served weights (they keep serving meanwhile)."""
         if version <= self.version:
             raise PatchApplyError(f"version {version} is not newer than active {self.version}")
         if kind == "patch":
-            from swarm.codec.format import decode_header
+            from swarm.codec import stage_patch
 
-            header = decode_header(payload)
             if base_digest is not None and base_digest != self.digest:
                 raise PatchApplyError(
                     f"version {version} patches another state than the active version {self.version}")
-            if header.base_digest is not None and header.base_digest != self.digest:
+            with self.lock:
+                applier = stage_patch(self.weights, payload)  # base digest checked, nothing changed
+            header = applier.header
+            if header is not None and header.base_digest is not None and header.base_digest != self.digest:
                 raise PatchApplyError(f"patch of version {version} has another base than ours")
-        elif kind != "full":
+            self._staged = (version, kind, applier)
+        elif kind == "full":
+            self._staged = (version, kind, payload)
+        else:
             raise PatchFormatError(f"unknown payload kind {kind!r}")
-        self._staged = (version, kind, payload)
 
     def commit(self, version: int, target_digest: bytes) -> bytes:
+        """Apply what ``stage`` decoded: only the scatter and the digest checks run here."""
         if self._staged is None or self._staged[0] != version:
             raise PatchApplyError(f"version {version} was not staged")
-        _, kind, payload = self._staged
+        _, kind, staged = self._staged
         self._staged = None
         with self.lock:
             if kind == "patch":
-                from swarm.codec import apply_patch
-                from swarm.codec.format import decode_header
-
-                promised = decode_header(payload).target_digest
+                promised = staged.header.target_digest
                 if promised is not None and promised != target_digest:
                     raise PatchApplyError(
                         f"version {version}: the patch targets another state than its manifest")
-                report = apply_patch(self.weights, payload)  # checks the target; rolls back
-                digest = report.target_digest
-                if digest != target_digest:  # a patch without a target digest in its header
-                    raise PatchApplyError(
-                        f"version {version}: digest after apply differs from the manifest "
-                        "(restart the node to reload a clean state)")
+                if promised is None:
+                    raise PatchApplyError(f"version {version}: patch carries no target digest")
+                digest = staged.finish().target_digest  # checks the target; rolls back on failure
             else:
-                digest = self._replace_full(payload, version, target_digest)
+                digest = self._replace_full(staged, version, target_digest)
             self.version = version
             self.digest = digest
         return digest

@@ -55,9 +55,11 @@ class _Undo:
 
 class PatchApplier:
     def __init__(self, weights: MutableMapping[str, torch.Tensor], *,
-                 check_base: bool = True) -> None:
+                 check_base: bool = True, stage: bool = False) -> None:
         self.weights = weights
         self.check_base = check_base
+        # stage=True: records are decoded as they arrive but applied only by commit().
+        self.staged: list[_Edit] | None = [] if stage else None
         self.header: PatchHeader | None = None
         self._buf = bytearray()
         self._next = 0
@@ -85,7 +87,10 @@ class PatchApplier:
         return self._next
 
     def finish(self) -> ApplyReport:
-        """Check that the patch is complete and the result is the target; else roll back."""
+        """Check that the patch is complete and the result is the target; else roll back.
+
+        In stage mode this is the commit: every decoded record is applied here,
+        so the weights change only inside this call (the engine's pause)."""
         try:
             if self.header is None:
                 self._drain()
@@ -99,6 +104,10 @@ class PatchApplier:
                     f"(record for {name!r} incomplete)")
             if self._buf:
                 raise PatchFormatError(f"{len(self._buf)} trailing bytes after the last record")
+            if self.staged is not None:
+                for edit in self.staged:
+                    self._commit_edit(edit)
+                self.staged = None
             digest = state_digest(self.weights, self._digests)
             if self.header.target_digest is not None and digest != self.header.target_digest:
                 raise PatchApplyError(
@@ -155,19 +164,65 @@ class PatchApplier:
             raise PatchFormatError(f"{len(self._buf)} trailing bytes after the last record")
 
     def _apply_record(self, entry: TableEntry, body: memoryview) -> None:
+        edit = self._decode_record(entry, body)
+        if self.staged is None:
+            self._commit_edit(edit)
+        else:
+            self.staged.append(edit)
+
+    def _decode_record(self, entry: TableEntry, body: memoryview) -> _Edit:
+        """Decode one record against the current weights, without changing them."""
         what = f"record {self._next} ({entry.name})"
         r = BodyReader(body, what)
         if entry.op == Op.DELETE:
             r.done()
             if entry.name not in self.weights:
                 raise PatchApplyError(f"{what}: tensor to delete is not in the weights")
-            self._undo.append(_Undo(entry.name, "put", self.weights.pop(entry.name)))
-            return
+            return _Edit(entry, what, b"", "delete", None)
         digest = bytes(r.take(DIGEST_BYTES))
+        dt = entry.dtype
         if entry.op == Op.FULL:
-            self._apply_full(entry, r, digest)
+            bits = records.decode_blob(r, entry.numel, dt)
+            new = torch.from_numpy(bits.copy()).view(dt.torch_dtype).reshape(entry.shape)
+            return _Edit(entry, what, digest, "put", new)
+        t = self._base_tensor(entry, what)
+        if entry.op == Op.DENSE:
+            return _Edit(entry, what, digest, "xor", records.decode_blob(r, entry.numel, dt))
+        reader = _block_reader(t) if entry.op == Op.SPARSE_CTX else None
+        idx, head = records.decode_sparse_positions(r, entry.numel, dt, reader)
+        old = _gather(t, idx)
+        new = records.decode_sparse_values(head, old, dt, what)
+        return _Edit(entry, what, digest, "sparse", (idx, old, new))
+
+    def _commit_edit(self, edit: _Edit) -> None:
+        """Apply a decoded record in place, logging its undo, then check its digest."""
+        name = edit.entry.name
+        if edit.kind == "delete":
+            self._undo.append(_Undo(name, "put", self.weights.pop(name)))
+            return
+        if edit.kind == "put":
+            old = self.weights.get(name)
+            device = old.device if old is not None else _default_device(self.weights)
+            t = edit.data.to(device)  # type: ignore[union-attr]
+            self.weights[name] = t
+            self._undo.append(_Undo(name, "put", old))
+            self._changed += edit.entry.numel
         else:
-            self._apply_in_place(entry, r, digest, what)
+            t = self._base_tensor(edit.entry, edit.what)
+            if edit.kind == "xor":
+                _xor_into(t, edit.data)  # type: ignore[arg-type]
+                self._undo.append(_Undo(name, "xor", edit.data))
+                self._changed += int(np.count_nonzero(edit.data))
+            else:
+                idx, old, new = edit.data  # type: ignore[misc]
+                _scatter(t, idx, new)
+                self._undo.append(_Undo(name, "sparse", (idx, old)))
+                self._changed += int(idx.size)
+        got = tensor_digest(t)
+        if got[:DIGEST_BYTES] != edit.digest:
+            raise PatchApplyError(
+                f"{edit.what}: tensor digest after apply does not match (wrong base tensor)")
+        self._digests[name] = got
 
     def _base_tensor(self, entry: TableEntry, what: str) -> torch.Tensor:
         t = self.weights.get(entry.name)
@@ -181,41 +236,16 @@ class PatchApplier:
             raise PatchApplyError(f"{what}: base tensor is not contiguous")
         return t
 
-    def _apply_in_place(self, entry: TableEntry, r: BodyReader, digest: bytes, what: str) -> None:
-        t = self._base_tensor(entry, what)
-        dt = entry.dtype
-        if entry.op in (Op.SPARSE, Op.SPARSE_CTX):
-            reader = _block_reader(t) if entry.op == Op.SPARSE_CTX else None
-            idx, head = records.decode_sparse_positions(r, entry.numel, dt, reader)
-            old = _gather(t, idx)
-            new = records.decode_sparse_values(head, old, dt, what)
-            _scatter(t, idx, new)
-            self._undo.append(_Undo(entry.name, "sparse", (idx, old)))
-            self._changed += int(idx.size)
-        else:  # DENSE
-            xor = records.decode_blob(r, entry.numel, dt)
-            _xor_into(t, xor)
-            self._undo.append(_Undo(entry.name, "xor", xor))
-            self._changed += int(np.count_nonzero(xor))
-        self._verify(entry, t, digest, what)
 
-    def _apply_full(self, entry: TableEntry, r: BodyReader, digest: bytes) -> None:
-        bits = records.decode_blob(r, entry.numel, entry.dtype)
-        old = self.weights.get(entry.name)
-        device = old.device if old is not None else _default_device(self.weights)
-        new = torch.from_numpy(bits.copy()).view(entry.dtype.torch_dtype).reshape(entry.shape)
-        new = new.to(device)
-        self.weights[entry.name] = new
-        self._undo.append(_Undo(entry.name, "put", old))
-        self._changed += entry.numel
-        self._verify(entry, new, digest, f"record {self._next} ({entry.name})")
+@dataclass
+class _Edit:
+    """One decoded record, ready to be applied: ``kind`` is sparse, xor, put or delete."""
 
-    def _verify(self, entry: TableEntry, t: torch.Tensor, digest: bytes, what: str) -> None:
-        got = tensor_digest(t)
-        if got[:DIGEST_BYTES] != digest:
-            raise PatchApplyError(
-                f"{what}: tensor digest after apply does not match (wrong base tensor)")
-        self._digests[entry.name] = got
+    entry: TableEntry
+    what: str
+    digest: bytes
+    kind: str
+    data: object
 
 
 def _default_device(weights: MutableMapping[str, torch.Tensor]) -> torch.device:
@@ -254,6 +284,19 @@ def _xor_into(t: torch.Tensor, xor: np.ndarray) -> None:
         np.bitwise_xor(flat.numpy(), xor, out=flat.numpy())
     else:
         flat.bitwise_xor_(torch.from_numpy(xor).to(flat.device))
+
+
+def stage_patch(weights: MutableMapping[str, torch.Tensor], patch: bytes | memoryview, *,
+                check_base: bool = True) -> PatchApplier:
+    """Decode a whole patch against ``weights`` without changing them (may run while
+    they are served); ``.finish()`` on the result applies it, all or nothing."""
+    applier = PatchApplier(weights, check_base=check_base, stage=True)
+    try:
+        applier.feed(patch)
+    except BaseException:
+        applier.staged = None
+        raise
+    return applier
 
 
 def apply_patch(weights: MutableMapping[str, torch.Tensor], patch: bytes | memoryview, *,
