@@ -74,12 +74,14 @@ class InProcessWeights(EngineAdapter):
     """
 
     def __init__(self, weights: dict[str, torch.Tensor], version: int, device: str) -> None:
-        from swarm.codec import state_digest
+        from swarm.codec import state_digest, tensor_digest
 
         self.weights = weights
         self.device = device
         self.version = version
-        self.digest = state_digest(weights)
+        # Per-tensor digests of the served state: an apply re-hashes only what it changed.
+        self.tensor_digests = {k: tensor_digest(v) for k, v in weights.items()}
+        self.digest = state_digest(weights, self.tensor_digests)
         self.lock = threading.RLock()
         self._staged: tuple[int, str, object] | None = None
 
@@ -108,7 +110,8 @@ class InProcessWeights(EngineAdapter):
                 raise PatchApplyError(
                     f"version {version} patches another state than the active version {self.version}")
             with self.lock:
-                applier = stage_patch(self.weights, payload)  # base digest checked, nothing changed
+                # base digest checked, nothing changed
+                applier = stage_patch(self.weights, payload, digests=self.tensor_digests)
             header = applier.header
             if header is not None and header.base_digest is not None and header.base_digest != self.digest:
                 raise PatchApplyError(f"patch of version {version} has another base than ours")
@@ -153,6 +156,9 @@ class InProcessWeights(EngineAdapter):
             raise PatchApplyError(f"version {version}: full checkpoint digest differs from the manifest")
         self.weights.clear()
         self.weights.update(new)
+        from swarm.codec import tensor_digest
+
+        self.tensor_digests = {k: tensor_digest(v) for k, v in new.items()}
         return digest
 
     def snapshot(self) -> dict[str, torch.Tensor]:

@@ -54,3 +54,21 @@ def test_stage_of_truncated_patch_fails_on_finish_without_change():
     with pytest.raises(PatchFormatError, match="truncated"):
         staged.finish()
     assert same_bits(weights, old)
+
+
+def test_digest_cache_is_used_and_updated():
+    from swarm.codec import apply_patch, tensor_digest
+
+    old, new = _pair(3)
+    patch = encode_patch(old, new, threads=1).patch
+    weights = clone(old)
+    cache = {k: tensor_digest(v) for k, v in weights.items()}
+    apply_patch(weights, patch, digests=cache)
+    assert cache == {k: tensor_digest(v) for k, v in new.items()}
+    # A stale cache is trusted for unchanged tensors: a wrong entry makes the base check fail.
+    weights2 = clone(old)
+    bad = {k: tensor_digest(v) for k, v in weights2.items()}
+    bad["b"] = bytes(8)
+    with pytest.raises(PatchApplyError, match="base state digest differs"):
+        apply_patch(weights2, patch, digests=bad)
+    assert same_bits(weights2, old)

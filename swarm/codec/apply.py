@@ -55,9 +55,15 @@ class _Undo:
 
 class PatchApplier:
     def __init__(self, weights: MutableMapping[str, torch.Tensor], *,
-                 check_base: bool = True, stage: bool = False) -> None:
+                 check_base: bool = True, stage: bool = False,
+                 digests: MutableMapping[str, bytes] | None = None) -> None:
+        """``digests``: a cache of tensor digests of ``weights`` kept by the caller
+        (e.g. the node's weight holder). Unchanged tensors are then never re-hashed,
+        which matters on a GPU, where hashing means reading the tensor back. It is
+        updated on success and left as it was on failure."""
         self.weights = weights
         self.check_base = check_base
+        self.known = digests
         # stage=True: records are decoded as they arrive but applied only by commit().
         self.staged: list[_Edit] | None = [] if stage else None
         self.header: PatchHeader | None = None
@@ -108,7 +114,7 @@ class PatchApplier:
                 for edit in self.staged:
                     self._commit_edit(edit)
                 self.staged = None
-            digest = state_digest(self.weights, self._digests)
+            digest = state_digest(self.weights, self._merged_digests())
             if self.header.target_digest is not None and digest != self.header.target_digest:
                 raise PatchApplyError(
                     "state digest after apply does not match the patch's target "
@@ -117,7 +123,16 @@ class PatchApplier:
             self.rollback()
             raise
         self._undo.clear()
+        if self.known is not None:
+            for name in [n for n in self.known if n not in self.weights]:
+                del self.known[name]
+            self.known.update(self._digests)
         return ApplyReport(total, self._changed, digest)
+
+    def _merged_digests(self) -> dict[str, bytes]:
+        merged = dict(self.known) if self.known is not None else {}
+        merged.update(self._digests)
+        return merged
 
     def rollback(self) -> None:
         """Undo every applied record, newest first. Idempotent."""
@@ -145,7 +160,7 @@ class PatchApplier:
             self.header = decode_header(self._buf)
             del self._buf[: self.header.header_bytes]
             base = self.header.base_digest
-            if self.check_base and base is not None and state_digest(self.weights) != base:
+            if self.check_base and base is not None and state_digest(self.weights, self.known) != base:
                 raise PatchApplyError(
                     "patch does not apply to these weights (base state digest differs: "
                     "wrong base version or foreign model)")
@@ -287,10 +302,11 @@ def _xor_into(t: torch.Tensor, xor: np.ndarray) -> None:
 
 
 def stage_patch(weights: MutableMapping[str, torch.Tensor], patch: bytes | memoryview, *,
-                check_base: bool = True) -> PatchApplier:
+                check_base: bool = True,
+                digests: MutableMapping[str, bytes] | None = None) -> PatchApplier:
     """Decode a whole patch against ``weights`` without changing them (may run while
     they are served); ``.finish()`` on the result applies it, all or nothing."""
-    applier = PatchApplier(weights, check_base=check_base, stage=True)
+    applier = PatchApplier(weights, check_base=check_base, stage=True, digests=digests)
     try:
         applier.feed(patch)
     except BaseException:
@@ -300,8 +316,9 @@ def stage_patch(weights: MutableMapping[str, torch.Tensor], patch: bytes | memor
 
 
 def apply_patch(weights: MutableMapping[str, torch.Tensor], patch: bytes | memoryview, *,
-                check_base: bool = True) -> ApplyReport:
+                check_base: bool = True,
+                digests: MutableMapping[str, bytes] | None = None) -> ApplyReport:
     """Apply a whole patch in place; on any error the weights are left at the base."""
-    applier = PatchApplier(weights, check_base=check_base)
+    applier = PatchApplier(weights, check_base=check_base, digests=digests)
     applier.feed(patch)
     return applier.finish()
