@@ -45,8 +45,6 @@ SWARM_PATH = "/swarm"
 MAX_WS_MESSAGE = wire.CHUNK_HEADER_LEN + wire.MAX_CHUNK_BYTES
 SEND_QUEUE_LIMIT = 4096  # frames queued per peer before it is dropped as too slow
 CONNECT_TIMEOUT_S = 5.0
-TRACKER_ONLY_ROLE = wire.encode(wire.ROLE, 0)
-HELD_ROLE_GRACE_S = 0.3
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
            "error": logging.ERROR}
 
@@ -69,7 +67,6 @@ class Conn:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     writer: asyncio.Task | None = None
     closing: bool = False
-    held: bytes | None = None  # a frame fed later (see TRACKER_ONLY_ROLE)
 
 
 class Driver:
@@ -277,9 +274,12 @@ class Driver:
     async def _dial(self, addr: str) -> None:
         assert self.session is not None
         try:
-            ws = await self.session.ws_connect(
+            # bounded as a whole: a listener that accepts but never upgrades must not
+            # leave the core waiting forever on this dial
+            ws = await asyncio.wait_for(self.session.ws_connect(
                 f"http://{addr}{SWARM_PATH}", max_msg_size=MAX_WS_MESSAGE, autoping=True,
-                timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=2.0))
+                timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=2.0)),
+                CONNECT_TIMEOUT_S + 5.0)
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
             if not self.draining:
                 self.feed(ev.ConnectFailed(self.now(), addr, f"{type(exc).__name__}: {exc}"[:200]))
@@ -306,16 +306,8 @@ class Driver:
                     break
                 if wire.is_chunk_message(data):
                     await self._on_chunk(c, data)
-                elif data == TRACKER_ONLY_ROLE and c.held is None:
-                    # Adapter: the origin sends ROLE(not kept) *before* its PEERS sample and
-                    # the core closes on ROLE, losing the sample. Feed ROLE after the next
-                    # frame (or after a short grace) so the node learns its region's peers.
-                    c.held = data
-                    assert self.loop is not None
-                    self.loop.call_later(HELD_ROLE_GRACE_S, self._release_held, c)
                 else:
                     self.feed(ev.FrameReceived(self.now(), c.id, data))
-                    self._release_held(c)
         except (TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
             reason = f"{type(exc).__name__}: {exc}"
         finally:
@@ -326,11 +318,6 @@ class Driver:
                 c.writer.cancel()
             with contextlib.suppress(Exception):
                 await c.ws.close()
-
-    def _release_held(self, c: Conn) -> None:
-        frame, c.held = c.held, None
-        if frame is not None and c.id in self.conns:
-            self.feed(ev.FrameReceived(self.now(), c.id, frame))
 
     async def _close_ws(self, c: Conn, reason: str) -> None:
         with contextlib.suppress(Exception):

@@ -26,6 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="strategies to compare: patchswarm per-region direct flat full (default: the scenario's)",
     )
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument(
+        "--compare-demo", metavar="DEMO.json", default=None,
+        help="a `patchswarm demo --json` result to compare bytes per region and sender kind with",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -66,9 +70,30 @@ def run(args: argparse.Namespace) -> int:
         bar.close()
         results.append(fig)
         runs.append(result)
+    if args.compare_demo:
+        results[0]["loopback_comparison"] = _compare(results[0], args.compare_demo)
     path = write_report(out, sc, seed, results)
     if not args.no_plots:
         plot(out, sc, runs)
     print(format_table(results))
+    if args.compare_demo:
+        cmp = results[0]["loopback_comparison"]
+        print("\nbytes received, in payload copies: region  kind  simulated  loopback")
+        for row in cmp["rows"]:
+            print(f"  {row['region']:>8} {row['kind']:>13} {row['sim_copies']:>9} {row['demo_copies']:>9}")
+        print(f"  fanout: simulated p100 {cmp['fanout_s']['sim_p100']} s, loopback {cmp['fanout_s']['demo']} s")
     print(f"report: {path}")
     return 0
+
+
+def _compare(fig: dict, demo_path: str) -> dict:
+    import json
+
+    from simulations.report import compare_with_demo
+    from swarm.errors import ConfigError
+
+    try:
+        demo = json.loads(Path(demo_path).read_text(encoding="utf-8"))
+        return compare_with_demo(fig, demo)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ConfigError(f"--compare-demo {demo_path}: not a usable demo JSON ({exc})") from exc

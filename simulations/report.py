@@ -285,3 +285,35 @@ def plot(out: Path, sc: Scenario, runs: list[RunResult]) -> list[Path]:
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
     return paths
+
+
+def compare_with_demo(fig: dict[str, Any], demo: dict[str, Any]) -> dict[str, Any]:
+    """Who sent what to whom, simulated vs the loopback fleet (``patchswarm demo --json``).
+
+    Both sides are normalised to copies of the payload (bytes / total payload
+    bytes over all versions), per region and sender kind, so the comparison
+    holds even though the demo's real patches vary in size per version. The
+    demo names regions by index; they are matched in order.
+    """
+    F_sim = fig["payload_bytes"] * fig["versions"]
+    demo_patch = demo.get("patch_bytes") or []
+    F_demo = sum(demo_patch) if isinstance(demo_patch, list) else int(demo_patch)
+    if F_demo <= 0:
+        raise ValueError("demo JSON has no patch_bytes")
+    sim_regions = list(fig["per_region"])
+    demo_regions = sorted(demo.get("per_region", {}))
+    rows = []
+    for sname, dname in zip(sim_regions, demo_regions, strict=False):
+        s = fig["per_region"][sname]["received"]
+        d = demo["per_region"][dname]
+        for kind in ("from_trainer", "cross_region", "same_region"):
+            rows.append({
+                "region": sname, "demo_region": dname, "kind": kind,
+                "sim_copies": round(s[kind] / F_sim, 3),
+                "demo_copies": round(d.get(kind, 0) / F_demo, 3),
+            })
+    return {
+        "rows": rows,
+        "cross_region_ratio": {"sim": fig["cross_region_ratio"], "demo": demo.get("cross_region_ratio")},
+        "fanout_s": {"sim_p100": fig["t_p100_s"], "demo": demo.get("fanout_s")},
+    }

@@ -3,7 +3,7 @@
 The unmarked test runs a 2-region x 3-node fleet (7 OS processes) through two
 versions and checks bitwise convergence, egress accounting and that a forged
 announcement is refused. The slow ones kill a node mid-transfer and restart
-it, and run a node that corrupts every chunk it sends.
+it, and run a node that corrupts every chunk it sends (a plain node, then a border).
 """
 
 from __future__ import annotations
@@ -107,17 +107,24 @@ def test_killed_node_resumes_from_its_store() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="core gap: a dropped corrupt peer is redialled (no ban by node id) "
-                          "and its region can stall; see the issue-4 report", strict=False)
-def test_corrupt_chunk_sender_is_detected_and_the_rest_converge() -> None:
-    # n0-2 joins after the two border nodes of region-0, so it serves only its region
-    env = {"n0-2": {"PATCHSWARM_FAULTS": "corrupt_chunks"}}
-    with LoopbackFleet(2, 3, chunk_size=8 * 1024, node_env=env) as fleet:
+@pytest.mark.parametrize("liar", ["n0-2", "n0-0"])
+def test_corrupt_chunk_sender_is_detected_and_the_rest_converge(liar: str) -> None:
+    """A node that flips a byte in every chunk it sends: its peers ban it by node id and
+    report it to the origin. n0-2 joins after region-0's two borders, so it only serves its
+    region; n0-0 is usually a border, holding chunks its region got from nowhere else,
+    which the origin then sends into the region again."""
+    env = {liar: {"PATCHSWARM_FAULTS": "corrupt_chunks"}}
+    with LoopbackFleet(2, 3, chunk_size=4 * 1024, node_env=env) as fleet:
         fleet.start(timeout=120)
+        honest = [n for n in fleet.nodes if n.name != liar]
         bad = 0
         for _ in range(2):
             pub = fleet.publish()
-            statuses = fleet.wait_version(pub["version"], timeout=90)
+            statuses = fleet.wait_version(pub["version"], timeout=90, nodes=honest)
             assert {st["active_digest"] for st in statuses.values()} == {pub["digest"]}
             bad = sum(st["bad_chunks"] for st in statuses.values())
         assert bad >= 1
+        # a ban holds across reconnects: no honest node took more than max_bad_chunks (2)
+        assert all(st["bad_chunks"] <= 2 for st in statuses.values())
+        assert all(p["id"] != liar for st in statuses.values() if st["bad_chunks"] >= 2
+                   for p in st["peers"])

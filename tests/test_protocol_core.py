@@ -16,8 +16,12 @@ from swarm.protocol.handshake import READY
 from swarm.protocol.peer import ORIGIN
 
 
-def fleet(regions: int, per: int, *, seed: int = 0, start: bool = True, **knobs) -> tuple[Signer, Net, Host, list[Host]]:
-    """An origin plus ``regions x per`` nodes that all hold base version 1."""
+def fleet(regions: int, per: int, *, seed: int = 0, start: bool = True, peer_boot: bool = True,
+          **knobs) -> tuple[Signer, Net, Host, list[Host]]:
+    """An origin plus ``regions x per`` nodes that all hold base version 1.
+
+    With ``peer_boot=False`` the origin (the tracker) is every node's only bootstrap address.
+    """
     s = Signer()
     net = Net(s, seed=seed)
     base = s.manifest(1, 4, kind="full")
@@ -26,7 +30,7 @@ def fleet(regions: int, per: int, *, seed: int = 0, start: bool = True, **knobs)
     hosts = []
     for r in range(regions):
         for k in range(per):
-            boot = (o.addr, *tuple(f"r{r}n{j}:1" for j in range(k))[-3:])
+            boot = (o.addr, *tuple(f"r{r}n{j}:1" for j in range(k))[-3:]) if peer_boot else (o.addr,)
             hosts.append(net.add(f"r{r}n{k}", f"reg{r}", bootstrap=boot, active_version=1, **knobs))
     if start:
         for h in hosts:
@@ -130,7 +134,8 @@ def test_per_region_and_direct_and_flat_strategies_converge() -> None:
 
 def test_corrupt_sender_is_dropped_and_chunks_come_from_elsewhere() -> None:
     s, net, o, hosts = fleet(1, 12)
-    liar = hosts[5]
+    liar = hosts[11]
+    assert not liar.core.is_border
     liar.corrupt = lambda v, i: True
     publish(s, net, o, 2, 20)
     honest = [h for h in hosts if h is not liar]
@@ -140,6 +145,70 @@ def test_corrupt_sender_is_dropped_and_chunks_come_from_elsewhere() -> None:
     assert bad >= 1
     dropped = [log for _n, log in net.logs if log.event == "peer_closed" and "corrupt" in log.fields["reason"]]
     assert dropped and all(log.fields["peer"] == liar.core.cfg.node_id for log in dropped)
+    # banned by node id: the liar cannot come back through a new connection
+    banned_by = [h for h in honest if h.core.banned(liar.core.cfg.node_id)]
+    assert banned_by
+    assert all(liar.core.cfg.node_id not in h.core.by_id for h in banned_by)
+    assert all(h.core.counters.bad_chunks <= h.core.cfg.max_bad_chunks for h in honest)
+
+
+def test_tracker_only_nodes_learn_their_region_from_the_origin() -> None:
+    s, net, o, hosts = fleet(2, 5, peer_boot=False)
+    for h in hosts:
+        same = [p for p in h.core.peers.values() if p.state == READY and p.region == h.region
+                and not p.is_origin]
+        assert same, h.core.cfg.node_id  # even the nodes the origin told "tracker only"
+    assert sum(h.core.is_border for h in hosts) == 4
+    publish(s, net, o, 2, 20)
+    net.run(net.now + 60, stop=lambda: all(2 in h.applied for h in hosts))
+    assert all(h.core.active_version == 2 for h in hosts)
+    assert inflow(net, 2) == {"reg0": 20, "reg1": 20}
+
+
+def test_corrupt_border_is_banned_reported_and_its_chunks_resent() -> None:
+    """A border that corrupts every chunk it sends holds chunks its region got from
+    nowhere else: its peers ban it by node id and report it; the origin bans it too and
+    sends those chunks into the region again, so the region does not stall."""
+    s, net, o, hosts = fleet(2, 6)
+    liar = next(h for h in hosts if h.core.is_border and h.region == "reg0")
+    liar.corrupt = lambda v, i: True
+    publish(s, net, o, 2, 30)
+    honest = [h for h in hosts if h is not liar]
+    net.run(net.now + 120, stop=lambda: all(2 in h.applied for h in honest))
+    assert all(h.core.active_version == 2 for h in honest)
+    lid = liar.core.cfg.node_id
+    events = [(n, log) for n, log in net.logs if log.event in ("peer_reported", "region_resend")]
+    assert any(log.event == "peer_reported" and log.fields["peer"] == lid for _n, log in events)
+    assert any(log.event == "region_resend" and log.fields["region"] == "reg0" for _n, log in events)
+    assert o.core.banned(lid) and lid not in o.core.by_id
+    assert lid not in {b.node_id for b in o.core.seeder.borders["reg0"]}
+    # the exception to "exactly once" stays small: at most the liar's chunks come again
+    flow = inflow(net, 2)
+    assert 30 < flow["reg0"] <= 2 * 30 and flow["reg1"] <= 2 * 30
+    # the honest nodes hold the liar off after the ban, across its reconnect attempts
+    net.run(net.now + 20)
+    assert all(h.core.counters.bad_chunks <= h.core.cfg.max_bad_chunks for h in honest)
+    banned_by = [h for h in honest if h.core.banned(lid)]
+    assert banned_by and all(lid not in h.core.by_id for h in banned_by)
+
+
+def test_restarted_origin_is_redialled_and_seeds_the_next_version() -> None:
+    """The one-shot ``patchswarm publish``: the origin goes away between versions and a
+    fresh one (same address, knows only its store) publishes the next version."""
+    s, net, o, hosts = fleet(2, 4, peer_boot=False)
+    publish(s, net, o, 2, 12)
+    net.run(net.now + 60, stop=lambda: all(2 in h.applied for h in hosts))
+    net.kill(o)
+    net.run(net.now + 10)
+    assert not any(h.core.is_border for h in hosts)
+    o2 = net.add("origin", "trainer", role="origin", active_version=2)
+    net.start(o2)
+    net.deliver(o2, ev.LocalChunks(net.now, s.manifest(2, 12), tuple(range(12))))
+    net.run(net.now + 10)  # ex-borders come back within redial_s
+    assert sum(h.core.is_border for h in hosts) == 4
+    net.deliver(o2, ev.Publish(net.now, s.manifest(3, 12)))
+    net.run(net.now + 60, stop=lambda: all(3 in h.applied for h in hosts))
+    assert all(h.core.active_version == 3 for h in hosts)
 
 
 def test_forged_announcement_is_refused_and_not_forwarded() -> None:

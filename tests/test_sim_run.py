@@ -106,6 +106,15 @@ def test_leavers_that_never_return_do_not_block_completion():
     assert fig["incomplete_nodes"] == 0
 
 
+def test_joiners_and_slow_nodes_complete():
+    sc = tiny(faults={"joiners": 0.25, "churn_window_s": [1.0, 1.2],
+                      "slow": {"fraction": 0.25, "factor": 0.1, "at_s": 1.0}})
+    run, fig = run_strategy(sc, "patchswarm")
+    assert run.churn["joined"] == 4
+    assert fig["live_nodes"] == sc.nodes + 4
+    check_invariants(sc, fig)
+
+
 def test_region_cut_heals_and_completes():
     sc = tiny(faults={"cuts": [{"region": "b", "start_s": 1.0, "duration_s": 2.0}]})
     _, fig = run_strategy(sc, "patchswarm")

@@ -160,6 +160,27 @@ class LoopbackFleet:
             self.start_node(n)
         self.wait_healthy(timeout)
 
+    def start_nodes_only(self, base: dict[str, Any], timeout: float = 120.0) -> None:
+        """No trainer process: write ``base`` (served tensors) as the base checkpoint and
+        start the nodes; versions then come from ``publish_cli`` (one origin per version)."""
+        from safetensors.torch import save_file
+
+        self._write_configs()
+        save_file(base, str(self.workdir / "base.safetensors"))
+        for n in self.nodes:
+            self.start_node(n)
+        self.wait_healthy(timeout)
+
+    def publish_cli(self, checkpoint: Path, *args: str, timeout: float = 300.0
+                    ) -> subprocess.CompletedProcess:
+        """Run the real ``patchswarm publish --config trainer.toml CHECKPOINT`` once."""
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        cmd = [sys.executable, "-m", "swarm.cli", "publish", "--config",
+               str(self.workdir / "trainer.toml"), str(checkpoint), *args]
+        with self.trainer_log.open("ab") as logf:
+            return subprocess.run(cmd, stdout=subprocess.PIPE, stderr=logf, env=env,
+                                  cwd=self.workdir, text=True, timeout=timeout, check=False)
+
     def start_node(self, n: NodeProc) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1", **n.env)
         with n.log.open("ab") as logf:

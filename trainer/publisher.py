@@ -22,6 +22,7 @@ directory; the version and its digest are the store's active record.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import threading
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("patchswarm.trainer")
 PUBLISHED_VIEW = "published.safetensors"
+REGIONS_FILE = "regions.json"  # regions met by the last run: a one-shot publish waits for them
 
 
 @dataclass(frozen=True)
@@ -144,7 +146,12 @@ class Publisher:
             raise self._error
 
     def close(self, timeout: float = 10.0) -> None:
-        """Drain the origin node and stop its thread."""
+        """Remember the regions met, drain the origin node and stop its thread."""
+        if self._loop is not None and self._thread is not None and self._thread.is_alive():
+            try:
+                self._remember_regions(self.regions())
+            except (PatchswarmError, OSError, TimeoutError, RuntimeError) as exc:
+                log.warning("cannot record the regions met: %s", exc)
         if self._loop is not None and self._stop is not None and self._thread is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
             self._thread.join(timeout)
@@ -240,6 +247,25 @@ class Publisher:
                 return True
             time.sleep(poll_s)
         return False
+
+    def remembered_regions(self) -> list[str]:
+        """Regions the previous run of this origin met (empty if unknown or unreadable)."""
+        try:
+            data = json.loads((self.cfg.store_dir / REGIONS_FILE).read_text())
+        except (OSError, ValueError):
+            return []
+        if not isinstance(data, list) or not all(isinstance(r, str) for r in data):
+            log.warning("%s: not a list of region names; ignored", REGIONS_FILE)
+            return []
+        return data[:10_000]
+
+    def _remember_regions(self, regions: list[str]) -> None:
+        if not regions:
+            return
+        dest = self.cfg.store_dir / REGIONS_FILE
+        tmp = dest.with_suffix(".tmp")
+        tmp.write_text(json.dumps(sorted(regions)))
+        os.replace(tmp, dest)
 
     @property
     def address(self) -> str:

@@ -288,6 +288,7 @@ class NodeCore:
         self._send(p, p.hello_out)
 
     def _on_connect_failed(self, e: ev.ConnectFailed) -> None:
+        self._log("debug", "connect_failed", addr=e.addr, reason=e.reason)
         self._dialing.pop(e.addr, None)
         self._retry_at[e.addr] = self.now + self.cfg.redial_s
 
@@ -396,6 +397,7 @@ class NodeCore:
         if p.is_origin:
             p.kind = ORIGIN
             self._origin_addrs.add(p.listen_addr)
+            self._want_origin = False
         elif self.cfg.is_origin:
             p.kind = CROSS if p.region != c.region else SAME
         else:
@@ -420,6 +422,8 @@ class NodeCore:
         if self.seeder is not None:
             self.seeder.on_ready(p)
             return
+        if p.is_origin:
+            self._flush_reports()
         if not p.is_origin and (p.kind == SAME or not c.region_aware):
             region = c.region if c.region_aware else None
             sample = [x for x in self.book.sample(region, c.tracker_sample) if x[0] != p.node_id]
@@ -439,7 +443,7 @@ class NodeCore:
     def _f_peers(self, p: Peer, f: list) -> None:
         c = self.cfg
         for node_id, region, addr, flags in f[1]:
-            if node_id == c.node_id:
+            if node_id == c.node_id or self.banned(node_id):
                 continue
             if flags & wire.PEER_ORIGIN and not p.is_origin:
                 continue  # only the origin may name itself as origin
@@ -587,6 +591,12 @@ class NodeCore:
             self.seeder.on_relay_fail(p, f[1], f[2], f[3])
         else:
             self.seeder.on_links(p, f[1])
+
+    def _f_report(self, p: Peer, f: list) -> None:
+        """Node -> origin: it banned ``f[1]`` for corrupt chunks."""
+        if self.seeder is None:
+            raise ProtocolError("REPORT sent to a node that is not the origin")
+        self.seeder.on_report(p, f[1])
 
     def _send_links(self) -> None:
         """Border -> origin: the cross-region borders we are linked to (relay targets)."""
@@ -756,6 +766,9 @@ class NodeCore:
                 if p.state == hs.READY and v in p.bits:
                     self._send(p, self._bitfield(v))
         self._replan()
+        if self.seeder is not None and self.complete(v) and v not in self.seeder.plans:
+            # a restarted origin keeps seeding what it published before (one-shot publish)
+            self.seeder.on_publish(v)
 
     # ================================================================ chunk exchange
     def _fill_all(self, skip: Peer | None = None) -> None:
@@ -868,8 +881,11 @@ class NodeCore:
                     av = self._avail.get(v)
                     if av is not None and p.can_req:
                         av[i] -= 1
-                if p.bad >= self.cfg.max_bad_chunks:
-                    self._close(p, f"sent {p.bad} corrupt chunks", "warning")
+                # counted per node id: a reconnect does not wipe the slate
+                n = self._bad_by_id.get(p.node_id, 0) + 1
+                self._bad_by_id[p.node_id] = n
+                if n >= self.cfg.max_bad_chunks:
+                    self.ban(p.node_id, f"sent {n} corrupt chunks")
                     return
             self._fill_all()
             return
@@ -1012,6 +1028,9 @@ class NodeCore:
             if p.can_req and p.samples >= c.slow_min_samples:
                 slow.append(p)
         self._evict_slow(slow)
+        if (not c.is_origin and (self._want_origin or self._reports)
+                and not any(p.is_origin for p in self.peers.values() if p.state == hs.READY)):
+            self._dial_origin()
         if not c.is_origin and not c.origin_only:
             self._maintain_mesh()
         elif c.origin_only and not c.is_origin and not self.peers and not self._dialing:
@@ -1089,4 +1108,5 @@ _FRAME_HANDLERS: dict[int, Callable[[NodeCore, Peer, list], None]] = {
     wire.RELAY: NodeCore._f_relay,
     wire.RELAY_FAIL: NodeCore._f_origin_only,
     wire.LINKS: NodeCore._f_origin_only,
+    wire.REPORT: NodeCore._f_report,
 }

@@ -67,6 +67,7 @@ class Seeder:
         self.rr_set: set[int] = set()
         self.pushed: dict[int, dict[int, int]] = {}  # direct: conn -> version -> bits pushed
         self.replaced = 0  # border replacements dialled
+        self.resend_now: set[int] = set()  # conns of borders banned: re-plan their chunks at once
 
     # ------------------------------------------------------------------ membership
     def on_ready(self, p: Peer) -> None:
@@ -89,7 +90,6 @@ class Seeder:
         p.kept = keep
         if keep:
             self.kept += 1
-        core._send(p, wire.encode(wire.ROLE, wire.ROLE_KEEP if keep else 0))
         region = p.region if c.region_aware else None
         sample = [list(x) for x in core.book.sample(region, c.tracker_sample + 1) if x[0] != p.node_id]
         if p.border and c.relay:
@@ -101,8 +101,10 @@ class Seeder:
                 if r != p.region:
                     for b in lst:
                         core._send(b, note)
+        # PEERS before ROLE: a node told "tracker only" closes the link on ROLE
         if sample:
             core._send(p, wire.encode(wire.PEERS, sample[: wire.MAX_PEERS]))
+        core._send(p, wire.encode(wire.ROLE, wire.ROLE_KEEP if keep else 0))
         if self.mode == "direct":
             self._rr_add(p.conn)
         self.schedule()
@@ -132,7 +134,9 @@ class Seeder:
                     others |= b.bits.get(v, 0)
                 lost = p.bits.get(v, 0) & plan.sent & ~others
                 if lost:
-                    self.graces.append((core.now + self.cfg.border_grace_s, p.region, v, lost))
+                    wait = 0.0 if p.conn in self.resend_now else self.cfg.border_grace_s
+                    self.graces.append((core.now + wait, p.region, v, lost))
+        self.resend_now.discard(p.conn)
         # find a replacement border: dial a node of that region we heard of
         connected = {q.node_id for q in core.peers.values()}
         cands = [i for i in core.book.region_ids(p.region) if i != p.node_id and i not in connected]
@@ -142,6 +146,25 @@ class Seeder:
                 self.replaced += 1
                 core._dial(entry[1])
         self.schedule()
+
+    def on_report(self, p: Peer, bad: str) -> None:
+        """``p`` banned node ``bad`` for corrupt chunks: ban it here too.
+
+        If ``bad`` is a border, every chunk its region got only through it is
+        as good as lost (its copies reach nobody), so those chunks are sent into
+        the region again at once: the allowed exception to "exactly once".
+        """
+        core = self.core
+        if bad == core.cfg.node_id or bad == p.node_id:
+            return
+        core._log("warning", "peer_reported", reporter=p.node_id, peer=bad)
+        conn = core.by_id.get(bad)
+        q = core.peers.get(conn) if conn is not None else None
+        if q is not None and q.border:
+            self.resend_now.add(q.conn)
+        core.ban(bad, f"reported by {p.node_id}: corrupt chunks")
+        self.resend_now.discard(conn if conn is not None else -1)
+        self.tick()
 
     def on_links(self, p: Peer, ids: list[str]) -> None:
         p.links = set(ids)
