@@ -146,6 +146,7 @@ class RunResult:
     chunks_sent: int
     events: int
     wall_s: float
+    cpu_s: float  # CPU seconds of this process (wall_s includes waiting on a shared machine)
     end_time: float
     capacities: dict[str, list[tuple[float, float]]]
     logs: dict[str, int] = field(default_factory=dict)
@@ -313,6 +314,7 @@ class Simulation:
     # ------------------------------------------------------------------- run
     def run(self) -> RunResult:
         t0 = time.perf_counter()
+        c0 = time.process_time()
         sc = self.sc
         for k in range(1, sc.versions + 1):
             kind = "full" if self.strategy == "full" else "patch"
@@ -326,6 +328,7 @@ class Simulation:
                 self.engine.schedule(sc.start_s + (v - 1) * sc.interval_s, self._publish, v)
         self.engine.run(until=sc.max_time_s, on_batch=self._on_batch, max_events=500_000_000)
         wall = time.perf_counter() - t0
+        cpu = time.process_time() - c0
         done: dict[int, dict[str, float]] = {k: {} for k in range(1, sc.versions + 1)}
         for n in self.nodes[1:]:
             for v, t in n.done_at.items():
@@ -348,6 +351,7 @@ class Simulation:
             chunks_sent=self.chunks_sent,
             events=self.engine.events,
             wall_s=wall,
+            cpu_s=cpu,
             end_time=self.engine.now,
             capacities=self.capacities,
             logs=dict(self.logs),

@@ -139,6 +139,7 @@ def figures(sc: Scenario, run: RunResult, bound: Bound) -> dict[str, Any]:
         "logs": dict(sorted(run.logs.items())),
         "virtual_end_s": _r(run.end_time),
         "wall_s": round(run.wall_s, 3),
+        "cpu_s": round(run.cpu_s, 3),
         "events": run.events,
     }
 
@@ -148,7 +149,7 @@ def deterministic_view(report: dict[str, Any]) -> dict[str, Any]:
 
     def strip(d: Any) -> Any:
         if isinstance(d, dict):
-            return {k: strip(v) for k, v in d.items() if k != "wall_s"}
+            return {k: strip(v) for k, v in d.items() if k not in ("wall_s", "cpu_s", "bench_wall_s")}
         if isinstance(d, list):
             return [strip(x) for x in d]
         return d
