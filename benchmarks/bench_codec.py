@@ -8,7 +8,8 @@ codec (PULSE-style: int32 gap index + raw value + zstd-3; slime/Stitch-style:
 XOR of bit patterns, byte-shuffled, zstd-3), and encode / apply GB/s of
 served-checkpoint bytes on one core (torch and the encoder single-threaded)
 and with two encoder threads. Apply includes decoding, the in-place scatter
-and every digest check.
+and every digest check; decode is parsing every record into positions and
+new values (``stage_patch``), without the scatter and the digests.
 
     python benchmarks/bench_codec.py [--steps 10] [--lrs 1e-6,3e-6,1e-5]
 
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 import zstandard
 
-from swarm.codec import apply_patch, encode_patch, entropy_bound
+from swarm.codec import apply_patch, encode_patch, entropy_bound, stage_patch
 from swarm.codec.dtypes import bits_view, dtype_of
 from trainer.minilm import PolicyTrainer, load_masters
 from trainer.served import served_view
@@ -84,6 +85,8 @@ def measure(old: dict, new: dict, context: str) -> dict:
 
     reset = timed(lambda: [work[k].copy_(v) for k, v in old.items()])
     apply_s = max(1e-9, timed(apply_once) - reset)
+    # Decode alone: every record parsed into positions and new values (stage, no scatter).
+    decode_s = timed(lambda: stage_patch(old, result.patch, check_base=False))
     patch = result.patch_bytes
     pulse, xor = pulse_bytes(old, new), xor_bytes(old, new)
     return {
@@ -103,6 +106,7 @@ def measure(old: dict, new: dict, context: str) -> dict:
         "encode_gbps_1core": full / enc1 / 1e9,
         "encode_gbps_2threads": full / enc2 / 1e9,
         "apply_gbps_1core": full / apply_s / 1e9,
+        "decode_gbps_1core": full / decode_s / 1e9,
     }
 
 
@@ -122,7 +126,7 @@ def main() -> None:
     rows = []
     header = (f"{'dtype':<8} {'lr':>7} {'step':>4} {'chg%':>7} {'B/chg':>6} {'bnd B/chg':>9} "
               f"{'x bound':>7} {'x PULSE':>7} {'x XOR':>6} {'enc GB/s':>8} {'enc2 GB/s':>9} "
-              f"{'apply GB/s':>10}")
+              f"{'apply GB/s':>10} {'decode GB/s':>11}")
     print(f"model: {masters.source}; {sum(v.numel() for v in masters.weights.values()):,} params")
     print(header)
     for lr in [float(x) for x in args.lrs.split(",")]:
@@ -143,7 +147,8 @@ def main() -> None:
                       f"{m['bytes_per_changed']:>6.3f} {m['bound_bytes_per_changed']:>9.3f} "
                       f"{m['ratio_to_bound']:>7.3f} {m['ratio_to_pulse']:>7.3f} "
                       f"{m['ratio_to_xor_zstd']:>6.3f} {m['encode_gbps_1core']:>8.2f} "
-                      f"{m['encode_gbps_2threads']:>9.2f} {m['apply_gbps_1core']:>10.2f}", flush=True)
+                      f"{m['encode_gbps_2threads']:>9.2f} {m['apply_gbps_1core']:>10.2f} "
+                          f"{m['decode_gbps_1core']:>11.2f}", flush=True)
                 prev[d] = cur
     summary = {}
     for d in sorted({r["dtype"] for r in rows}):
@@ -154,7 +159,7 @@ def main() -> None:
                     k: statistics.median(r[k] for r in sel)
                     for k in ("changed_pct", "bytes_per_changed", "ratio_to_bound",
                               "ratio_to_pulse", "ratio_to_xor_zstd", "encode_gbps_1core",
-                              "encode_gbps_2threads", "apply_gbps_1core")
+                              "encode_gbps_2threads", "apply_gbps_1core", "decode_gbps_1core")
                 }
                 summary[f"{d}@{lr:g}"]["max_ratio_to_bound"] = max(r["ratio_to_bound"] for r in sel)
     print("\nmedians over steps 2..N:")

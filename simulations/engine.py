@@ -63,6 +63,7 @@ class Engine:
         heap = self._heap
         pop = heapq.heappop
         limit = max_events if max_events is not None else -1
+        base = self.events
         n = 0
         self.stopped = False
         while heap and not self.stopped:
@@ -76,5 +77,6 @@ class Engine:
             if n == limit:
                 break
             if on_batch is not None and n % batch == 0:
+                self.events = base + n
                 on_batch()
-        self.events += n
+        self.events = base + n

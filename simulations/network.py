@@ -205,6 +205,13 @@ class FlowNet:
         cap = r.cap
         if n > EXACT_FLOWS:
             return cap / n
+        if n == 1:  # the common case on a node's link: saturated only if the flow can go faster
+            for f in flows:
+                d = f.cap
+                for q in f.resources:
+                    if q is not r and q.level < d:
+                        d = q.level
+                return INF if d <= cap else cap
         demands = []
         total = 0.0
         for f in flows:

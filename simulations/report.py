@@ -239,6 +239,10 @@ def plot(out: Path, sc: Scenario, runs: list[RunResult]) -> list[Path]:
                 where="post",
                 label=run.strategy,
             )
+    lo = min((t for r in runs for t in _times(r, sc.versions, r.live_nodes, None)[0][:1]), default=0.0)
+    hi = max((t for r in runs for t in _times(r, sc.versions, r.live_nodes, None)[0][-1:]), default=0.0)
+    if lo > 0 and hi / lo > 30:
+        ax.set_xscale("log")  # strategies orders of magnitude apart (direct vs patchswarm)
     ax.set_xlabel("seconds since publication (last version)")
     ax.set_ylabel("share of nodes holding the verified payload")
     ax.set_title(f"{sc.name}: completion CDF, {sc.nodes} nodes")

@@ -115,6 +115,13 @@ def test_joiners_and_slow_nodes_complete():
     check_invariants(sc, fig)
 
 
+def test_loss_slows_the_fanout_but_everyone_completes():
+    clean = run_strategy(tiny(), "patchswarm")[1]
+    lossy = run_strategy(tiny(network={"loss": 0.02}), "patchswarm")[1]
+    check_invariants(tiny(), lossy)
+    assert lossy["t_p100_s"] > clean["t_p100_s"]
+
+
 def test_region_cut_heals_and_completes():
     sc = tiny(faults={"cuts": [{"region": "b", "start_s": 1.0, "duration_s": 2.0}]})
     _, fig = run_strategy(sc, "patchswarm")
