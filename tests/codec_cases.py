@@ -80,3 +80,21 @@ def clone(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 ALL_DTYPES = DTYPES
+
+
+def check_flip(patch: bytes, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor],
+               pos: int, flip: int) -> None:
+    """Apply ``patch`` with byte ``pos`` XORed by ``flip``: it must be refused with the
+    weights exactly at ``old``, or (a flip that changes nothing that matters) give ``new``."""
+    from swarm.codec import apply_patch
+    from swarm.errors import PatchswarmError
+
+    bad = bytearray(patch)
+    bad[pos] ^= flip
+    weights = clone(old)
+    try:
+        apply_patch(weights, bytes(bad))
+    except PatchswarmError:
+        assert same_bits(weights, old)
+    else:
+        assert same_bits(weights, new)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from swarm.codec import apply_patch, encode_patch, read_patch_info
 from swarm.codec import context as ctx
 from swarm.codec.dtypes import BY_TORCH
-from tests.codec_cases import clone, same_bits
+from tests.codec_cases import check_flip, clone, same_bits
 
 FLOAT_DTYPES = [d for d in BY_TORCH.values() if ctx.supports(d)]
 
@@ -94,14 +94,4 @@ def test_ctx_fixture_uses_context():
 @settings(max_examples=200, deadline=None)
 @given(st.integers(0, len(_CTX_PATCH) - 1), st.integers(1, 255))
 def test_ctx_byte_flip_is_refused_or_exact(pos, flip):
-    from swarm.errors import PatchswarmError
-
-    bad = bytearray(_CTX_PATCH)
-    bad[pos] ^= flip
-    weights = clone(_OLD)
-    try:
-        apply_patch(weights, bytes(bad))
-    except PatchswarmError:
-        assert same_bits(weights, _OLD)
-    else:
-        assert same_bits(weights, _NEW)
+    check_flip(_CTX_PATCH, _OLD, _NEW, pos, flip)
