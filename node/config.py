@@ -36,7 +36,7 @@ _SECTIONS = {
     "weights": {"base", "base_version", "device"},
     "publish": {"signing_key", "chunk_size", "served_dtype"},
     "swarm": None,  # checked against CoreConfig's fields
-    "log": {"level"},
+    "log": {"level", "format"},
 }
 # CoreConfig fields that come from other sections, never from [swarm].
 _CORE_FROM_ELSEWHERE = {
@@ -71,6 +71,7 @@ class NodeConfig:
     chunk_size: int = 4 * 1024 * 1024
     served_dtype: str = "bf16"
     log_level: str = "info"
+    log_format: str = "text"  # "text" (key=value) or "json" (one object per line)
     swarm: dict[str, Any] = field(default_factory=dict)
     source: Path | None = None
 
@@ -246,6 +247,9 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = Non
     level = _get(data.get("log") or {}, "log", "level", str, "info")
     if level not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"log.level: expected debug, info, warning or error, got {level!r}")
+    log_format = _get(data.get("log") or {}, "log", "format", str, "text")
+    if log_format not in ("text", "json"):
+        raise ConfigError(f"log.format: expected text or json, got {log_format!r}")
     cfg = NodeConfig(
         node_id=node_id, region=region, model=model, role=role, listen_host=host,
         listen_port=port, advertise=advertise, bootstrap=tuple(bootstrap), swarm_secret=secret,
@@ -254,7 +258,7 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = Non
         quota_bytes=quota or None, keep_versions=keep,
         fsync=_get(store, "store", "fsync", bool, True), base=base, base_version=base_version,
         device=device, signing_key=signing_key, chunk_size=chunk_size, served_dtype=served,
-        log_level=level, swarm=_swarm_knobs(data.get("swarm") or {}), source=source,
+        log_level=level, log_format=log_format, swarm=_swarm_knobs(data.get("swarm") or {}), source=source,
     )
     cfg.core_config()  # CoreConfig's own validation (ConfigError naming the knob)
     return cfg

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from node.api import add_routes
 from node.config import NodeConfig
 from node.driver import Driver, Faults
+from node.logs import setup_logging
 from node.store import ChunkStore
 from node.weights import InProcessWeights
 from swarm.errors import ConfigError, PatchswarmError
@@ -135,8 +136,7 @@ def install_uvloop() -> bool:
 
 def run_node(cfg: NodeConfig) -> int:
     """Blocking entry point of ``patchswarm node``."""
-    logging.basicConfig(level=cfg.log_level.upper(),
-                        format=f"%(asctime)s {cfg.node_id} %(levelname)s %(message)s")
+    setup_logging(cfg.node_id, cfg.log_level, cfg.log_format)
     import torch
 
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))

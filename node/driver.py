@@ -229,8 +229,7 @@ class Driver:
         elif isinstance(a, ev.Log):
             level = _LEVELS.get(a.level, logging.INFO)
             if log.isEnabledFor(level):
-                fields = " ".join(f"{k}={v}" for k, v in a.fields.items())
-                log.log(level, "%s %s", a.event, fields)
+                log.log(level, a.event, extra={"fields": a.fields})
         else:
             log.warning("unknown action %s", type(a).__name__)
 
