@@ -100,6 +100,7 @@ class NodeCore:
         # batching and timers
         self._pending_have: dict[int, list[int]] = {}
         self._have_due: float | None = None
+        self._have_next = float("-inf")  # HAVEs may go out at once from then on
         self._next_hb = now + config.heartbeat_s
         # membership
         self._dialing: dict[str, float] = {}
@@ -914,18 +915,27 @@ class NodeCore:
         self._fill_all()
 
     def _queue_have(self, v: int, i: int) -> None:
+        """Queue a HAVE; flush at once unless a flush went out less than ``have_batch_s`` ago.
+
+        Batching is a rate limit (one HAVE burst per window), not a delay: a
+        chunk that arrives after a quiet spell is announced at once, so every
+        store-and-forward hop does not pay ``have_batch_s``.
+        """
         lst = self._pending_have.get(v)
         if lst is None:
             self._pending_have[v] = [i]
         else:
             lst.append(i)
-        if self.cfg.have_batch_s <= 0:
+        if self._have_due is not None:
+            return
+        if self.now >= self._have_next:
             self._flush_haves()
-        elif self._have_due is None:
-            self._have_due = self.now + self.cfg.have_batch_s
+        else:
+            self._have_due = self._have_next
 
     def _flush_haves(self) -> None:
         self._have_due = None
+        self._have_next = self.now + self.cfg.have_batch_s
         pending, self._pending_have = self._pending_have, {}
         border = self.is_border
         for v, idx in pending.items():

@@ -337,33 +337,51 @@ class Seeder:
                 if not bs:
                     continue
                 plan = plans[r]
-                limit = c.border_inflight * len(bs)
-                while len(plan.inflight) < limit:
+                load = self._loads(plan)
+                while True:
                     missing = full & ~rbits[r]
                     if not missing:
                         break
-                    i = self._relay_one(v, r, bs, plan, missing, now)
+                    i = self._relay_one(v, r, bs, plan, load, missing, now)
                     if i < 0:
-                        i = self._push_one(v, r, bs, plan, missing & ~union or missing)
+                        i = self._push_one(v, r, bs, plan, load, missing & ~union or missing)
                     if i < 0:
                         break
                     rbits[r] |= 1 << i
                     union |= 1 << i
 
-    def _target(self, bs: list[Peer], plan: RegionPlan, allowed: set[str] | None = None) -> Peer | None:
+    @staticmethod
+    def _loads(plan: RegionPlan) -> dict[int, int]:
+        """Transfers occupying each border's inbound slots (conn -> count).
+
+        A push occupies a slot until its last byte has left the origin
+        (``ChunkSent``; its deadline is then set), not until the border's HAVE
+        comes back: waiting a round trip per chunk would leave the border's
+        downlink idle for most of the time on long links. A relay occupies its
+        slot until the HAVE (the origin does not see it leave).
+        """
         load: dict[int, int] = {}
-        for _s, dst, _d in plan.inflight.values():
-            load[dst] = load.get(dst, 0) + 1
+        for src, dst, d in plan.inflight.values():
+            if src != ORIGIN_SRC or d is None:
+                load[dst] = load.get(dst, 0) + 1
+        return load
+
+    def _target(self, bs: list[Peer], load: dict[int, int],
+                allowed: set[str] | None = None) -> Peer | None:
+        """The least-loaded border of ``bs`` with a free inbound slot."""
         best = None
+        best_n = self.cfg.border_inflight
         for b in bs:
             if allowed is not None and b.node_id not in allowed:
                 continue
-            if best is None or load.get(b.conn, 0) < load.get(best.conn, 0):
+            n = load.get(b.conn, 0)
+            if n < best_n:
                 best = b
+                best_n = n
         return best
 
-    def _relay_one(self, v: int, r: str, bs: list[Peer], plan: RegionPlan, missing: int,
-                   now: float) -> int:
+    def _relay_one(self, v: int, r: str, bs: list[Peer], plan: RegionPlan, load: dict[int, int],
+                   missing: int, now: float) -> int:
         if not self.cfg.relay:
             return -1
         for r2, lst in self.borders.items():
@@ -375,24 +393,25 @@ class Seeder:
                 cand = b.bits.get(v, 0) & missing
                 if not cand:
                     continue
-                t = self._target(bs, plan, b.links)
+                t = self._target(bs, load, b.links)
                 if t is None:
                     continue
                 i = lowest(cand)
                 b.relay_busy += 1
+                load[t.conn] = load.get(t.conn, 0) + 1
                 plan.inflight[i] = [b.conn, t.conn, now + 2 * self.cfg.request_timeout_s]
                 plan.infl |= 1 << i
                 self.core._send(b, wire.encode(wire.RELAY, v, i, t.node_id))
                 return i
         return -1
 
-    def _push_one(self, v: int, r: str, bs: list[Peer], plan: RegionPlan, cand: int) -> int:
-        if len(self.pushes) >= self.cfg.upload_slots:
-            return -1
-        t = self._target(bs, plan)
+    def _push_one(self, v: int, r: str, bs: list[Peer], plan: RegionPlan, load: dict[int, int],
+                  cand: int) -> int:
+        t = self._target(bs, load)
         if t is None:
             return -1
         i = lowest(cand)
+        load[t.conn] = load.get(t.conn, 0) + 1
         plan.inflight[i] = [ORIGIN_SRC, t.conn, None]
         plan.infl |= 1 << i
         self._push(t, v, i, r)
