@@ -20,6 +20,16 @@ Prints a table and writes ``benchmarks/results/loopback.json``.
 
     python benchmarks/bench_loopback.py                       # 2 x 3 nodes, 2 versions
     python benchmarks/bench_loopback.py --params 8000000 --versions 1   # quick
+
+With ``--netlab`` (root) the nodes run on emulated hosts instead of loopback:
+network namespaces whose region uplinks are shaped with tbf to
+``--uplink-mbit`` (``trainer.netlab``), and the run is repeated with
+region-to-region relaying on and off, to compare the two levels of seeding
+against the trainer feeding every region itself. Writes
+``benchmarks/results/netlab.json``.
+
+    python benchmarks/bench_loopback.py --netlab --regions 3 --nodes-per-region 2 \
+        --uplink-mbit 100 --params 8000000 --versions 2
 """
 
 from __future__ import annotations
@@ -57,18 +67,8 @@ def synthetic_masters(params: int, seed: int) -> dict:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--regions", type=int, default=2)
-    ap.add_argument("--nodes-per-region", type=int, default=3)
-    ap.add_argument("--params", type=int, default=24_000_000, help="served values (BF16)")
-    ap.add_argument("--versions", type=int, default=2)
-    ap.add_argument("--step", type=float, default=2e-3, help="master move per version, x N(0,1)")
-    ap.add_argument("--chunk-size", type=int, default=1024 * 1024)
-    ap.add_argument("--timeout", type=float, default=300.0)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "loopback.json"))
-    args = ap.parse_args(argv)
-
+def run_fleet(args: argparse.Namespace, *, lab=None, relay: bool = True) -> tuple[list, float]:
+    """Start the fleet, publish ``args.versions`` versions, measure each; -> (rows, setup_s)."""
     import torch
 
     from node.config import load_config
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     base = served_view(masters, "bf16")
     rows = []
     with LoopbackFleet(args.regions, args.nodes_per_region, chunk_size=args.chunk_size,
-                       swarm={"redial_s": 1.0}) as fleet:
+                       swarm={"redial_s": 1.0, "relay": relay}, lab=lab) as fleet:
         t0 = time.monotonic()
         fleet.start_nodes_only(base, timeout=args.timeout)
         cfg = load_config(fleet.workdir / "trainer.toml")
@@ -135,7 +135,54 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
         finally:
             pub.close()
+    return rows, setup_s
 
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--regions", type=int, default=2)
+    ap.add_argument("--nodes-per-region", type=int, default=3)
+    ap.add_argument("--params", type=int, default=24_000_000, help="served values (BF16)")
+    ap.add_argument("--versions", type=int, default=2)
+    ap.add_argument("--step", type=float, default=2e-3, help="master move per version, x N(0,1)")
+    ap.add_argument("--chunk-size", type=int, default=1024 * 1024)
+    ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--netlab", action="store_true",
+                    help="emulated hosts in network namespaces with shaped uplinks (root)")
+    ap.add_argument("--uplink-mbit", type=float, default=100.0, help="with --netlab")
+    ap.add_argument("--trainer-uplink-mbit", type=float, default=None, help="with --netlab")
+    ap.add_argument("--inner-lab", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    if args.netlab and args.inner_lab is None:
+        return outer_netlab(args, argv if argv is not None else sys.argv[1:])
+    if args.inner_lab is not None:
+        from trainer.netlab import NetLab
+
+        lab = NetLab(args.regions, args.nodes_per_region, tag=args.inner_lab)
+        runs = {}
+        for relay in (True, False):
+            rows, setup_s = run_fleet(args, lab=lab, relay=relay)
+            runs["relay" if relay else "per-region"] = {"setup_s": round(setup_s, 1), "versions": rows}
+        result = {"bench": "netlab", "regions": args.regions,
+                  "nodes_per_region": args.nodes_per_region, "params": args.params,
+                  "chunk_size": args.chunk_size, "uplink_mbit": args.uplink_mbit,
+                  "trainer_uplink_mbit": args.trainer_uplink_mbit or args.uplink_mbit,
+                  "runs": runs}
+        print("strategy | ver | patch MB | fanout s | trainer egress / (R x patch) | cross-region / (R x patch) | ok")
+        for name, run in runs.items():
+            for row in run["versions"]:
+                print(" | ".join(str(x) for x in (
+                    name, row["version"], round(row["patch_bytes"] / 1e6, 1), row["fanout_s"],
+                    row["egress_ratio"], row["cross_region_ratio"], row["converged"])))
+        out = Path(args.out or ROOT / "benchmarks" / "results" / "netlab.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {out}")
+        return 0 if all(r["converged"] for run in runs.values() for r in run["versions"]) else 1
+
+    rows, setup_s = run_fleet(args)
     result = {"bench": "loopback", "regions": args.regions, "nodes_per_region": args.nodes_per_region,
               "nodes": args.regions * args.nodes_per_region, "params": args.params,
               "chunk_size": args.chunk_size, "step": args.step, "cpus": os.cpu_count(),
@@ -149,11 +196,28 @@ def main(argv: list[str] | None = None) -> int:
             row["fanout_s"], row["node_mb_s_median"], row["swarm_goodput_mb_s"],
             row["cpu_s_per_gb"], row["egress_ratio"], row["cross_region_ratio"],
             row["converged"])))
-    out = Path(args.out)
+    out = Path(args.out or ROOT / "benchmarks" / "results" / "loopback.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
     return 0 if all(r["converged"] for r in rows) else 1
+
+
+def outer_netlab(args: argparse.Namespace, argv: list[str]) -> int:
+    """Build the lab, run this script again inside the trainer's namespace, tear down."""
+    import subprocess
+
+    from trainer.netlab import NetLab, available
+
+    why = available()
+    if why:
+        print(f"--netlab: {why}", file=sys.stderr)
+        return 2
+    with NetLab(args.regions, args.nodes_per_region, uplink_mbit=args.uplink_mbit,
+                trainer_uplink_mbit=args.trainer_uplink_mbit) as lab:
+        cmd = [*lab.exec_prefix(lab.ns_trainer), sys.executable, str(Path(__file__).resolve()),
+               *argv, "--inner-lab", lab.tag]
+        return subprocess.run(cmd, check=False, timeout=args.timeout * 4 + 300).returncode
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from swarm.errors import PatchswarmError
+from trainer.netlab import NetLab
 
 MODEL = "all-MiniLM-L6-v2"
 
@@ -47,6 +48,11 @@ class NodeProc:
     log: Path
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
+    netns: str | None = None  # network namespace of an emulated host (trainer.netlab)
+
+    @property
+    def prefix(self) -> list[str]:
+        return ["ip", "netns", "exec", self.netns] if self.netns else []
 
     @property
     def addr(self) -> str:
@@ -78,7 +84,11 @@ class LoopbackFleet:
     def __init__(self, regions: int = 3, nodes_per_region: int = 4, *, lr: float = 1e-6,
                  chunk_size: int = 64 * 1024, workdir: Path | None = None,
                  keep_workdir: bool = False, swarm: dict[str, Any] | None = None,
-                 node_env: dict[str, dict[str, str]] | None = None) -> None:
+                 node_env: dict[str, dict[str, str]] | None = None,
+                 lab: NetLab | None = None) -> None:
+        """``lab``: place every node (and the trainer) on an emulated host of a
+        ``trainer.netlab.NetLab`` instead of 127.0.x.x. The calling process must
+        then run inside one of the lab's namespaces (it polls the nodes over HTTP)."""
         if regions < 1 or nodes_per_region < 1:
             raise FleetError("need at least one region and one node per region")
         if regions > 200 or nodes_per_region > 200:
@@ -91,18 +101,32 @@ class LoopbackFleet:
         self.keep_workdir = keep_workdir
         self.swarm = swarm or {}
         self.node_env = node_env or {}
-        self.trainer_host = "127.0.0.1"
+        self.lab = lab
+        self.trainer_host = lab.ip_trainer if lab else "127.0.0.1"
+        self.trainer_prefix = NetLab.exec_prefix(lab.ns_trainer) if lab else []
         self.nodes: list[NodeProc] = []
-        hosts = [self.trainer_host] + [f"127.0.{r + 1}.{i + 1}" for r in range(regions)
-                                       for i in range(nodes_per_region)]
-        self.port = free_port(hosts)
+
+        def place(r: int, i: int) -> tuple[str, str | None]:
+            if lab:
+                return lab.ip_host(r, i), lab.ns_host(r, i)
+            return f"127.0.{r + 1}.{i + 1}", None
+
+        if lab:
+            if regions > lab.regions or nodes_per_region > lab.hosts_per_region:
+                raise FleetError("the lab has fewer regions or hosts than the fleet needs")
+            self.port = 7400  # every emulated host has its own port space
+        else:
+            hosts = [self.trainer_host] + [place(r, i)[0] for r in range(regions)
+                                           for i in range(nodes_per_region)]
+            self.port = free_port(hosts)
         for r, region in enumerate(self.regions):
             for i in range(nodes_per_region):
                 name = f"n{r}-{i}"
-                self.nodes.append(NodeProc(name, region, f"127.0.{r + 1}.{i + 1}", self.port,
+                host, netns = place(r, i)
+                self.nodes.append(NodeProc(name, region, host, self.port,
                                            self.workdir / f"{name}.toml",
                                            self.workdir / f"{name}.log",
-                                           dict(self.node_env.get(name, {}))))
+                                           dict(self.node_env.get(name, {})), netns=netns))
         self.trainer: subprocess.Popen | None = None
         self.trainer_log = self.workdir / "trainer.log"
         self.ready: dict[str, Any] = {}
@@ -148,7 +172,7 @@ class LoopbackFleet:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         with self.trainer_log.open("ab") as logf:
             self.trainer = subprocess.Popen(
-                [sys.executable, "-m", "trainer.demo_trainer", "--config",
+                [*self.trainer_prefix, sys.executable, "-m", "trainer.demo_trainer", "--config",
                  str(self.workdir / "trainer.toml"), "--base-out",
                  str(self.workdir / "base.safetensors"), "--lr", str(self.lr)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logf, env=env,
@@ -175,7 +199,7 @@ class LoopbackFleet:
                     ) -> subprocess.CompletedProcess:
         """Run the real ``patchswarm publish --config trainer.toml CHECKPOINT`` once."""
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        cmd = [sys.executable, "-m", "swarm.cli", "publish", "--config",
+        cmd = [*self.trainer_prefix, sys.executable, "-m", "swarm.cli", "publish", "--config",
                str(self.workdir / "trainer.toml"), str(checkpoint), *args]
         with self.trainer_log.open("ab") as logf:
             return subprocess.run(cmd, stdout=subprocess.PIPE, stderr=logf, env=env,
@@ -185,7 +209,7 @@ class LoopbackFleet:
         env = dict(os.environ, PYTHONUNBUFFERED="1", **n.env)
         with n.log.open("ab") as logf:
             n.proc = subprocess.Popen(
-                [sys.executable, "-m", "swarm.cli", "node", "--config", str(n.config)],
+                [*n.prefix, sys.executable, "-m", "swarm.cli", "node", "--config", str(n.config)],
                 stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, env=env,
                 cwd=self.workdir)
 
