@@ -13,7 +13,7 @@ Layout (see configs/node.toml for a commented example)::
     [trust]    trainer_keys = ["trainer.pub", ...]       (Ed25519 public keys, PEM)
     [store]    dir, quota_bytes (0 = none), keep_versions (0 = keep all), fsync
     [weights]  base (safetensors), base_version, device ("auto" | "cpu" | "cuda" | "cuda:N")
-    [publish]  signing_key, chunk_size, served_dtype  (origin only)
+    [publish]  signing_key, chunk_size, served_dtype, context  (origin only)
     [swarm]    any ``CoreConfig`` policy knob, e.g. mesh_degree = 6
 """
 
@@ -34,7 +34,7 @@ _SECTIONS = {
     "trust": {"trainer_keys"},
     "store": {"dir", "quota_bytes", "keep_versions", "fsync"},
     "weights": {"base", "base_version", "device"},
-    "publish": {"signing_key", "chunk_size", "served_dtype"},
+    "publish": {"signing_key", "chunk_size", "served_dtype", "context"},
     "swarm": None,  # checked against CoreConfig's fields
     "log": {"level", "format"},
 }
@@ -70,6 +70,7 @@ class NodeConfig:
     signing_key: Path | None = None
     chunk_size: int = 4 * 1024 * 1024
     served_dtype: str = "bf16"
+    codec_context: str = "auto"  # swarm.codec context models: auto | on | off
     log_level: str = "info"
     log_format: str = "text"  # "text" (key=value) or "json" (one object per line)
     swarm: dict[str, Any] = field(default_factory=dict)
@@ -244,6 +245,9 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = Non
     served = _get(publish, "publish", "served_dtype", str, "bf16")
     if served not in ("bf16", "fp8"):
         raise ConfigError(f"publish.served_dtype: expected bf16 or fp8, got {served!r}")
+    context = _get(publish, "publish", "context", str, "auto")
+    if context not in ("auto", "on", "off"):
+        raise ConfigError(f"publish.context: expected auto, on or off, got {context!r}")
     level = _get(data.get("log") or {}, "log", "level", str, "info")
     if level not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"log.level: expected debug, info, warning or error, got {level!r}")
@@ -258,6 +262,7 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = Non
         quota_bytes=quota or None, keep_versions=keep,
         fsync=_get(store, "store", "fsync", bool, True), base=base, base_version=base_version,
         device=device, signing_key=signing_key, chunk_size=chunk_size, served_dtype=served,
+        codec_context=context,
         log_level=level, log_format=log_format, swarm=_swarm_knobs(data.get("swarm") or {}), source=source,
     )
     cfg.core_config()  # CoreConfig's own validation (ConfigError naming the knob)

@@ -177,7 +177,7 @@ class Publisher:
         from swarm.codec import encode_patch
 
         served = {k: v.detach().cpu().contiguous() for k, v in served.items()}
-        enc = encode_patch(self.view, served)
+        enc = encode_patch(self.view, served, context=self.cfg.codec_context)
         parent, version = self.version, self.version + 1
         m = build_manifest(
             enc.patch, model=self.cfg.model, version=version, kind="patch",
