@@ -106,7 +106,8 @@ def test_transfer_of_a_version_with_signed_manifests() -> None:
 
 
 def test_fifty_peers_three_regions_each_region_takes_each_chunk_once() -> None:
-    s, net, o, hosts = fleet(3, 17)
+    # push_slots=2: an origin uplink thinner than the borders' (else relaying never pays)
+    s, net, o, hosts = fleet(3, 17, push_slots=2)
     publish(s, net, o, 2, 30)
     net.run(net.now + 60, stop=lambda: all(2 in h.applied for h in hosts))
     assert all(h.core.active_version == 2 for h in hosts)
@@ -116,6 +117,18 @@ def test_fifty_peers_three_regions_each_region_takes_each_chunk_once() -> None:
     assert cross == 3 * 30 * 1000
     # the origin did not feed every region everything itself: regions relayed
     assert sum(o.core.counters.sent_chunks.values()) < 3 * 30
+
+
+def test_chunk_pushed_before_the_neighbours_know_the_manifest_is_announced() -> None:
+    """The origin pushes at publication, so the border holds a chunk before its
+    neighbours have shown the version; its HAVE skipped them. They get the border's
+    bitfield when they show the version, else the region stalls one chunk short."""
+    for seed in range(3):
+        s, net, o, hosts = fleet(1, 12, seed=seed, border_nodes=1)
+        publish(s, net, o, 2, 40)
+        net.run(net.now + 30, stop=lambda hosts=hosts: all(2 in h.applied for h in hosts))
+        assert all(h.core.active_version == 2 for h in hosts), seed
+        assert inflow(net, 2) == {"reg0": 40}
 
 
 def test_per_region_and_direct_and_flat_strategies_converge() -> None:
@@ -133,11 +146,13 @@ def test_per_region_and_direct_and_flat_strategies_converge() -> None:
 
 
 def test_corrupt_sender_is_dropped_and_chunks_come_from_elsewhere() -> None:
-    s, net, o, hosts = fleet(1, 12)
+    # a small mesh, so the liar (the last to join, holding only what it fetched) is the
+    # one peer some nodes can fetch from now and then
+    s, net, o, hosts = fleet(1, 12, border_nodes=2, mesh_degree=6)
     liar = hosts[11]
     assert not liar.core.is_border
     liar.corrupt = lambda v, i: True
-    publish(s, net, o, 2, 20)
+    publish(s, net, o, 2, 120)
     honest = [h for h in hosts if h is not liar]
     net.run(net.now + 60, stop=lambda: all(2 in h.applied for h in honest))
     assert all(h.core.active_version == 2 for h in honest)
@@ -158,7 +173,7 @@ def test_tracker_only_nodes_learn_their_region_from_the_origin() -> None:
         same = [p for p in h.core.peers.values() if p.state == READY and p.region == h.region
                 and not p.is_origin]
         assert same, h.core.cfg.node_id  # even the nodes the origin told "tracker only"
-    assert sum(h.core.is_border for h in hosts) == 4
+    assert sum(h.core.is_border for h in hosts) == 2 * hosts[0].core.cfg.border_nodes
     publish(s, net, o, 2, 20)
     net.run(net.now + 60, stop=lambda: all(2 in h.applied for h in hosts))
     assert all(h.core.active_version == 2 for h in hosts)
@@ -205,7 +220,7 @@ def test_restarted_origin_is_redialled_and_seeds_the_next_version() -> None:
     net.start(o2)
     net.deliver(o2, ev.LocalChunks(net.now, s.manifest(2, 12), tuple(range(12))))
     net.run(net.now + 10)  # ex-borders come back within redial_s
-    assert sum(h.core.is_border for h in hosts) == 4
+    assert sum(h.core.is_border for h in hosts) == 2 * hosts[0].core.cfg.border_nodes
     net.deliver(o2, ev.Publish(net.now, s.manifest(3, 12)))
     net.run(net.now + 60, stop=lambda: all(3 in h.applied for h in hosts))
     assert all(h.core.active_version == 3 for h in hosts)

@@ -28,10 +28,10 @@ class CoreConfig:
     # ---- strategy
     region_aware: bool = True  # False -> "flat": region-unaware BitTorrent-style swarm
     relay: bool = True  # regions relay chunks to each other; False -> origin feeds every region
-    border_nodes: int = 2  # nodes per region that take chunks from outside
+    border_nodes: int = 4  # nodes per region that take chunks from outside (their downlinks are the region's inflow)
     origin_only: bool = False  # "direct": every node downloads only from the origin
     # ---- membership
-    mesh_degree: int = 6
+    mesh_degree: int = 8  # more neighbours, more idle senders to pick from (HAVE frames grow with it)
     mesh_low: int = 4
     mesh_high: int = 12
     heartbeat_s: float = 1.0
@@ -42,10 +42,10 @@ class CoreConfig:
     origin_peers: int = 16  # flat: how many nodes the origin keeps as ordinary peers
     tracker_sample: int = 16  # peers the origin hands out per joining node
     # ---- chunk exchange
-    pipeline: int = 4  # outstanding requests per peer
-    max_requests: int = 12  # outstanding requests per node (all peers)
-    upload_slots: int = 4
-    upload_queue: int = 16  # queued requests beyond the slots; more are rejected
+    pipeline: int = 1  # outstanding requests per peer (spread requests over peers)
+    max_requests: int = 2  # outstanding requests per node (all peers); see docs/protocol.md
+    upload_slots: int = 2  # few concurrent uploads: each chunk is forwardable sooner
+    upload_queue: int = 0  # queued requests beyond the slots; more are rejected (0: the requester asks an idle peer)
     request_timeout_s: float = 10.0
     have_batch_s: float = 0.02  # HAVEs are batched for this long (0: send at once)
     endgame_chunks: int = 8  # duplicate requests only when this few chunks are missing
@@ -56,6 +56,7 @@ class CoreConfig:
     max_timeouts: int = 3  # request timeouts before a peer is dropped
     # ---- seeding (origin)
     border_inflight: int = 2  # chunks in flight into a region per border node
+    push_slots: int = 24  # origin: chunks it pushes into regions at once (counted until sent)
     relay_slots: int = 1  # concurrent cross-region relays per border node
     border_grace_s: float = 5.0  # wait before re-sending what a departed border held
     # ---- versions
@@ -75,12 +76,14 @@ class CoreConfig:
         if not (1 <= self.mesh_low <= self.mesh_degree <= self.mesh_high):
             raise ConfigError("mesh: need 1 <= mesh_low <= mesh_degree <= mesh_high")
         for name in ("pipeline", "max_requests", "upload_slots", "border_nodes",
-                     "border_inflight", "relay_slots", "keep_versions"):
+                     "border_inflight", "relay_slots", "push_slots", "keep_versions"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1")
         for name in ("heartbeat_s", "peer_timeout_s", "request_timeout_s", "handshake_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}: must be > 0")
+        if self.upload_queue < 0:
+            raise ConfigError("upload_queue: must be >= 0")
         if self.ban_s < 0:
             raise ConfigError("ban_s: must be >= 0")
         if self.have_batch_s < 0:

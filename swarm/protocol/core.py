@@ -87,6 +87,7 @@ class NodeCore:
         self._avail: dict[int, list[int]] = {}
         self._reqs: dict[tuple[int, int], list[int]] = {}  # (v, i) -> conns asked
         self.n_req = 0
+        self.budget = config.max_requests  # outstanding requests allowed (all peers)
         self.wanted: list[int] = []
         self._stalled: set[int] = set()
         self._stall_since: dict[int, float] = {}
@@ -97,6 +98,7 @@ class NodeCore:
         self._uploads: set[tuple[int, int, int]] = set()  # (conn, v, i) being sent
         self._queue: deque[tuple[int, int, int]] = deque()
         self._relays: set[tuple[int, int, int]] = set()
+        self._refused: dict[int, None] = {}  # conns we turned away for want of a slot, oldest first
         # batching and timers
         self._pending_have: dict[int, list[int]] = {}
         self._have_due: float | None = None
@@ -439,7 +441,9 @@ class NodeCore:
 
     # ---- READY-state frames
     def _f_ping(self, p: Peer, f: list) -> None:
-        pass
+        if p.busy:  # a peer that turned us away pings when it has a free upload slot
+            p.busy = False
+            self._fill(p)
 
     def _f_peers(self, p: Peer, f: list) -> None:
         c = self.cfg
@@ -473,7 +477,9 @@ class NodeCore:
         raw = f[1]
         v = self._seen_raw.get(raw)
         if v is not None:
-            p.bits.setdefault(v, 0)
+            if v not in p.bits:
+                p.bits[v] = 0
+                self._catch_up(p, v)
             return
         try:
             m = self._verify(raw)
@@ -496,6 +502,15 @@ class NodeCore:
         p.bits.setdefault(m.version, 0)
         self._accept(m, raw, persist=True)
 
+    def _catch_up(self, p: Peer, v: int) -> None:
+        """``p`` just showed it knows version ``v``: send it our bitfield.
+
+        HAVEs skip peers that have not shown the version yet (they could not
+        use them), so what we got before that moment is told now.
+        """
+        if self._have.get(v) and v in self.manifests and self.seeder is None:
+            self._send(p, self._bitfield(v))
+
     def _f_bitfield(self, p: Peer, f: list) -> None:
         v = f[1]
         new = wire.bits_from_bytes(f[2])
@@ -504,7 +519,10 @@ class NodeCore:
             new &= full
         elif len(p.bits) > 32 and v not in p.bits:
             return  # bound what an unknown-version flood can make us hold
-        old = p.bits.get(v, 0)
+        old = p.bits.get(v)
+        if old is None:
+            old = 0
+            self._catch_up(p, v)
         p.bits[v] = old | new
         p.busy = False
         if self.seeder is not None:
@@ -526,7 +544,10 @@ class NodeCore:
             add &= full
         elif len(p.bits) > 32 and v not in p.bits:
             return
-        old = p.bits.get(v, 0)
+        old = p.bits.get(v)
+        if old is None:
+            old = 0
+            self._catch_up(p, v)
         gained = add & ~old
         p.bits[v] = old | add
         p.busy = False
@@ -558,6 +579,8 @@ class NodeCore:
                 self._queue.append((p.conn, v, i))
             else:
                 rejected.append(i)
+                if len(self._refused) < 64:
+                    self._refused[p.conn] = None
         if rejected:
             self._send(p, wire.encode(wire.REJECT, v, rejected))
 
@@ -773,12 +796,12 @@ class NodeCore:
 
     # ================================================================ chunk exchange
     def _fill_all(self, skip: Peer | None = None) -> None:
-        if not self.wanted or self.n_req >= self.cfg.max_requests:
+        if not self.wanted or self.n_req >= self.budget:
             return
         for p in list(self.peers.values()):
             if p is not skip and p.can_req and not p.busy and p.state == hs.READY:
                 self._fill(p)
-                if self.n_req >= self.cfg.max_requests:
+                if self.n_req >= self.budget:
                     return
 
     def _fill(self, p: Peer) -> None:
@@ -786,7 +809,7 @@ class NodeCore:
         if not p.can_req or p.busy or not self.wanted:
             return
         c = self.cfg
-        room = min(c.pipeline - len(p.req), c.max_requests - self.n_req)
+        room = min(c.pipeline - len(p.req), self.budget - self.n_req)
         if room <= 0:
             return
         for v in self.wanted:
@@ -944,6 +967,9 @@ class NodeCore:
                 continue
             frames = [wire.encode(wire.HAVE, v, idx[k:k + wire.MAX_INDICES])
                       for k in range(0, len(idx), wire.MAX_INDICES)]
+            mask = 0
+            for i in idx:
+                mask |= 1 << i
             for p in self.peers.values():
                 if p.state != hs.READY:
                     continue
@@ -953,8 +979,13 @@ class NodeCore:
                 if p.is_origin:
                     if not border:
                         continue
-                elif pb == full:
-                    continue  # a seed needs no HAVEs
+                elif mask & ~pb != mask:
+                    # a peer needs HAVEs only for chunks it lacks (it never asks for the
+                    # others); this halves the HAVE frames of an epidemic spread
+                    rest = [i for i in idx if not (pb >> i) & 1]
+                    for k in range(0, len(rest), wire.MAX_INDICES):
+                        self._send(p, wire.encode(wire.HAVE, v, rest[k:k + wire.MAX_INDICES]))
+                    continue
                 for fr in frames:
                     self._send(p, fr)
 
@@ -976,8 +1007,24 @@ class NodeCore:
             rk = (self.cfg.region, p.region)
             cnt.region_sent[rk] = cnt.region_sent.get(rk, 0) + size
         self._pump_uploads()
+        self._wake_refused()
         if self.seeder is not None:
             self.seeder.schedule()
+
+    def _wake_refused(self) -> None:
+        """A slot is free: ping the peer we turned away longest ago, so it asks again.
+
+        Without this a refused peer waits until we happen to send it a HAVE (or
+        the next heartbeat), and a node with few neighbours falls behind.
+        """
+        r = self._refused
+        while r and len(self._uploads) < self.cfg.upload_slots:
+            conn = next(iter(r))
+            del r[conn]
+            p = self.peers.get(conn)
+            if p is not None and p.state == hs.READY:
+                self._send(p, wire.encode(wire.PING))
+                return
 
     def _pump_uploads(self) -> None:
         q = self._queue

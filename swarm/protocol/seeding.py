@@ -316,20 +316,23 @@ class Seeder:
             plans = self.plans[v]
             holders: dict[str, list[Peer]] = {}
             rbits: dict[str, int] = {}
-            union = 0
+            union = 0  # chunks that entered (or are entering) a region remote from the origin
             for r, lst in self.borders.items():
-                hs = [b for b in lst if v in b.bits]
+                # a border that has not echoed the manifest yet gets it before the
+                # chunk (ANNOUNCE went out first on the same link): do not wait a round trip
+                hs = [b for b in lst if b.state == READY]
                 holders[r] = hs
                 bits = 0
                 for b in hs:
-                    bits |= b.bits[v]
+                    bits |= b.bits.get(v, 0)
                 plan = plans.get(r)
                 if plan is None and hs:
                     plan = plans[r] = RegionPlan()
                 if plan is not None:
                     bits |= plan.sent | plan.infl
                 rbits[r] = bits
-                union |= bits
+                if r != c.region:
+                    union |= bits
             # regions furthest behind first
             order = sorted(holders, key=lambda r: rbits[r].bit_count())
             for r in order:
@@ -344,11 +347,13 @@ class Seeder:
                         break
                     i = self._relay_one(v, r, bs, plan, load, missing, now)
                     if i < 0:
+                        # novel chunks first (no remote region has them): they can be relayed on
                         i = self._push_one(v, r, bs, plan, load, missing & ~union or missing)
                     if i < 0:
                         break
                     rbits[r] |= 1 << i
-                    union |= 1 << i
+                    if r != c.region:
+                        union |= 1 << i
 
     @staticmethod
     def _loads(plan: RegionPlan) -> dict[int, int]:
@@ -382,9 +387,12 @@ class Seeder:
 
     def _relay_one(self, v: int, r: str, bs: list[Peer], plan: RegionPlan, load: dict[int, int],
                    missing: int, now: float) -> int:
-        if not self.cfg.relay:
-            return -1
-        for r2, lst in self.borders.items():
+        home = self.cfg.region
+        if not self.cfg.relay or r == home:
+            return -1  # the origin's own region is fed locally, never across a border
+        # sources outside the origin's own region first: they spare its site uplink
+        for r2 in sorted(self.borders, key=lambda x: x == home):
+            lst = self.borders[r2]
             if r2 == r:
                 continue
             for b in lst:
@@ -407,6 +415,8 @@ class Seeder:
 
     def _push_one(self, v: int, r: str, bs: list[Peer], plan: RegionPlan, load: dict[int, int],
                   cand: int) -> int:
+        if len(self.pushes) >= self.cfg.push_slots:
+            return -1
         t = self._target(bs, load)
         if t is None:
             return -1
