@@ -313,18 +313,8 @@ class NodeCore:
             for v, av in self._avail.items():
                 for i in iter_bits(p.bits.get(v, 0) & self._full[v]):
                     av[i] -= 1
-        for key in p.req:
-            self.n_req -= 1
-            lst = self._reqs.get(key)
-            if lst is not None:
-                if p.conn in lst:
-                    lst.remove(p.conn)
-                if not lst:
-                    del self._reqs[key]
-                    v, i = key
-                    if v in self._inflight:
-                        self._inflight[v] &= ~(1 << i)
-        p.req.clear()
+        for key in list(p.req):
+            self._unrequest(p, key)
         if self._relays:
             self._relays = {r for r in self._relays if r[0] != p.conn}
         if self._uploads:
