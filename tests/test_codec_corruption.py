@@ -7,7 +7,7 @@ import struct
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from swarm.codec import PatchApplier, apply_patch, encode_patch, read_patch_info
@@ -70,6 +70,7 @@ def test_streaming_truncation_rolls_back_applied_records():
 
 @settings(max_examples=300, deadline=None)
 @given(st.integers(0, len(PATCH) - 1), st.integers(1, 255))
+@example(pos=499, flip=208)  # a flip in a zstd frame header that declared a huge size (issue #13)
 def test_any_byte_flip_is_refused_or_exact(pos, flip):
     check_flip(PATCH, OLD, NEW, pos, flip)
 

@@ -29,6 +29,7 @@ import xxhash
 import zstandard
 
 from swarm.codec.dtypes import DType, dtype_by_code
+from swarm.codec.zstd_bounded import decompress_bounded
 from swarm.errors import PatchFormatError
 
 MAGIC = b"PSWP"
@@ -148,10 +149,11 @@ def decode_header(data: bytes | memoryview) -> PatchHeader:
         raise PatchFormatError("corrupt patch header (checksum mismatch)")
     if count > MAX_RECORDS:
         raise PatchFormatError(f"record count {count} exceeds the limit")
+    raw = decompress_bounded(table_raw, MAX_TABLE_BYTES, "tensor table", PatchFormatError,
+                             exact=False)
     try:
-        raw = zstandard.ZstdDecompressor().decompress(bytes(table_raw), max_output_size=MAX_TABLE_BYTES)
         table = msgpack.unpackb(raw, raw=False, strict_map_key=True)
-    except (zstandard.ZstdError, ValueError, msgpack.UnpackException, TypeError) as exc:
+    except (ValueError, msgpack.UnpackException, TypeError) as exc:
         raise PatchFormatError(f"corrupt tensor table: {exc}") from None
     if not isinstance(table, dict) or not isinstance(table.get("records"), list):
         raise PatchFormatError("corrupt tensor table: not a map with a record list")

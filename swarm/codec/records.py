@@ -26,6 +26,7 @@ from swarm.codec import bitstream as bs
 from swarm.codec import context
 from swarm.codec.dtypes import DType, from_ordinal, to_ordinal
 from swarm.codec.format import BodyReader, put_varint
+from swarm.codec.zstd_bounded import decompress_bounded
 from swarm.errors import PatchFormatError
 
 ZSTD_DENSE_LEVEL = 3
@@ -224,11 +225,6 @@ def encode_blob(bits: np.ndarray, dt: DType, level: int = ZSTD_DENSE_LEVEL) -> b
 
 
 def decode_blob(r: BodyReader, count: int, dt: DType) -> np.ndarray:
-    expected = count * dt.itemsize
-    try:
-        raw = zstandard.ZstdDecompressor().decompress(bytes(r.rest()), max_output_size=expected)
-    except zstandard.ZstdError as exc:
-        raise PatchFormatError(f"{r.what}: corrupt compressed data ({exc})") from None
-    if len(raw) != expected:
-        raise PatchFormatError(f"{r.what}: decompressed {len(raw)} bytes, expected {expected}")
+    # The size comes from the tensor table; the frame's own header is not trusted.
+    raw = decompress_bounded(r.rest(), count * dt.itemsize, r.what, PatchFormatError)
     return unshuffle_bytes(raw, count, dt)
