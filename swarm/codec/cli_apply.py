@@ -9,9 +9,9 @@ exits non-zero with a one-line reason.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from swarm.errors import PatchswarmError
+from swarm.fsio import check_output_file
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,10 +30,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise PatchswarmError("--device cuda: no CUDA device is available")
+    out = check_output_file(args.output, "-o")
     patch = read_bytes(args.patch)
     weights = load_checkpoint(args.base, device=args.device)
     report = apply_patch(weights, patch)
-    save_checkpoint(weights, Path(args.output))
+    save_checkpoint(weights, out)
     print(f"wrote {args.output}: {report.records} records, {report.changed:,} elements changed, "
           f"state {report.target_digest.hex()[:16]}")
     return 0

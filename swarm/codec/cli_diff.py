@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from pathlib import Path
+
+from swarm.errors import PatchswarmError
+from swarm.fsio import check_output_file, write_atomic
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,13 +31,13 @@ def run(args: argparse.Namespace) -> int:
     from swarm.codec import encode_patch, entropy_bound
     from swarm.codec.safetensors_io import load_checkpoint
 
+    out = check_output_file(args.output, "-o")
+    if args.threads < 1:
+        raise PatchswarmError(f"--threads must be at least 1, not {args.threads}")
     old = load_checkpoint(args.old)
     new = load_checkpoint(args.new)
-    result = encode_patch(old, new, threads=max(1, args.threads), context=args.context)
-    out = Path(args.output)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_bytes(result.patch)
-    os.replace(tmp, out)
+    result = encode_patch(old, new, threads=args.threads, context=args.context)
+    write_atomic(out, result.patch, "-o")
     bound = entropy_bound(old, new)
     full = sum(t.numel() * t.element_size() for t in new.values())
     stats = {

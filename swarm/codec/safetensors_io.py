@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -29,17 +27,10 @@ def save_checkpoint(tensors: dict[str, torch.Tensor], path: str | Path) -> None:
     """Write to a temporary file beside ``path``, fsync, then rename: never a partial file."""
     from safetensors.torch import save_file
 
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
-    os.close(fd)
-    try:
-        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    from swarm.fsio import write_atomic
+
+    cpu = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    write_atomic(path, lambda tmp: save_file(cpu, tmp))
 
 
 def read_bytes(path: str | Path) -> bytes:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from swarm.errors import ManifestError, PatchswarmError
@@ -74,26 +76,63 @@ def derive_digests(payload: bytes, path: Path) -> tuple[bytes | None, bytes | No
 
         from swarm.codec.digest import state_digest
 
-        return None, state_digest(load_safetensors(payload))
+        try:
+            tensors = load_safetensors(payload)
+        except Exception as exc:  # safetensors raises its own error types on bad files
+            raise ManifestError(f"{path}: not a readable safetensors file ({exc})") from None
+        return None, state_digest(tensors)
     return None, None
 
 
 def write_pack(directory: Path, raw_manifest: bytes, payload: bytes, chunk_size: int) -> None:
-    """Write the pack layout: DIR/manifest and DIR/chunks/NNNNNNNN."""
-    chunks_dir = directory / CHUNKS_DIR
-    chunks_dir.mkdir(parents=True, exist_ok=True)
-    for stale in chunks_dir.iterdir():
-        stale.unlink()
-    for i, chunk in enumerate(split_payload(payload, chunk_size)):
-        (chunks_dir / chunk_file_name(i)).write_bytes(chunk)
-    tmp = directory / f".{MANIFEST_NAME}.tmp"
-    tmp.write_bytes(raw_manifest)
-    os.replace(tmp, directory / MANIFEST_NAME)
+    """Write the pack layout DIR/manifest and DIR/chunks/NNNNNNNN as one transaction.
+
+    The new pack is built and fsynced in a sibling temporary directory, then
+    swapped in by renames; an existing pack at DIR is removed only after the new
+    one is complete, so a full disk or a crash leaves the old pack (or nothing)
+    in place, never a mix or a pack without its chunks.
+    """
+    if directory.exists() and not directory.is_dir():
+        raise ManifestError(f"{directory} exists and is not a directory")
+    if directory.is_dir() and any(directory.iterdir()) and not (directory / MANIFEST_NAME).is_file():
+        raise ManifestError(f"{directory} is a non-empty directory that holds no pack; "
+                            "refusing to replace it")
+    parent = directory.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".tmp", dir=parent))
+    old = parent / f".{directory.name}.old"
+    try:
+        (tmp / CHUNKS_DIR).mkdir()
+        for i, chunk in enumerate(split_payload(payload, chunk_size)):
+            _write_synced(tmp / CHUNKS_DIR / chunk_file_name(i), chunk)
+        _write_synced(tmp / MANIFEST_NAME, raw_manifest)
+        shutil.rmtree(old, ignore_errors=True)
+        if directory.exists():
+            os.replace(directory, old)
+        os.replace(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not directory.exists():
+            os.replace(old, directory)  # put the previous pack back
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def run(args: argparse.Namespace) -> int:
     from swarm.trust.keys import key_id
-    from swarm.trust.manifest import build_manifest, sign_manifest
+    from swarm.trust.manifest import (
+        MAX_CHUNK_SIZE,
+        MIN_CHUNK_SIZE,
+        build_manifest,
+        sign_manifest,
+    )
 
     path = Path(args.payload)
     try:
@@ -108,7 +147,12 @@ def run(args: argparse.Namespace) -> int:
     if target is None:
         raise ManifestError("cannot tell the target state digest; pass --target-digest HEX")
     parent_digest = _hex32(args.parent_digest, "--parent-digest")
+    if not MIN_CHUNK_SIZE <= args.chunk_size <= MAX_CHUNK_SIZE:
+        raise ManifestError(f"--chunk-size must be {MIN_CHUNK_SIZE}..{MAX_CHUNK_SIZE} bytes, "
+                            f"not {args.chunk_size}")
     if args.full:
+        if payload[:4] == b"PSWP":
+            raise ManifestError(f"{path} is a patch; --full takes a whole safetensors checkpoint")
         if args.parent_version is not None or parent_digest is not None:
             raise ManifestError("--full takes no --parent-version or --parent-digest")
         kind = "full"
