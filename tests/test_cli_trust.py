@@ -110,7 +110,7 @@ def test_pack_argument_errors(tmp_path, keys, capsys):
         (["--version", "2", "--full", "--parent-version", "1", "--target-digest", B], "--full"),
         (["--version", "0", "--full", "--target-digest", B], "version"),
         (["--version", "2", "--full", "--target-digest", "abc"], "hex"),
-        (["--version", "2", "--full", "--target-digest", B, "--chunk-size", "0"], "chunk size"),
+        (["--version", "2", "--full", "--target-digest", B, "--chunk-size", "0"], "--chunk-size must be"),
     ]:
         rc, _ = pack(tmp_path, key, *extra)
         assert rc == 1
