@@ -15,8 +15,21 @@ role "origin", run by the same real driver as every node). From there the
 core's seeding policy pushes each chunk into each region once.
 
 The published view is kept in memory and, so that ``patchswarm publish`` can
-run once per version, on disk as ``published.safetensors`` in the store
-directory; the version and its digest are the store's active record.
+run once per version, on disk as ``published-<version>.safetensors`` in the
+store directory; the version and its digest are the store's active record.
+
+Publishing is a transaction whose commit point is the store's active record:
+
+1. encode the patch; 2. write the new view file (fsync + rename);
+3. store the signed manifest and every chunk; 4. **set the active record**;
+5. delete the previous view file; 6. hand the version to the swarm.
+
+A trainer killed anywhere before step 4 rolls back on its next start: stored
+versions above the active one and view files of other versions are deleted
+*before the origin's core starts*, so an unfinished version is never shipped
+and the next publish reuses its number. Killed after step 4, it resumes: the
+version is complete and is seeded on start. A missing or damaged view file is
+rebuilt from the base checkpoint and the stored chain of patches.
 """
 
 from __future__ import annotations
@@ -44,7 +57,8 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("patchswarm.trainer")
-PUBLISHED_VIEW = "published.safetensors"
+PUBLISHED_VIEW = "published.safetensors"  # before 0.2: one view file, no version in its name
+VIEW_PATTERN = "published-{version}.safetensors"
 REGIONS_FILE = "regions.json"  # regions met by the last run: a one-shot publish waits for them
 
 
@@ -93,25 +107,81 @@ class Publisher:
     # ------------------------------------------------------------ state
 
     def _load_last(self, base: dict[str, torch.Tensor] | None) -> tuple[int, dict]:
-        from safetensors.torch import load_file
-
+        """Roll back an unfinished publish, then load the view of the active version."""
         from swarm.codec import state_digest
 
         rec = self.store.active()
-        saved = self.cfg.store_dir / PUBLISHED_VIEW
-        if rec is not None and rec.version > self.cfg.base_version and saved.exists():
-            view = load_file(str(saved))
-            if state_digest(view) != rec.digest:
-                raise PatchswarmError(f"{saved} does not match the store's active record")
-            return rec.version, view
+        active = rec.version if rec is not None else self.cfg.base_version
+        for v in self.store.versions():
+            if v > active:
+                log.warning("rolling back version %d: its publish did not finish", v)
+                self.store.remove_version(v)
+        keep = self._view_path(active)
+        for stale in self.cfg.store_dir.glob("published-*.safetensors"):
+            if stale != keep:
+                stale.unlink(missing_ok=True)
+        for tmp in self.cfg.store_dir.glob(".published-*.tmp"):
+            tmp.unlink(missing_ok=True)
+        if rec is None or rec.version <= self.cfg.base_version:
+            return self.cfg.base_version, self._base_view(base)
+        for path in (keep, self.cfg.store_dir / PUBLISHED_VIEW):
+            view = self._read_view(path)
+            if view is not None and state_digest(view) == rec.digest:
+                return rec.version, view
+        log.warning("no view file of version %d; rebuilding it from the stored patches",
+                    rec.version)
+        view = self._rebuild(rec.version, self._base_view(base))
+        if state_digest(view) != rec.digest:
+            raise PatchswarmError(f"the stored patches do not rebuild version {rec.version}'s "
+                                  "recorded digest; restore the trainer's store")
+        if self.persist_view:
+            self._save_view(rec.version, view)
+        return rec.version, view
+
+    def _base_view(self, base: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+
         if base is not None:
-            return self.cfg.base_version, {k: v.detach().cpu().contiguous() for k, v in base.items()}
+            return {k: v.detach().cpu().contiguous() for k, v in base.items()}
         if self.cfg.base is None:
             raise ConfigError("weights.base: the publisher needs the base checkpoint nodes start from")
         try:
-            return self.cfg.base_version, load_file(str(self.cfg.base))
+            return load_file(str(self.cfg.base))
         except FileNotFoundError:
             raise ConfigError(f"weights.base: {self.cfg.base} does not exist") from None
+
+    @staticmethod
+    def _read_view(path: Path) -> dict[str, torch.Tensor] | None:
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(path))
+        except Exception as exc:  # missing, torn or not safetensors: rebuilt from the store
+            if path.exists():
+                log.warning("%s unreadable (%s)", path, exc)
+            return None
+
+    def _rebuild(self, version: int, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Apply the stored chain base_version+1..version to ``base``."""
+        from safetensors.torch import load as load_bytes
+
+        from swarm.codec import apply_patch
+
+        view = base
+        for v in range(self.cfg.base_version + 1, version + 1):
+            try:
+                m = self.store.manifest(v)
+                payload = self.store.payload(v)
+            except PatchswarmError as exc:
+                raise PatchswarmError(f"cannot rebuild version {version}: {exc}") from None
+            if m.kind == "full":
+                view = dict(load_bytes(payload))
+            else:
+                apply_patch(view, payload)
+        return view
+
+    def _view_path(self, version: int) -> Path:
+        return self.cfg.store_dir / VIEW_PATTERN.format(version=version)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -185,12 +255,25 @@ class Publisher:
             target_digest=enc.target_digest, chunk_size=self.cfg.chunk_size, key_id=self.key_id,
         )
         raw = sign_manifest(m, self.key)
-        self.store.put_manifest(raw, m)
-        for i, chunk in enumerate(split_payload(enc.patch, self.cfg.chunk_size)):
-            self.store.put_chunk(version, i, chunk)
-        if self.persist_view:
-            self._save_view(served)
-        self.store.set_active(version, enc.target_digest)
+        # The transaction of the module docstring; the active record is the commit point.
+        try:
+            if self.persist_view:
+                self._save_view(version, served)
+            _crash_point("view")
+            self.store.put_manifest(raw, m)
+            _crash_point("manifest")
+            for i, chunk in enumerate(split_payload(enc.patch, self.cfg.chunk_size)):
+                self.store.put_chunk(version, i, chunk)
+                if i == 0:
+                    _crash_point("chunk")
+            _crash_point("chunks")
+            self.store.set_active(version, enc.target_digest)
+        except BaseException:
+            self._roll_back(version)
+            raise
+        _crash_point("active")
+        self._view_path(parent).unlink(missing_ok=True)
+        (self.cfg.store_dir / PUBLISHED_VIEW).unlink(missing_ok=True)
         self.version, self.view = version, served
         published_at = time.time()
         if self._loop is not None:
@@ -202,13 +285,22 @@ class Publisher:
                  version, result.patch_bytes, result.chunks, enc.changed, enc.elements)
         return result
 
-    def _save_view(self, served: dict[str, torch.Tensor]) -> None:
+    def _save_view(self, version: int, served: dict[str, torch.Tensor]) -> None:
         from safetensors.torch import save_file
 
-        dest = self.cfg.store_dir / PUBLISHED_VIEW
-        tmp = dest.with_suffix(".tmp")
-        save_file(served, str(tmp))
-        os.replace(tmp, dest)
+        from swarm.fsio import write_atomic
+
+        write_atomic(self._view_path(version), lambda tmp: save_file(served, tmp),
+                     "published view")
+
+    def _roll_back(self, version: int) -> None:
+        """Undo a publish that failed before its commit point (disk full, ...)."""
+        try:
+            if version in self.store.versions():
+                self.store.remove_version(version)
+            self._view_path(version).unlink(missing_ok=True)
+        except (PatchswarmError, OSError) as exc:  # the next start rolls it back
+            log.warning("cannot roll back version %d now (%s); the next start will", version, exc)
 
     # ------------------------------------------------------------ progress
 
@@ -274,3 +366,12 @@ class Publisher:
     @property
     def store_dir(self) -> Path:
         return self.cfg.store_dir
+
+
+def _crash_point(step: str) -> None:
+    """Fault injection for tests only: ``PATCHSWARM_CRASH_AT=<step>`` SIGKILLs the
+    trainer at that publish step (view, manifest, chunk, chunks, active)."""
+    if os.environ.get("PATCHSWARM_CRASH_AT") == step:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
