@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "keygen": ("swarm.trust.cli_keygen", "make an Ed25519 signing key pair"),
     "pack": ("swarm.trust.cli_pack", "sign a payload into a manifest plus chunks"),
     "verify": ("swarm.trust.cli_verify", "check a packed version's signature and chunks"),
+    "ca": ("swarm.trust.cli_ca", "swarm CA for mutual TLS: init, issue node certificates"),
     "node": ("node.cli", "run a rollout-node daemon"),
     "publish": ("trainer.cli_publish", "publish a new version from the trainer"),
     "demo": ("trainer.cli_demo", "run a whole fleet on loopback (trainer + nodes)"),
@@ -46,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
             if exc.name and (exc.name == module_name or module_name.startswith(exc.name + ".")):
                 continue  # command not built yet in this checkout
             raise
-        p = sub.add_parser(name, help=help_text, description=module.__doc__)
+        p = sub.add_parser(name, help=help_text, description=module.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
         p.set_defaults(_run=module.run)
     return parser
