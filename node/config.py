@@ -130,15 +130,27 @@ def _path(base_dir: Path, text: str, name: str) -> Path:
     return p if p.is_absolute() else base_dir / p
 
 
+MAX_SECRET_FILE = 4096
+
+
 def _secret(net: dict, base_dir: Path) -> bytes:
     if "swarm_secret" in net and "swarm_secret_file" in net:
         raise ConfigError("network.swarm_secret: give either swarm_secret or swarm_secret_file")
     if "swarm_secret_file" in net:
         p = _path(base_dir, _get(net, "network", "swarm_secret_file", str), "network.swarm_secret_file")
         try:
-            text = p.read_text()[:4096].strip()
+            with open(p, "rb") as f:  # bounded: the path may name a device or a huge file
+                raw = f.read(MAX_SECRET_FILE + 1)
         except OSError as exc:
             raise ConfigError(f"network.swarm_secret_file: cannot read {p}: {exc.strerror}") from None
+        if len(raw) > MAX_SECRET_FILE:
+            raise ConfigError(f"network.swarm_secret_file: {p} is larger than {MAX_SECRET_FILE} "
+                              "bytes; expected a short hex secret")
+        try:
+            text = raw.decode("ascii").strip()
+        except UnicodeDecodeError:
+            raise ConfigError(f"network.swarm_secret_file: {p} is binary; expected hex digits "
+                              "(e.g. `openssl rand -hex 32 > swarm.secret`)") from None
     else:
         text = _get(net, "network", "swarm_secret", str)
     try:
@@ -217,8 +229,10 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = Non
     keys = _get(trust, "trust", "trainer_keys", list, [])
     if role == "node" and not keys:
         raise ConfigError("trust.trainer_keys: a node needs at least one trusted trainer key")
-    key_paths = tuple(_path(base_dir, _get({"k": k}, "trust", "k", str), "trust.trainer_keys")
-                      for k in keys)
+    key_paths = tuple(
+        _path(base_dir, _get({f"trainer_keys[{i}]": k}, "trust", f"trainer_keys[{i}]", str),
+              f"trust.trainer_keys[{i}]")
+        for i, k in enumerate(keys))
     quota = _get(store, "store", "quota_bytes", int, 0)
     if quota < 0:
         raise ConfigError("store.quota_bytes: must be >= 0 (0 = no quota)")

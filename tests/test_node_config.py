@@ -51,6 +51,7 @@ def test_valid_config_resolves_paths_and_core_knobs(tmp_path: Path) -> None:
     ({"weights": {"device": "tpu"}}, "weights.device"),
     ({"weights": {"base_version": 0}}, "weights.base_version"),
     ({"trust": {"trainer_keys": []}}, "trust.trainer_keys"),
+    ({"trust": {"trainer_keys": ["ok.pub", 7]}}, "trust.trainer_keys[1]"),
     ({"swarm": {"mesh_degree": "six"}}, "swarm.mesh_degree"),
     ({"swarm": {"no_such_knob": 1}}, "swarm.no_such_knob"),
     ({"swarm": {"node_id": "x"}}, "swarm.node_id"),
@@ -61,6 +62,22 @@ def test_valid_config_resolves_paths_and_core_knobs(tmp_path: Path) -> None:
 def test_bad_values_name_their_key(tmp_path: Path, over: dict, key: str) -> None:
     with pytest.raises(ConfigError, match=key.replace("[", r"\[").replace("]", r"\]")):
         parse_config(_doc(**over), tmp_path)
+
+
+@pytest.mark.parametrize(("content", "why"), [
+    (None, "larger than 4096 bytes"),  # /dev/zero: must not read without bound
+    (bytes(range(256)), "is binary"),
+    (b"zz" * 16, "expected hex digits"),
+])
+def test_secret_file_errors_name_the_key(tmp_path: Path, content: bytes | None, why: str) -> None:
+    path = Path("/dev/zero") if content is None else tmp_path / "secret"
+    if content is not None:
+        path.write_bytes(content)
+    doc = _doc()
+    del doc["network"]["swarm_secret"]
+    doc["network"]["swarm_secret_file"] = str(path)
+    with pytest.raises(ConfigError, match=r"network\.swarm_secret(_file)?: .*" + why):
+        parse_config(doc, tmp_path)
 
 
 def test_origin_needs_a_signing_key(tmp_path: Path) -> None:
