@@ -356,9 +356,9 @@ class Driver:
         return wire.pack_chunk(v, i, payload)
 
     def _note_sent(self, c: Conn, v: int, i: int) -> None:
-        peer = self.core.peers.get(c.id)
-        if peer is not None and peer.region:
-            self.sent_to_region.setdefault(v, {}).setdefault(peer.region, set()).add(i)
+        region = self.core.peer_region(c.id)
+        if region is not None:
+            self.sent_to_region.setdefault(v, {}).setdefault(region, set()).add(i)
 
     # --------------------------------------------------------------- chunks
 
@@ -419,20 +419,10 @@ class Driver:
 
     def region_progress(self, version: int) -> dict[str, int]:
         """Origin's view: chunks of ``version`` that reached each region (loop thread)."""
-        out: dict[str, int] = {}
-        union: dict[str, int] = {}
-        for p in self.core.peers.values():
-            if p.region and p.region != self.core.cfg.region:
-                union[p.region] = union.get(p.region, 0) | p.bits.get(version, 0)
-        seeder = getattr(self.core, "seeder", None)
-        plans = getattr(seeder, "plans", {}).get(version, {}) if seeder is not None else {}
-        for region, plan in plans.items():
-            union[region] = union.get(region, 0) | getattr(plan, "sent", 0)
+        union = self.core.region_chunks(version)
         for region, sent in self.sent_to_region.get(version, {}).items():
             bits = union.get(region, 0)
             for i in sent:
                 bits |= 1 << i
             union[region] = bits
-        for region, bits in union.items():
-            out[region] = bits.bit_count()
-        return out
+        return {region: bits.bit_count() for region, bits in union.items()}

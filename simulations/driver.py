@@ -280,6 +280,18 @@ class Simulation:
         self.by_addr[addr] = node
         return node
 
+    def add_node(self, ri: int, region: str, up: float, down: float) -> SimNode:
+        """A new, not yet running node in region ``ri`` (``join`` starts it)."""
+        node = self._new_node(ri, region, len(self.region_nodes[region]), up, down)
+        self.region_nodes[region].append(node)
+        return node
+
+    def join(self, node: SimNode) -> None:
+        """Start a node added by ``add_node``: an empty daemon joins the swarm."""
+        node.first_seen = self.engine.now
+        self._boot(node, fresh=True)
+        self.check_finished()
+
     def _bootstrap(self, node: SimNode) -> tuple[str, ...]:
         """What a node's config would list: the trainer's address (it acts as tracker)."""
         return () if node.origin else (self.trainer.addr,)
@@ -373,9 +385,9 @@ class Simulation:
         raw = self.manifests[k - 1]
         t = self.trainer
         self._deliver(t, t.inc, ev.Publish(self.engine.now, raw))
-        self._check_finished()
+        self.check_finished()
 
-    def _check_finished(self) -> None:
+    def check_finished(self) -> None:
         """Publish the next version or stop once every live node holds the last one."""
         k = self.published
         if k == 0:
@@ -618,7 +630,7 @@ class Simulation:
             self.done_count[k] = self.done_count.get(k, 0) + 1
         self.engine.schedule(now + self.sc.apply_s, self._applied_event, (node, node.inc, version))
         if not node.origin:
-            self._check_finished()
+            self.check_finished()
 
     def _applied_event(self, item: tuple[SimNode, int, int]) -> None:
         node, inc, version = item
@@ -644,14 +656,14 @@ class Simulation:
         node.conns = {}
         node.core = None
         node.tick_at = INF
-        self._check_finished()
+        self.check_finished()
 
     def revive(self, node: SimNode) -> None:
         """The node restarts from its store (chunks it verified before leaving)."""
         if node.alive:
             return
         self._boot(node, fresh=False)
-        self._check_finished()
+        self.check_finished()
 
     def sever(self, region: str) -> None:
         """Cut ``region`` off: every connection crossing its border drops."""

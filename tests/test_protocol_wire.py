@@ -34,7 +34,10 @@ def test_round_trip_every_frame_type() -> None:
         (wire.LINKS, ["b", "c"]),
     ]
     for f in frames:
-        assert wire.decode(wire.encode(*f)) == list(f)
+        got = wire.decode(wire.encode(*f))
+        assert type(got) is wire.FRAME_TYPES[f[0]]
+        assert got.encode() == wire.encode(*f)  # the typed frame has the untyped frame's bytes
+        assert wire.decode(got.encode()) == got
 
 
 @pytest.mark.parametrize("frame", [
