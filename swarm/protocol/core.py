@@ -32,8 +32,10 @@ from swarm.protocol import events as ev
 from swarm.protocol import handshake as hs
 from swarm.protocol import wire
 from swarm.protocol.config import CoreConfig
+from swarm.protocol.counters import Counters
+from swarm.protocol.haves import HaveBatch, have_frames
 from swarm.protocol.membership import AddressBook
-from swarm.protocol.peer import CROSS, KINDS, ORIGIN, SAME, Peer
+from swarm.protocol.peer import CROSS, ORIGIN, SAME, Peer
 from swarm.protocol.picker import iter_bits
 from swarm.protocol.requests import PickPolicy, RarestFirst, Requests
 from swarm.protocol.roles import NodeRole, Role
@@ -42,34 +44,6 @@ from swarm.protocol.uploads import Offer, UploadSlots
 from swarm.protocol.versions import VersionSet, VersionState
 
 READY = hs.READY
-
-
-class Counters:
-    """Chunk traffic of this node, split by the kind of peer on the other end."""
-
-    __slots__ = ("bad_chunks", "dup_chunks", "recv_bytes", "recv_chunks", "region_recv",
-                 "region_sent", "sent_bytes", "sent_chunks")
-
-    def __init__(self) -> None:
-        self.sent_bytes = dict.fromkeys(KINDS, 0)
-        self.recv_bytes = dict.fromkeys(KINDS, 0)
-        self.sent_chunks = dict.fromkeys(KINDS, 0)
-        self.recv_chunks = dict.fromkeys(KINDS, 0)
-        self.region_sent: dict[tuple[str, str], int] = {}  # (src, dst region) -> bytes we sent
-        self.region_recv: dict[tuple[str, str], int] = {}  # (src, dst region) -> bytes we received
-        self.dup_chunks = 0
-        self.bad_chunks = 0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "sent_bytes": {str(k): n for k, n in self.sent_bytes.items()},
-            "recv_bytes": {str(k): n for k, n in self.recv_bytes.items()},
-            "sent_chunks": {str(k): n for k, n in self.sent_chunks.items()},
-            "recv_chunks": {str(k): n for k, n in self.recv_chunks.items()},
-            "region_sent": {f"{a}->{b}": n for (a, b), n in self.region_sent.items()},
-            "region_recv": {f"{a}->{b}": n for (a, b), n in self.region_recv.items()},
-            "dup_chunks": self.dup_chunks, "bad_chunks": self.bad_chunks,
-        }
 
 
 class NodeCore:
@@ -96,10 +70,7 @@ class NodeCore:
         self.applying: int | None = None
         self._apply_tries: dict[int, int] = {}
         self._apply_retry_at: float | None = None
-        # HAVE batching and the heartbeat
-        self._pending_have: dict[int, list[int]] = {}
-        self._have_due: float | None = None
-        self._have_next = float("-inf")  # HAVEs may go out at once from then on
+        self.haves = HaveBatch(config.have_batch_s)
         self._next_hb = now + config.heartbeat_s
         # dialling
         self.dialing: dict[str, float] = {}
@@ -143,8 +114,9 @@ class NodeCore:
 
     def next_wakeup(self) -> float | None:
         t = self._next_hb
-        if self._have_due is not None and self._have_due < t:
-            t = self._have_due
+        due = self.haves.due
+        if due is not None and due < t:
+            t = due
         if self._apply_retry_at is not None and self._apply_retry_at < t:
             t = self._apply_retry_at
         s = self.role.next_wakeup()
@@ -673,13 +645,10 @@ class NodeCore:
             return
         p = self.peers.get(e.conn)
         size = st.chunk_length(i)
-        kind = p.kind if p is not None else SAME
         cnt = self.counters
-        cnt.recv_bytes[kind] += size
-        cnt.recv_chunks[kind] += 1
+        cnt.received(p.kind if p is not None else SAME, size)
         if p is not None:
-            rk = (p.region, self.cfg.region)
-            cnt.region_recv[rk] = cnt.region_recv.get(rk, 0) + size
+            cnt.received_from(p.region, self.cfg.region, size)
             p.last_heard = self.now
             p.busy = False
             t0 = p.req.get((v, i))
@@ -737,55 +706,15 @@ class NodeCore:
         self._fill_all()
 
     def _queue_have(self, v: int, i: int) -> None:
-        """Queue a HAVE; flush at once unless a flush went out less than ``have_batch_s`` ago.
-
-        Batching is a rate limit (one HAVE burst per window), not a delay: a
-        chunk that arrives after a quiet spell is announced at once, so every
-        store-and-forward hop does not pay ``have_batch_s``.
-        """
-        lst = self._pending_have.get(v)
-        if lst is None:
-            self._pending_have[v] = [i]
-        else:
-            lst.append(i)
-        if self._have_due is not None:
-            return
-        if self.now >= self._have_next:
+        if self.haves.add(v, i, self.now):
             self._flush_haves()
-        else:
-            self._have_due = self._have_next
 
     def _flush_haves(self) -> None:
-        self._have_due = None
-        self._have_next = self.now + self.cfg.have_batch_s
-        pending, self._pending_have = self._pending_have, {}
         border = self.role.is_border
-        step = wire.MAX_INDICES
-        for v, idx in pending.items():
-            if v not in self.versions:
-                continue
-            frames = [wire.Have(v, idx[k:k + step]).encode() for k in range(0, len(idx), step)]
-            mask = 0
-            for i in idx:
-                mask |= 1 << i
-            for p in self.peers.values():
-                if p.state is not READY:
-                    continue
-                pb = p.bits.get(v)
-                if pb is None:
-                    continue
-                if p.is_origin:
-                    if not border:
-                        continue
-                elif mask & ~pb != mask:
-                    # a peer needs HAVEs only for chunks it lacks (it never asks for the
-                    # others); this halves the HAVE frames of an epidemic spread
-                    rest = [i for i in idx if not (pb >> i) & 1]
-                    for k in range(0, len(rest), step):
-                        self.send(p, wire.Have(v, rest[k:k + step]).encode())
-                    continue
-                for fr in frames:
-                    self.send(p, fr)
+        for v, idx in self.haves.take(self.now).items():
+            if v in self.versions:
+                for p, frame in have_frames(v, idx, self.peers.values(), to_origin=border):
+                    self.send(p, frame)
 
     def _on_sent(self, e: ev.ChunkSent) -> None:
         p = self.peers.get(e.conn)
@@ -794,12 +723,7 @@ class NodeCore:
         if not self.uploads.finish_relay(key) and not self.role.on_sent(*key):
             self.uploads.finish(key)
         if p is not None and st is not None and 0 <= e.index < st.chunk_count:
-            size = st.chunk_length(e.index)
-            cnt = self.counters
-            cnt.sent_bytes[p.kind] += size
-            cnt.sent_chunks[p.kind] += 1
-            rk = (self.cfg.region, p.region)
-            cnt.region_sent[rk] = cnt.region_sent.get(rk, 0) + size
+            self.counters.sent(p.kind, self.cfg.region, p.region, st.chunk_length(e.index))
         self._pump_uploads()
         self._wake_refused()
         self.role.after_sent()
@@ -829,7 +753,7 @@ class NodeCore:
     # ================================================================ timers
     def _on_tick(self, e: ev.Tick) -> None:
         now = self.now
-        if self._have_due is not None and now >= self._have_due:
+        if self.haves.due is not None and now >= self.haves.due:
             self._flush_haves()
         if self._apply_retry_at is not None and now >= self._apply_retry_at:
             self._apply_retry_at = None
