@@ -30,7 +30,6 @@ seed, verified by every core with ``swarm.trust.manifest.verify_manifest``.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import random
 import time
 from collections.abc import Callable
@@ -39,9 +38,8 @@ from typing import Any
 
 from simulations.engine import Engine
 from simulations.network import INF, FlowNet, Resource
-from simulations.scenario import Scenario
+from simulations.scenario import STRATEGY_KNOBS, Scenario
 from simulations.topology import Endpoint, Topology, draw_capacities
-from swarm.errors import ConfigError
 from swarm.protocol import events as ev
 
 MODEL = "sim/model"
@@ -50,16 +48,6 @@ PORT = 7000
 # versions from 1, and a patch's parent is >= 1); the scenario's k-th published
 # version is BASE_VERSION + k. Reports number them k = 1..versions.
 BASE_VERSION = 1
-
-# strategy -> CoreConfig knobs (the protocol's own switches; see docs/protocol.md)
-STRATEGY_KNOBS: dict[str, dict[str, Any]] = {
-    "patchswarm": {"region_aware": True, "relay": True, "origin_only": False},
-    "per-region": {"region_aware": True, "relay": False, "origin_only": False},
-    "direct": {"region_aware": True, "relay": False, "origin_only": True},
-    "flat": {"region_aware": False, "relay": True, "origin_only": False},
-    "full": {"region_aware": True, "relay": True, "origin_only": False},
-}
-
 
 class SimNode:
     """One simulated host: its core, its place in the network, its tallies."""
@@ -234,13 +222,7 @@ class Simulation:
         from swarm.protocol.config import CoreConfig
 
         knobs = dict(STRATEGY_KNOBS[self.strategy])
-        knobs.update(self.sc.protocol)
-        names = {f.name for f in dataclasses.fields(CoreConfig)}
-        for k in knobs:
-            if k not in names:
-                raise ConfigError(
-                    f"protocol.{k}: not a CoreConfig field (known: {', '.join(sorted(names))})"
-                )
+        knobs.update(self.sc.protocol)  # checked by the scenario (check_knobs)
         knobs.setdefault("active_version", node.active)
         return CoreConfig(
             node_id=node.node_id,

@@ -507,7 +507,7 @@ class NodeCore:
         if have_all:
             st.have = st.full
         if persist:
-            self._out.append(ev.AcceptManifest(v, raw))
+            self._out.append(ev.AcceptManifest(v, raw, m))
         self.log("info", "manifest_accepted", version=v, kind=m.kind, chunks=m.chunk_count)
         full = st.full
         bf = None
