@@ -217,3 +217,19 @@ def test_report_sent_to_a_node_closes_the_link() -> None:
     p.handshake()
     p.send(wire.Report("c"))
     assert p.closed()
+
+
+# ---------------------------------------------------------------- read model
+
+def test_origin_read_model_regions_seen_and_region_chunks() -> None:
+    s = Signer()
+    o = _core("origin", "trainer", role="origin", signer=s, border_nodes=1)
+    a = Script(o, 1, node_id="a", region="r1")
+    a.handshake()
+    Script(o, 2, node_id="b", region="r2").handshake()
+    assert o.regions_seen() == ["r1", "r2"]
+    o.handle(ev.Publish(o.now, s.manifest(2, 3)))
+    a.send(wire.Announce(s.manifest(2, 3)))
+    a.send(wire.Have(2, (0, 2)))
+    assert o.region_chunks(2) == {"r1": 0b101, "r2": 0}
+    assert o.peer_region(1) == "r1" and o.peer_region(99) is None

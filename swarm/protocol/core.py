@@ -33,14 +33,14 @@ from swarm.protocol import handshake as hs
 from swarm.protocol import wire
 from swarm.protocol.config import CoreConfig
 from swarm.protocol.counters import Counters
+from swarm.protocol.exchange import ChunkExchange
 from swarm.protocol.haves import HaveBatch, have_frames
 from swarm.protocol.membership import AddressBook
 from swarm.protocol.peer import CROSS, ORIGIN, SAME, Peer
 from swarm.protocol.picker import iter_bits
-from swarm.protocol.requests import PickPolicy, RarestFirst, Requests
+from swarm.protocol.requests import PickPolicy, RarestFirst
 from swarm.protocol.roles import NodeRole, Role
 from swarm.protocol.seeding import OriginRole
-from swarm.protocol.uploads import Offer, UploadSlots
 from swarm.protocol.versions import VersionSet, VersionState
 
 READY = hs.READY
@@ -65,8 +65,9 @@ class NodeCore:
         self.counters = Counters()
         self.active_version: int | None = config.active_version
         self.versions = VersionSet()
-        self.requests = Requests(config, policy or RarestFirst(rng))
-        self.uploads = UploadSlots(config.upload_slots, config.upload_queue)
+        self.exchange = ChunkExchange(self, config, self.versions, policy or RarestFirst(rng))
+        self.requests = self.exchange.requests
+        self.uploads = self.exchange.uploads
         self.applying: int | None = None
         self._apply_tries: dict[int, int] = {}
         self._apply_retry_at: float | None = None
@@ -81,9 +82,7 @@ class NodeCore:
         self.role: Role = OriginRole(self) if config.is_origin else NodeRole(self)
         self._frames: dict[type[wire.Frame], Callable[[Peer, Any], None]] = {
             wire.Ping: self._f_ping, wire.Peers: self._f_peers, wire.Announce: self._f_announce,
-            wire.Bitfield: self._f_bitfield, wire.Have: self._f_have,
-            wire.Request: self._f_request, wire.Cancel: self._f_cancel,
-            wire.Reject: self._f_reject, **self.role.frame_handlers(),
+            **self.exchange.frame_handlers(), **self.role.frame_handlers(),
         }
 
     # ================================================================ public API
@@ -181,9 +180,8 @@ class NodeCore:
         for p in self.peers.values():
             if p.region and p.region != self.cfg.region:
                 union[p.region] = union.get(p.region, 0) | p.bits.get(version, 0)
-        if isinstance(self.role, OriginRole):
-            for region, sent in self.role.region_sent(version).items():
-                union[region] = union.get(region, 0) | sent
+        for region, sent in self.role.region_sent(version).items():
+            union[region] = union.get(region, 0) | sent
         return union
 
     def status(self) -> dict[str, Any]:
@@ -260,9 +258,14 @@ class NodeCore:
         return [p for p in self.peers.values() if p.state is READY]
 
     def fill(self, p: Peer) -> None:
-        """Top up our pipeline of requests to ``p`` (see ``Requests.plan``)."""
-        for v, picks in self.requests.plan(p, self.versions, self.now):
-            self.send(p, wire.Request(v, picks).encode())
+        """Top up our requests to ``p``."""
+        self.exchange.fill(p)
+
+    def strike(self, node_id: str) -> int:
+        """One more corrupt chunk from ``node_id`` (counted across reconnects); the count."""
+        n = self._bad_by_id.get(node_id, 0) + 1
+        self._bad_by_id[node_id] = n
+        return n
 
     def _take(self) -> list[ev.Action]:
         out = self._out
@@ -303,18 +306,9 @@ class NodeCore:
             del self.by_id[p.node_id]
         if p.state is not READY:
             return
-        if p.can_req:
-            for st in self.versions.states.values():
-                if st.avail is not None:
-                    av = st.avail
-                    for i in iter_bits(p.bits.get(st.version, 0) & st.full):
-                        av[i] -= 1
-        for key in list(p.req):
-            self.requests.forget(p, key, self.versions)
-        if self.uploads.drop_conn(p.conn):
-            self._pump_uploads()
+        self.exchange.forget(p)
         self.role.on_leave(p)
-        self._fill_all()
+        self.exchange.fill_all()
 
     # ================================================================ frames
     def _on_frame(self, e: ev.FrameReceived) -> None:
@@ -408,7 +402,7 @@ class NodeCore:
         if v is not None:
             if v not in p.bits:
                 p.bits[v] = 0
-                self._catch_up(p, v)
+                self.catch_up(p, v)
             return
         try:
             m = self._verify(raw)
@@ -429,7 +423,7 @@ class NodeCore:
         p.bits.setdefault(m.version, 0)
         self._accept(m, raw, persist=True)
 
-    def _catch_up(self, p: Peer, v: int) -> None:
+    def catch_up(self, p: Peer, v: int) -> None:
         """``p`` just showed it knows version ``v``: send it our bitfield.
 
         HAVEs skip peers that have not shown the version yet (they could not
@@ -438,67 +432,6 @@ class NodeCore:
         st = self.versions.get(v)
         if st is not None and st.have and self.role.shares_bitfields:
             self.send(p, st.bitfield())
-
-    def _f_bitfield(self, p: Peer, f: wire.Bitfield) -> None:
-        self._holdings(p, f.version, wire.bits_from_bytes(f.bits), fill_anyway=True)
-
-    def _f_have(self, p: Peer, f: wire.Have) -> None:
-        add = 0
-        for i in f.indices:
-            add |= 1 << i
-        self._holdings(p, f.version, add, fill_anyway=False)
-
-    def _holdings(self, p: Peer, v: int, add: int, *, fill_anyway: bool) -> None:
-        """``p`` says it holds the chunks ``add`` of ``v`` (BITFIELD or HAVE).
-
-        A BITFIELD tops up our requests to ``p`` even if it shows nothing new.
-        """
-        st = self.versions.get(v)
-        if st is not None:
-            add &= st.full
-        elif len(p.bits) > 32 and v not in p.bits:
-            return  # bound what an unknown-version flood can make us hold
-        old = p.bits.get(v)
-        if old is None:
-            old = 0
-            self._catch_up(p, v)
-        gained = add & ~old
-        p.bits[v] = old | add
-        p.busy = False
-        if self.role.on_holdings(p, v, gained):
-            return
-        av = st.avail if st is not None else None
-        if av is not None and p.can_req and (gained or fill_anyway):
-            for i in iter_bits(gained):
-                av[i] += 1
-            self.fill(p)
-
-    def _f_request(self, p: Peer, f: wire.Request) -> None:
-        v = f.version
-        st = self.versions.get(v)
-        allowed = st is not None and self.role.may_serve(p)
-        rejected = []
-        for i in f.indices:
-            if not allowed or not (st.have >> i) & 1:  # type: ignore[union-attr]
-                rejected.append(i)
-                continue
-            offer = self.uploads.offer(p.conn, v, i)
-            if offer is Offer.SEND:
-                self._out.append(ev.SendChunk(p.conn, v, i, st.chunk_length(i)))  # type: ignore[union-attr]
-            elif offer is Offer.REFUSED:
-                rejected.append(i)
-        if rejected:
-            self.send(p, wire.Reject(v, rejected).encode())
-
-    def _f_cancel(self, p: Peer, f: wire.Cancel) -> None:
-        self.uploads.cancel(p.conn, f.version, f.indices)
-
-    def _f_reject(self, p: Peer, f: wire.Reject) -> None:
-        v = f.version
-        for i in f.indices:
-            self.requests.forget(p, (v, i), self.versions)
-        p.busy = True
-        self._fill_all(skip=p)
 
     # ================================================================ versions
     def _accept(self, m: Any, raw: bytes, *, persist: bool, have_all: bool = False) -> None:
@@ -540,10 +473,10 @@ class NodeCore:
         for v, st in states.items():
             if st.avail is not None and v not in wanted:
                 st.avail = None
-        self._fill_all()
-        self._check_apply()
+        self.exchange.fill_all()
+        self.check_apply()
 
-    def _check_apply(self) -> None:
+    def check_apply(self) -> None:
         if self.applying is not None or self._apply_retry_at is not None:
             return
         chain = self.versions.chain
@@ -627,85 +560,7 @@ class NodeCore:
             self.role.on_local_complete(v)
 
     # ================================================================ chunk exchange
-    def _fill_all(self, skip: Peer | None = None) -> None:
-        rq = self.requests
-        if not self.versions.wanted or rq.full:
-            return
-        for p in list(self.peers.values()):
-            if p is not skip and p.can_req and not p.busy and p.state is READY:
-                self.fill(p)
-                if rq.full:
-                    return
-
-    def _on_chunk(self, e: ev.ChunkReceived) -> None:
-        v, i = e.version, e.index
-        st = self.versions.get(v)
-        if st is None or not 0 <= i < st.chunk_count:
-            self.log("warning", "unexpected_chunk", version=v, index=i, conn=e.conn)
-            return
-        p = self.peers.get(e.conn)
-        size = st.chunk_length(i)
-        cnt = self.counters
-        cnt.received(p.kind if p is not None else SAME, size)
-        if p is not None:
-            cnt.received_from(p.region, self.cfg.region, size)
-            p.last_heard = self.now
-            p.busy = False
-            t0 = p.req.get((v, i))
-            if t0 is not None:
-                dt = self.now - t0
-                p.ewma = dt if p.samples == 0 else 0.7 * p.ewma + 0.3 * dt
-                p.samples += 1
-                p.timeouts = 0
-            requested = self.requests.forget(p, (v, i), self.versions)
-        else:
-            requested = False
-        bit = 1 << i
-        if not e.valid:
-            self._on_bad_chunk(p, st, i)
-            return
-        if st.have & bit:
-            cnt.dup_chunks += 1
-        else:
-            st.have |= bit
-            st.inflight &= ~bit
-            # endgame: cancel the twin request
-            twins = self.requests.arrived((v, i), self.peers)
-            if twins:
-                cf = wire.Cancel(v, [i]).encode()
-                for q in twins:
-                    self.send(q, cf)
-            self._queue_have(v, i)
-            if st.complete:
-                self.log("info", "version_complete", version=v)
-                vs = self.versions
-                vs.wanted = [w for w in vs.wanted if w != v]
-                st.avail = None
-                self._check_apply()
-        if p is not None and requested:
-            self.fill(p)
-        self._fill_all()
-
-    def _on_bad_chunk(self, p: Peer | None, st: VersionState, i: int) -> None:
-        v = st.version
-        self.counters.bad_chunks += 1
-        self.log("warning", "bad_chunk", version=v, index=i, peer=p.node_id if p else None)
-        if p is not None:
-            bit = 1 << i
-            old = p.bits.get(v, 0)
-            if old & bit:  # never ask this peer for that chunk again
-                p.bits[v] = old & ~bit
-                if st.avail is not None and p.can_req:
-                    st.avail[i] -= 1
-            # counted per node id: a reconnect does not wipe the slate
-            n = self._bad_by_id.get(p.node_id, 0) + 1
-            self._bad_by_id[p.node_id] = n
-            if n >= self.cfg.max_bad_chunks:
-                self.ban(p.node_id, f"sent {n} corrupt chunks")
-                return
-        self._fill_all()
-
-    def _queue_have(self, v: int, i: int) -> None:
+    def queue_have(self, v: int, i: int) -> None:
         if self.haves.add(v, i, self.now):
             self._flush_haves()
 
@@ -716,40 +571,6 @@ class NodeCore:
                 for p, frame in have_frames(v, idx, self.peers.values(), to_origin=border):
                     self.send(p, frame)
 
-    def _on_sent(self, e: ev.ChunkSent) -> None:
-        p = self.peers.get(e.conn)
-        st = self.versions.get(e.version)
-        key = (e.conn, e.version, e.index)
-        if not self.uploads.finish_relay(key) and not self.role.on_sent(*key):
-            self.uploads.finish(key)
-        if p is not None and st is not None and 0 <= e.index < st.chunk_count:
-            self.counters.sent(p.kind, self.cfg.region, p.region, st.chunk_length(e.index))
-        self._pump_uploads()
-        self._wake_refused()
-        self.role.after_sent()
-
-    def _wake_refused(self) -> None:
-        """A slot is free: ping the peer we turned away longest ago, so it asks again.
-
-        Without this a refused peer waits until we happen to send it a HAVE (or
-        the next heartbeat), and a node with few neighbours falls behind.
-        """
-        while (conn := self.uploads.next_refused()) is not None:
-            p = self.peers.get(conn)
-            if p is not None and p.state is READY:
-                self.send(p, wire.Ping().encode())
-                return
-
-    def _pump_uploads(self) -> None:
-        def size_of(conn: int, v: int, i: int) -> int | None:
-            st = self.versions.get(v)
-            if conn not in self.peers or st is None or not (st.have >> i) & 1:
-                return None
-            return st.chunk_length(i)
-
-        for conn, v, i, size in self.uploads.pump(size_of):
-            self._out.append(ev.SendChunk(conn, v, i, size))
-
     # ================================================================ timers
     def _on_tick(self, e: ev.Tick) -> None:
         now = self.now
@@ -757,7 +578,7 @@ class NodeCore:
             self._flush_haves()
         if self._apply_retry_at is not None and now >= self._apply_retry_at:
             self._apply_retry_at = None
-            self._check_apply()
+            self.check_apply()
         self.role.tick()
         if now >= self._next_hb:
             self._next_hb = now + self.cfg.heartbeat_s
@@ -799,7 +620,7 @@ class NodeCore:
         self.role.after_heartbeat()
         if self.retry_at:
             self.retry_at = {a: t for a, t in self.retry_at.items() if t > now}
-        self._fill_all()
+        self.exchange.fill_all()
 
     def _evict_slow(self, peers: list[Peer]) -> None:
         """Drop the slowest peer if it is a timing outlier and we can afford to lose it."""
@@ -818,8 +639,8 @@ _HANDLERS: dict[type, Callable[[NodeCore, Any], None]] = {
     ev.ConnectFailed: NodeCore._on_connect_failed,
     ev.PeerDisconnected: NodeCore._on_disconnected,
     ev.FrameReceived: NodeCore._on_frame,
-    ev.ChunkReceived: NodeCore._on_chunk,
-    ev.ChunkSent: NodeCore._on_sent,
+    ev.ChunkReceived: lambda core, e: core.exchange.on_chunk(e),
+    ev.ChunkSent: lambda core, e: core.exchange.on_sent(e),
     ev.Publish: NodeCore._on_publish,
     ev.LocalChunks: NodeCore._on_local,
     ev.Applied: NodeCore._on_applied,

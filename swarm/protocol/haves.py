@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 from swarm.protocol import wire
+from swarm.protocol.handshake import READY
 from swarm.protocol.peer import Peer
 
 
@@ -56,12 +57,13 @@ def have_frames(v: int, idx: list[int], peers: Iterable[Peer], *,
     encoded once.
     """
     step = wire.MAX_INDICES
-    frames = [wire.Have(v, idx[k:k + step]).encode() for k in range(0, len(idx), step)]
+    have = wire.Have.pack
+    frames = [have(v, idx[k:k + step]) for k in range(0, len(idx), step)]
     mask = 0
     for i in idx:
         mask |= 1 << i
     for p in peers:
-        if not p.ready:
+        if p.state is not READY:
             continue
         pb = p.bits.get(v)
         if pb is None:
@@ -72,7 +74,7 @@ def have_frames(v: int, idx: list[int], peers: Iterable[Peer], *,
         elif mask & ~pb != mask:
             rest = [i for i in idx if not (pb >> i) & 1]
             for k in range(0, len(rest), step):
-                yield p, wire.Have(v, rest[k:k + step]).encode()
+                yield p, have(v, rest[k:k + step])
             continue
         for fr in frames:
             yield p, fr

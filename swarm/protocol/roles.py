@@ -90,6 +90,10 @@ class Role:
     def is_border(self) -> bool:
         return False
 
+    def region_sent(self, v: int) -> dict[str, int]:
+        """Per region, the chunks of ``v`` this role saw enter it (bitsets); read model only."""
+        return {}
+
     # ---- holdings and chunks
     def on_holdings(self, p: Peer, v: int, gained: int) -> bool:
         """``p`` showed new chunks of ``v``; True if the role took it over (no availability)."""

@@ -63,6 +63,11 @@ class Frame:
     def encode(self) -> bytes:
         return _pack([self.TYPE, *(getattr(self, n) for n in self.__slots__)])
 
+    @classmethod
+    def pack(cls, *fields: Any) -> bytes:
+        """``cls(*fields).encode()`` without building the object (hot paths)."""
+        return _pack([cls.TYPE, *fields])
+
 
 @dataclass(frozen=True, slots=True)
 class Hello(Frame):
