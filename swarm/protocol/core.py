@@ -41,7 +41,7 @@ from swarm.protocol.picker import iter_bits
 from swarm.protocol.requests import PickPolicy, RarestFirst
 from swarm.protocol.roles import NodeRole, Role
 from swarm.protocol.seeding import OriginRole
-from swarm.protocol.versions import VersionSet, VersionState
+from swarm.protocol.versions import ApplyState, VersionSet, VersionState
 
 READY = hs.READY
 
@@ -68,9 +68,7 @@ class NodeCore:
         self.exchange = ChunkExchange(self, config, self.versions, policy or RarestFirst(rng))
         self.requests = self.exchange.requests
         self.uploads = self.exchange.uploads
-        self.applying: int | None = None
-        self._apply_tries: dict[int, int] = {}
-        self._apply_retry_at: float | None = None
+        self.apply = ApplyState()
         self.haves = HaveBatch(config.have_batch_s)
         self._next_hb = now + config.heartbeat_s
         # dialling
@@ -116,8 +114,9 @@ class NodeCore:
         due = self.haves.due
         if due is not None and due < t:
             t = due
-        if self._apply_retry_at is not None and self._apply_retry_at < t:
-            t = self._apply_retry_at
+        r = self.apply.retry_at
+        if r is not None and r < t:
+            t = r
         s = self.role.next_wakeup()
         if s is not None and s < t:
             t = s
@@ -188,7 +187,7 @@ class NodeCore:
         return {
             "node_id": self.cfg.node_id, "region": self.cfg.region, "role": self.cfg.role,
             "active_version": self.active_version, "staged_versions": self.staged_versions,
-            "applying": self.applying, "border": self.is_border, "peers": self.peer_list(),
+            "applying": self.apply.applying, "border": self.is_border, "peers": self.peer_list(),
             "counters": self.counters.as_dict(),
         }
 
@@ -459,53 +458,29 @@ class NodeCore:
 
     def _replan(self) -> None:
         """Work out the chain of versions to fetch; count who holds the wanted ones."""
-        wanted = self.versions.replan(self.active_version)
-        states = self.versions.states
-        for v in wanted:
-            st = states[v]
-            if st.avail is None:
-                av = [0] * st.chunk_count
-                for p in self.peers.values():
-                    if p.state is READY and p.can_req:
-                        for i in iter_bits(p.bits.get(v, 0) & st.full):
-                            av[i] += 1
-                st.avail = av
-        for v, st in states.items():
-            if st.avail is not None and v not in wanted:
-                st.avail = None
+        self.exchange.track(self.versions.replan(self.active_version))
         self.exchange.fill_all()
         self.check_apply()
 
     def check_apply(self) -> None:
-        if self.applying is not None or self._apply_retry_at is not None:
-            return
-        chain = self.versions.chain
-        if not chain:
-            return
-        v = chain[0]
-        st = self.versions.states[v]
-        if not st.complete:
-            return
-        if st.manifest.kind == "patch" and st.manifest.parent_version != self.active_version:
-            return
-        self.applying = v
-        self._out.append(ev.ApplyVersion(v))
+        v = self.apply.next(self.versions, self.active_version)
+        if v is not None:
+            self._out.append(ev.ApplyVersion(v))
 
     def _on_applied(self, e: ev.Applied) -> None:
-        if e.version != self.applying:
+        if e.version != self.apply.applying:
             self.log("warning", "unexpected_applied", version=e.version)
             return
-        self.applying = None
         if not e.ok:
-            n = self._apply_tries.get(e.version, 0) + 1
-            self._apply_tries[e.version] = n
+            c = self.cfg
+            n = self.apply.failed(e.version, retries=c.apply_retries, now=self.now,
+                                  retry_s=c.apply_retry_s)
             self.log("error", "apply_failed", version=e.version, reason=e.reason, attempt=n)
-            if n < self.cfg.apply_retries:
-                self._apply_retry_at = self.now + self.cfg.apply_retry_s
-            else:
+            if n >= c.apply_retries:
                 self.versions.stalled.add(e.version)
                 self._replan()
             return
+        self.apply.applying = None
         self.active_version = e.version
         self.log("info", "version_active", version=e.version)
         lo = e.version - self.cfg.keep_versions + 1
@@ -576,8 +551,8 @@ class NodeCore:
         now = self.now
         if self.haves.due is not None and now >= self.haves.due:
             self._flush_haves()
-        if self._apply_retry_at is not None and now >= self._apply_retry_at:
-            self._apply_retry_at = None
+        if self.apply.retry_at is not None and now >= self.apply.retry_at:
+            self.apply.retry_at = None
             self.check_apply()
         self.role.tick()
         if now >= self._next_hb:
@@ -595,12 +570,9 @@ class NodeCore:
                     self.close(p, "handshake timeout")
                 continue
             if p.req:
-                expired = [k for k, t in p.req.items() if now - t > c.request_timeout_s]
-                for k in expired:
-                    self.requests.forget(p, k, self.versions)
-                    p.timeouts += 1
+                expired = self.exchange.expire(p, now)
                 if expired:
-                    self.log("info", "request_timeout", peer=p.node_id, chunks=len(expired))
+                    self.log("info", "request_timeout", peer=p.node_id, chunks=expired)
                     if p.timeouts >= c.max_timeouts:
                         self.close(p, f"{p.timeouts} request timeouts", "warning")
                         continue
@@ -616,21 +588,15 @@ class NodeCore:
                 self.send(p, ping)
             if p.can_req and p.samples >= c.slow_min_samples:
                 slow.append(p)
-        self._evict_slow(slow)
+        # drop the slowest peer if it is a timing outlier and we can afford to lose it
+        out = self.exchange.slow_outlier(slow) if len(self.by_id) > c.mesh_low else None
+        if out is not None:
+            worst, median = out
+            self.close(worst, f"slow peer ({worst.ewma:.2f}s per chunk, median {median:.2f}s)")
         self.role.after_heartbeat()
         if self.retry_at:
             self.retry_at = {a: t for a, t in self.retry_at.items() if t > now}
         self.exchange.fill_all()
-
-    def _evict_slow(self, peers: list[Peer]) -> None:
-        """Drop the slowest peer if it is a timing outlier and we can afford to lose it."""
-        if len(peers) < 3 or len(self.by_id) <= self.cfg.mesh_low:
-            return
-        times = sorted(p.ewma for p in peers)
-        median = times[len(times) // 2]
-        worst = max(peers, key=lambda p: p.ewma)
-        if median > 0 and worst.ewma > self.cfg.slow_factor * median:
-            self.close(worst, f"slow peer ({worst.ewma:.2f}s per chunk, median {median:.2f}s)")
 
 
 _HANDLERS: dict[type, Callable[[NodeCore, Any], None]] = {

@@ -248,3 +248,40 @@ class ChunkExchange:
 
         for conn, v, i, _size in self.uploads.pump(size_of):
             self.host.send_chunk(conn, v, i)
+
+    # ---- timers and planning
+    def expire(self, p: Peer, now: float) -> int:
+        """Forget ``p``'s requests older than ``request_timeout_s``; how many (counted on ``p``)."""
+        limit = self.cfg.request_timeout_s
+        expired = [k for k, t in p.req.items() if now - t > limit]
+        for k in expired:
+            self.requests.forget(p, k, self.versions)
+            p.timeouts += 1
+        return len(expired)
+
+    def slow_outlier(self, peers: list[Peer]) -> tuple[Peer, float] | None:
+        """The slowest of ``peers`` and the median, if it is a timing outlier."""
+        if len(peers) < 3:
+            return None
+        times = sorted(p.ewma for p in peers)
+        median = times[len(times) // 2]
+        worst = max(peers, key=lambda p: p.ewma)
+        if median > 0 and worst.ewma > self.cfg.slow_factor * median:
+            return worst, median
+        return None
+
+    def track(self, wanted: list[int]) -> None:
+        """Count who holds each chunk of the ``wanted`` versions (and only of those)."""
+        states = self.versions.states
+        for v in wanted:
+            st = states[v]
+            if st.avail is None:
+                av = [0] * st.chunk_count
+                for p in self.peers.values():
+                    if p.state is READY and p.can_req:
+                        for i in iter_bits(p.bits.get(v, 0) & st.full):
+                            av[i] += 1
+                st.avail = av
+        for v, st in states.items():
+            if st.avail is not None and v not in wanted:
+                st.avail = None

@@ -108,3 +108,36 @@ class VersionSet:
         self.chain = chain
         self.wanted = [v for v in chain if not self.states[v].complete]
         return self.wanted
+
+
+class ApplyState:
+    """The one version being applied, and the retries of failed applies."""
+
+    __slots__ = ("applying", "retry_at", "tries")
+
+    def __init__(self) -> None:
+        self.applying: int | None = None
+        self.tries: dict[int, int] = {}
+        self.retry_at: float | None = None  # a failed apply is tried again then
+
+    def next(self, versions: VersionSet, active: int | None) -> int | None:
+        """The version to apply now (and mark it applying), or None."""
+        if self.applying is not None or self.retry_at is not None or not versions.chain:
+            return None
+        v = versions.chain[0]
+        st = versions.states[v]
+        if not st.complete:
+            return None
+        if st.manifest.kind == "patch" and st.manifest.parent_version != active:
+            return None
+        self.applying = v
+        return v
+
+    def failed(self, v: int, *, retries: int, now: float, retry_s: float) -> int:
+        """The apply of ``v`` failed: the attempt number; a retry is set while below ``retries``."""
+        self.applying = None
+        n = self.tries.get(v, 0) + 1
+        self.tries[v] = n
+        if n < retries:
+            self.retry_at = now + retry_s
+        return n
