@@ -100,3 +100,12 @@ def test_random_frames_into_core_never_raise(frames: list[bytes]) -> None:
         assert all(isinstance(a, ev.Action) for a in acts)
     # a closed conn is forgotten; more frames on it are ignored
     assert len(core.peers) <= 1
+
+
+def test_small_frames_decode_once_and_are_shared() -> None:
+    b = wire.Have(3, (1, 2)).encode()
+    assert wire.decode(b) is wire.decode(bytes(bytearray(b)))  # equal bytes, one frozen frame
+    with pytest.raises(ProtocolError):
+        wire.decode(wire.encode(wire.HAVE, 3, []))  # errors are never cached
+    with pytest.raises(ProtocolError):
+        wire.decode(wire.encode(wire.HAVE, 3, []))

@@ -78,6 +78,7 @@ class NodeCore:
         self._bad_by_id: dict[str, int] = {}
         self._banned: dict[str, float] = {}  # node id -> banned until
         self.role: Role = OriginRole(self) if config.is_origin else NodeRole(self)
+        self._role_timers = type(self.role).next_wakeup is not Role.next_wakeup
         self._frames: dict[type[wire.Frame], Callable[[Peer, Any], None]] = {
             wire.Ping: self._f_ping, wire.Peers: self._f_peers, wire.Announce: self._f_announce,
             **self.exchange.frame_handlers(), **self.role.frame_handlers(),
@@ -117,9 +118,10 @@ class NodeCore:
         r = self.apply.retry_at
         if r is not None and r < t:
             t = r
-        s = self.role.next_wakeup()
-        if s is not None and s < t:
-            t = s
+        if self._role_timers:
+            s = self.role.next_wakeup()
+            if s is not None and s < t:
+                t = s
         return t
 
     # ---- read model for drivers, status pages, the publisher and the simulator

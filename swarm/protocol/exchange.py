@@ -142,9 +142,11 @@ class ChunkExchange:
         rq = self.requests
         if not self.versions.wanted or rq.n >= rq.budget:
             return
+        plan, versions, now, send = rq.plan, self.versions, self.host.now, self.host.send
         for p in list(self.peers.values()):
             if p is not skip and p.can_req and not p.busy and p.state is READY:
-                self.fill(p)
+                for v, picks in plan(p, versions, now):  # = self.fill(p), inlined: a hot loop
+                    send(p, wire.Request.pack(v, picks))
                 if rq.n >= rq.budget:
                     return
 

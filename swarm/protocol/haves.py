@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 from swarm.protocol import wire
 from swarm.protocol.handshake import READY
@@ -48,7 +48,7 @@ class HaveBatch:
 
 
 def have_frames(v: int, idx: list[int], peers: Iterable[Peer], *,
-                to_origin: bool) -> Iterator[tuple[Peer, bytes]]:
+                to_origin: bool) -> list[tuple[Peer, bytes]]:
     """(peer, HAVE frame) for every READY peer that knows ``v`` and lacks some of ``idx``.
 
     The origin hears HAVEs only from its borders (``to_origin``). A peer gets
@@ -59,6 +59,7 @@ def have_frames(v: int, idx: list[int], peers: Iterable[Peer], *,
     step = wire.MAX_INDICES
     have = wire.Have.pack
     frames = [have(v, idx[k:k + step]) for k in range(0, len(idx), step)]
+    out: list[tuple[Peer, bytes]] = []
     mask = 0
     for i in idx:
         mask |= 1 << i
@@ -74,7 +75,8 @@ def have_frames(v: int, idx: list[int], peers: Iterable[Peer], *,
         elif mask & ~pb != mask:
             rest = [i for i in idx if not (pb >> i) & 1]
             for k in range(0, len(rest), step):
-                yield p, have(v, rest[k:k + step])
+                out.append((p, have(v, rest[k:k + step])))
             continue
         for fr in frames:
-            yield p, fr
+            out.append((p, fr))
+    return out

@@ -249,11 +249,30 @@ def _arity(f: tuple, n: int, name: str) -> None:
         raise ProtocolError(f"{name}: expected {n - 1} fields, got {len(f) - 1}")
 
 
+_CACHE: dict[bytes, Frame] = {}  # small frames decoded before (frames are immutable)
+_CACHE_MAX = 4096
+_CACHE_FRAME_BYTES = 256
+
+
 def decode(frame: bytes) -> Frame:
     """Decode and validate one control frame into its ``Frame`` dataclass.
 
-    ``ProtocolError`` on anything malformed.
+    ``ProtocolError`` on anything malformed. The same bytes always decode to
+    an equal frozen frame, so small frames seen before (a HAVE sent to many
+    peers) are returned from a bounded cache.
     """
+    if type(frame) is bytes and len(frame) <= _CACHE_FRAME_BYTES:
+        f = _CACHE.get(frame)
+        if f is None:
+            f = _decode(frame)
+            if len(_CACHE) >= _CACHE_MAX:
+                _CACHE.clear()
+            _CACHE[frame] = f
+        return f
+    return _decode(frame)
+
+
+def _decode(frame: bytes) -> Frame:
     n = len(frame)
     if n == 0 or n > MAX_FRAME_BYTES:
         raise ProtocolError(f"frame of {n} bytes (limit {MAX_FRAME_BYTES})")
