@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
+from swarm.errors import ProtocolError
 from swarm.protocol import events as ev
+from swarm.protocol import handshake as hs
 from swarm.protocol import wire
 from swarm.protocol.config import CoreConfig
 from swarm.protocol.core import NodeCore
@@ -233,3 +237,20 @@ def test_origin_read_model_regions_seen_and_region_chunks() -> None:
     a.send(wire.Have(2, (0, 2)))
     assert o.region_chunks(2) == {"r1": 0b101, "r2": 0}
     assert o.peer_region(1) == "r1" and o.peer_region(99) is None
+
+
+# ---------------------------------------------------------------- handshake table
+
+def test_handshake_table_is_the_whole_story() -> None:
+    """Every (state, frame type) pair: the table's next state, READY staying READY, or refused."""
+    samples = {cls: cls(*[0] * len(cls.__slots__)) for cls in wire.FRAME_TYPES.values()}
+    for state in hs.HandshakeState:
+        for cls, frame in samples.items():
+            want = hs.TRANSITIONS.get((state, cls))
+            if want is None and state is hs.READY and cls not in (wire.Hello, wire.Auth):
+                want = hs.READY
+            if want is None:
+                with pytest.raises(ProtocolError):
+                    hs.expect(state, frame)
+            else:
+                assert hs.expect(state, frame) is want
