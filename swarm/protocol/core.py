@@ -9,9 +9,12 @@ This module is the dispatcher: events and frames go to their handler, and
 the state lives in small objects beside it:
 
 - ``wire``: typed frames; ``handshake``: the connection state table;
-- ``versions``: one ``VersionState`` per manifest, and the chain to apply;
-- ``requests``: our outstanding requests and the pick policy (rarest first);
-- ``uploads``: upload slots, the queue behind them, relays;
+- ``versions``: one ``VersionState`` per manifest, the chain to apply, the
+  apply in progress (``ApplyState``);
+- ``exchange``: holdings frames, chunk arrival and departure, with
+  ``requests`` (outstanding requests, the pick policy: rarest first) and
+  ``uploads`` (upload slots, the queue behind them, relays);
+- ``haves``: HAVE batching; ``counters``: traffic tallies;
 - ``membership``: the address book;
 - ``roles`` / ``seeding``: what a rollout node / the origin does on top
   (border links, reports, mesh upkeep / tracker, per-region seeding plan),
