@@ -14,6 +14,7 @@ COPY swarm ./swarm
 COPY node ./node
 COPY trainer ./trainer
 COPY simulations ./simulations
+COPY patchswarm ./patchswarm
 RUN pip install -c constraints.txt . \
  && useradd --system --uid 10001 --home-dir /var/lib/patchswarm --create-home patchswarm \
  && mkdir -p /etc/patchswarm && chown patchswarm /var/lib/patchswarm

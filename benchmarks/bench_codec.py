@@ -1,7 +1,7 @@
 """Codec benchmark on real Adam-absorption steps of all-MiniLM-L6-v2.
 
 For each learning rate, runs AdamW REINFORCE steps on the packaged model's
-FP32 masters (trainer/minilm.py), serves BF16 and FP8 views, and per step
+FP32 masters (lab/minilm.py), serves BF16 and FP8 views, and per step
 reports: changed %, patch bytes per changed element, ratio to the i.i.d.
 entropy bound, ratio to two baselines computed here independently of the
 codec (PULSE-style: int32 gap index + raw value + zstd-3; slime/Stitch-style:
@@ -29,9 +29,9 @@ import numpy as np
 import torch
 import zstandard
 
+from lab.minilm import PolicyTrainer, load_masters
 from swarm.codec import apply_patch, encode_patch, entropy_bound, stage_patch
 from swarm.codec.dtypes import bits_view, dtype_of
-from trainer.minilm import PolicyTrainer, load_masters
 from trainer.served import served_view
 
 RESULTS = Path(__file__).parent / "results"

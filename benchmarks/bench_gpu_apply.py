@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
+from lab.minilm import PolicyTrainer, load_masters
 from swarm.codec import apply_patch, encode_patch, state_digest
-from trainer.minilm import PolicyTrainer, load_masters
 from trainer.served import served_view
 
 RESULTS = Path(__file__).parent / "results"

@@ -1,7 +1,7 @@
 """Loopback benchmark: real node processes on 127.0.x.x, a large synthetic patch.
 
 Starts ``--regions x --nodes-per-region`` real ``patchswarm node`` processes
-(``trainer.fleet.LoopbackFleet``) from a synthetic BF16 base of ``--params``
+(``lab.fleet.LoopbackFleet``) from a synthetic BF16 base of ``--params``
 values, runs the origin in this process (``trainer.publisher.Publisher``) and
 publishes ``--versions`` versions made by moving every FP32 master by
 ``--step`` x N(0, 1), so most served values change and each patch is tens of MB.
@@ -23,7 +23,7 @@ Prints a table and writes ``benchmarks/results/loopback.json``.
 
 With ``--netlab`` (root) the nodes run on emulated hosts instead of loopback:
 network namespaces whose region uplinks are shaped with tbf to
-``--uplink-mbit`` (``trainer.netlab``), and the run is repeated with
+``--uplink-mbit`` (``lab.netlab``), and the run is repeated with
 region-to-region relaying on and off, to compare the two levels of seeding
 against the trainer feeding every region itself. Writes
 ``benchmarks/results/netlab.json``.
@@ -71,8 +71,8 @@ def run_fleet(args: argparse.Namespace, *, lab=None, relay: bool = True) -> tupl
     """Start the fleet, publish ``args.versions`` versions, measure each; -> (rows, setup_s)."""
     import torch
 
+    from lab.fleet import LoopbackFleet
     from node.config import load_config
-    from trainer.fleet import LoopbackFleet
     from trainer.publisher import Publisher
     from trainer.served import served_view
 
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.netlab and args.inner_lab is None:
         return outer_netlab(args, argv if argv is not None else sys.argv[1:])
     if args.inner_lab is not None:
-        from trainer.netlab import NetLab
+        from lab.netlab import NetLab
 
         lab = NetLab(args.regions, args.nodes_per_region, tag=args.inner_lab)
         runs = {}
@@ -207,7 +207,7 @@ def outer_netlab(args: argparse.Namespace, argv: list[str]) -> int:
     """Build the lab, run this script again inside the trainer's namespace, tear down."""
     import subprocess
 
-    from trainer.netlab import NetLab, available
+    from lab.netlab import NetLab, available
 
     why = available()
     if why:

@@ -1,6 +1,6 @@
 """In-memory protocol bench: events/second of NodeCore at fleet scale.
 
-Zero-cost network (tests/protocol_net.py: fixed latency, uploads at full rate),
+Zero-cost network (swarm/protocol/testing.py: fixed latency, uploads at full rate),
 so the time measured is the protocol core plus a trivial heap driver. Prints a
 table and writes benchmarks/results/protocol.json.
 
@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 
+from swarm.protocol import events as ev
+from swarm.protocol.testing import Net, Signer
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-
-from protocol_net import Net, Signer  # noqa: E402
-
-from swarm.protocol import events as ev  # noqa: E402
 
 
 def run(nodes: int, regions: int, chunks: int, knobs: dict) -> dict:

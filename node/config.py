@@ -19,14 +19,13 @@ Layout (see configs/node.toml for a commented example)::
 
 from __future__ import annotations
 
-import dataclasses
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from swarm.errors import ConfigError
-from swarm.protocol.config import CoreConfig
+from swarm.protocol.config import CoreConfig, check_knobs
 
 _SECTIONS = {
     "node": {"id", "region", "model", "role"},
@@ -37,11 +36,6 @@ _SECTIONS = {
     "publish": {"signing_key", "chunk_size", "served_dtype", "context"},
     "swarm": None,  # checked against CoreConfig's fields
     "log": {"level", "format"},
-}
-# CoreConfig fields that come from other sections, never from [swarm].
-_CORE_FROM_ELSEWHERE = {
-    "node_id", "region", "model", "listen_addr", "role", "bootstrap", "swarm_secret",
-    "active_version",
 }
 MAX_CONFIG_BYTES = 1024 * 1024
 
@@ -163,28 +157,7 @@ def _secret(net: dict, base_dir: Path) -> bytes:
 
 
 def _swarm_knobs(sec: dict) -> dict[str, Any]:
-    fields = {f.name: f for f in dataclasses.fields(CoreConfig)}
-    out: dict[str, Any] = {}
-    for key, value in sec.items():
-        if key in _CORE_FROM_ELSEWHERE:
-            raise ConfigError(f"swarm.{key}: set it in its own section, not under [swarm]")
-        f = fields.get(key)
-        if f is None:
-            raise ConfigError(f"swarm.{key}: unknown protocol knob")
-        default = f.default
-        if isinstance(default, bool):
-            ok = isinstance(value, bool)
-        elif isinstance(default, int):
-            ok = isinstance(value, int) and not isinstance(value, bool)
-        elif isinstance(default, float):
-            ok = isinstance(value, int | float) and not isinstance(value, bool)
-            value = float(value)
-        else:
-            ok = True
-        if not ok:
-            raise ConfigError(f"swarm.{key}: expected {type(default).__name__}, got {value!r}")
-        out[key] = value
-    return out
+    return check_knobs(sec, "swarm")  # the one knob check, shared with simulation scenarios
 
 
 # --------------------------------------------------------------------- load

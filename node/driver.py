@@ -33,11 +33,12 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from node.ports import StorePort, TrustPort
 from swarm.errors import ChunkError, PatchswarmError, ProtocolError, StoreError
 from swarm.protocol import events as ev
 from swarm.protocol import wire
-from swarm.trust.chunks import verify_chunk
-from swarm.trust.manifest import verify_manifest
+from swarm.protocol.core import NodeCore
+from swarm.trust.manifest import Manifest
 
 log = logging.getLogger("patchswarm.node")
 
@@ -72,7 +73,7 @@ class Conn:
 class Driver:
     """Carry out a core's actions over real sockets; see the module docstring."""
 
-    def __init__(self, core: Any, store: Any, trust: Any, *, engine: Any = None,
+    def __init__(self, core: NodeCore, store: StorePort, trust: TrustPort, *, engine: Any = None,
                  host: str, port: int, faults: Faults | None = None,
                  keep_versions: int = 0) -> None:
         self.core = core
@@ -223,7 +224,7 @@ class Driver:
                 c.closing = True
                 self._spawn(self._close_ws(c, a.reason))
         elif isinstance(a, ev.AcceptManifest):
-            self._persist_manifest(a.version, a.raw)
+            self._persist_manifest(a.version, a.raw, a.manifest)
         elif isinstance(a, ev.ApplyVersion):
             self._apply_task = self._spawn(self._apply(a.version))
         elif isinstance(a, ev.Log):
@@ -243,9 +244,8 @@ class Driver:
             return
         c.queue.put_nowait(item)
 
-    def _persist_manifest(self, version: int, raw: bytes) -> None:
-        try:
-            m = verify_manifest(raw, self.trust)
+    def _persist_manifest(self, version: int, raw: bytes, m: Manifest) -> None:
+        try:  # the core verified it (verify_manifest): stored as it is
             self.store.put_manifest(raw, m)
         except PatchswarmError as exc:
             log.error("cannot persist manifest of version %d: %s", version, exc)
@@ -356,9 +356,9 @@ class Driver:
         return wire.pack_chunk(v, i, payload)
 
     def _note_sent(self, c: Conn, v: int, i: int) -> None:
-        peer = self.core.peers.get(c.id)
-        if peer is not None and peer.region:
-            self.sent_to_region.setdefault(v, {}).setdefault(peer.region, set()).add(i)
+        region = self.core.peer_region(c.id)
+        if region is not None:
+            self.sent_to_region.setdefault(v, {}).setdefault(region, set()).add(i)
 
     # --------------------------------------------------------------- chunks
 
@@ -377,10 +377,11 @@ class Driver:
             self.feed(ev.ChunkReceived(self.now(), c.id, v, i, valid))
 
     def _check_and_store(self, v: int, i: int, payload: memoryview) -> bool:
-        """Hash the chunk against its manifest and keep it durably; False if it is bad."""
+        """Keep the chunk durably if it is the one its manifest names; False if it is bad.
+
+        ``put_chunk`` is the one check a received chunk gets (``StorePort``).
+        """
         try:
-            m = self.store.manifest(v)
-            verify_chunk(m, i, payload)
             self.store.put_chunk(v, i, payload)
             return True
         except (ChunkError, StoreError) as exc:
@@ -419,20 +420,10 @@ class Driver:
 
     def region_progress(self, version: int) -> dict[str, int]:
         """Origin's view: chunks of ``version`` that reached each region (loop thread)."""
-        out: dict[str, int] = {}
-        union: dict[str, int] = {}
-        for p in self.core.peers.values():
-            if p.region and p.region != self.core.cfg.region:
-                union[p.region] = union.get(p.region, 0) | p.bits.get(version, 0)
-        seeder = getattr(self.core, "seeder", None)
-        plans = getattr(seeder, "plans", {}).get(version, {}) if seeder is not None else {}
-        for region, plan in plans.items():
-            union[region] = union.get(region, 0) | getattr(plan, "sent", 0)
+        union = self.core.region_chunks(version)
         for region, sent in self.sent_to_region.get(version, {}).items():
             bits = union.get(region, 0)
             for i in sent:
                 bits |= 1 << i
             union[region] = bits
-        for region, bits in union.items():
-            out[region] = bits.bit_count()
-        return out
+        return {region: bits.bit_count() for region, bits in union.items()}

@@ -32,7 +32,7 @@ from pathlib import Path
 import msgpack
 
 from swarm.errors import ChunkError, ManifestError, StoreError
-from swarm.trust.chunks import chunk_hash
+from swarm.trust.chunks import verify_chunk
 from swarm.trust.keys import TrustStore
 from swarm.trust.manifest import (
     Manifest,
@@ -236,12 +236,7 @@ class ChunkStore:
         cdir = self._vdir(version) / "chunks"
         for f in sorted(cdir.iterdir()):
             index = _parse_int(f.name, 8)
-            ok = index is not None and index < m.chunk_count
-            if ok:
-                data = f.read_bytes()
-                ok = (
-                    len(data) == m.chunk_length(index) and chunk_hash(data) == m.chunk_hashes[index]
-                )
+            ok = index is not None and _is_chunk(m, index, f.read_bytes())
             if ok:
                 have.add(index)
             else:
@@ -311,10 +306,11 @@ class ChunkStore:
     def put_chunk(self, version: int, index: int, data: bytes | memoryview) -> None:
         """Keep chunk ``index`` of ``version``; re-checks its hash (``ChunkError``)."""
         m = self._manifest(version)
-        if not 0 <= index < m.chunk_count:
-            raise ChunkError(f"chunk {index} out of range for version {version}")
-        if len(data) != m.chunk_length(index) or chunk_hash(data) != m.chunk_hashes[index]:
-            raise ChunkError(f"chunk {index} of version {version} hash mismatch; not stored")
+        try:
+            verify_chunk(m, index, data)
+        except ChunkError as exc:
+            what = str(exc).replace(f"chunk {index}", f"chunk {index} of version {version}", 1)
+            raise ChunkError(f"{what}; not stored") from None
         with self._mutex:
             have = self._scan(version)
             if index in have:
@@ -355,7 +351,7 @@ class ChunkStore:
         except OSError as exc:
             data = b""
             self.problems.append(f"version {version}: chunk {index} unreadable: {exc}")
-        if len(data) == m.chunk_length(index) and chunk_hash(data) == m.chunk_hashes[index]:
+        if _is_chunk(m, index, data):
             return data
         with self._mutex:
             have = self._have.get(version)
@@ -460,6 +456,15 @@ class ChunkStore:
             self._used -= size
             del self._manifests[version], self._raw[version]
             self._have.pop(version, None)
+
+
+def _is_chunk(m: Manifest, index: int, data: bytes) -> bool:
+    """``verify_chunk`` as a yes/no (the store's one chunk check, on write, open and read)."""
+    try:
+        verify_chunk(m, index, data)
+    except ChunkError:
+        return False
+    return True
 
 
 def _parse_int(name: str, width: int) -> int | None:

@@ -30,7 +30,6 @@ seed, verified by every core with ``swarm.trust.manifest.verify_manifest``.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import random
 import time
 from collections.abc import Callable
@@ -39,9 +38,8 @@ from typing import Any
 
 from simulations.engine import Engine
 from simulations.network import INF, FlowNet, Resource
-from simulations.scenario import Scenario
+from simulations.scenario import STRATEGY_KNOBS, Scenario
 from simulations.topology import Endpoint, Topology, draw_capacities
-from swarm.errors import ConfigError
 from swarm.protocol import events as ev
 
 MODEL = "sim/model"
@@ -50,16 +48,6 @@ PORT = 7000
 # versions from 1, and a patch's parent is >= 1); the scenario's k-th published
 # version is BASE_VERSION + k. Reports number them k = 1..versions.
 BASE_VERSION = 1
-
-# strategy -> CoreConfig knobs (the protocol's own switches; see docs/protocol.md)
-STRATEGY_KNOBS: dict[str, dict[str, Any]] = {
-    "patchswarm": {"region_aware": True, "relay": True, "origin_only": False},
-    "per-region": {"region_aware": True, "relay": False, "origin_only": False},
-    "direct": {"region_aware": True, "relay": False, "origin_only": True},
-    "flat": {"region_aware": False, "relay": True, "origin_only": False},
-    "full": {"region_aware": True, "relay": True, "origin_only": False},
-}
-
 
 class SimNode:
     """One simulated host: its core, its place in the network, its tallies."""
@@ -234,13 +222,7 @@ class Simulation:
         from swarm.protocol.config import CoreConfig
 
         knobs = dict(STRATEGY_KNOBS[self.strategy])
-        knobs.update(self.sc.protocol)
-        names = {f.name for f in dataclasses.fields(CoreConfig)}
-        for k in knobs:
-            if k not in names:
-                raise ConfigError(
-                    f"protocol.{k}: not a CoreConfig field (known: {', '.join(sorted(names))})"
-                )
+        knobs.update(self.sc.protocol)  # checked by the scenario (check_knobs)
         knobs.setdefault("active_version", node.active)
         return CoreConfig(
             node_id=node.node_id,
@@ -279,6 +261,18 @@ class Simulation:
         self.nodes.append(node)
         self.by_addr[addr] = node
         return node
+
+    def add_node(self, ri: int, region: str, up: float, down: float) -> SimNode:
+        """A new, not yet running node in region ``ri`` (``join`` starts it)."""
+        node = self._new_node(ri, region, len(self.region_nodes[region]), up, down)
+        self.region_nodes[region].append(node)
+        return node
+
+    def join(self, node: SimNode) -> None:
+        """Start a node added by ``add_node``: an empty daemon joins the swarm."""
+        node.first_seen = self.engine.now
+        self._boot(node, fresh=True)
+        self.check_finished()
 
     def _bootstrap(self, node: SimNode) -> tuple[str, ...]:
         """What a node's config would list: the trainer's address (it acts as tracker)."""
@@ -373,9 +367,9 @@ class Simulation:
         raw = self.manifests[k - 1]
         t = self.trainer
         self._deliver(t, t.inc, ev.Publish(self.engine.now, raw))
-        self._check_finished()
+        self.check_finished()
 
-    def _check_finished(self) -> None:
+    def check_finished(self) -> None:
         """Publish the next version or stop once every live node holds the last one."""
         k = self.published
         if k == 0:
@@ -618,7 +612,7 @@ class Simulation:
             self.done_count[k] = self.done_count.get(k, 0) + 1
         self.engine.schedule(now + self.sc.apply_s, self._applied_event, (node, node.inc, version))
         if not node.origin:
-            self._check_finished()
+            self.check_finished()
 
     def _applied_event(self, item: tuple[SimNode, int, int]) -> None:
         node, inc, version = item
@@ -644,14 +638,14 @@ class Simulation:
         node.conns = {}
         node.core = None
         node.tick_at = INF
-        self._check_finished()
+        self.check_finished()
 
     def revive(self, node: SimNode) -> None:
         """The node restarts from its store (chunks it verified before leaving)."""
         if node.alive:
             return
         self._boot(node, fresh=False)
-        self._check_finished()
+        self.check_finished()
 
     def sever(self, region: str) -> None:
         """Cut ``region`` off: every connection crossing its border drops."""

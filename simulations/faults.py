@@ -48,8 +48,7 @@ def schedule_faults(sim: Simulation) -> None:
             spec = sc.regions[ri]
             up = spec.uplink.draw(rng) * 1e6 / 8
             down = spec.downlink.draw(rng) * 1e6 / 8
-            node = sim._new_node(ri, region, len(sim.region_nodes[region]), up, down)
-            sim.region_nodes[region].append(node)
+            node = sim.add_node(ri, region, up, down)
             sim.pending_faults += 1
             eng.schedule(rng.uniform(lo, hi), _join, (sim, node))
 
@@ -85,9 +84,7 @@ def _join(item: tuple[Simulation, SimNode]) -> None:
     sim, node = item
     sim.churn["joined"] += 1
     sim.pending_faults -= 1
-    node.first_seen = sim.engine.now
-    sim._boot(node, fresh=True)
-    sim._check_finished()
+    sim.join(node)
 
 
 def _cut(item: tuple[Simulation, str]) -> None:
@@ -99,7 +96,7 @@ def _heal(item: tuple[Simulation, str]) -> None:
     sim, region = item
     sim.pending_faults -= 1
     sim.heal(region)
-    sim._check_finished()
+    sim.check_finished()
 
 
 def _slow_down(item: tuple[Any, ...]) -> None:

@@ -24,8 +24,19 @@ from pathlib import Path
 from typing import Any
 
 from swarm.errors import ConfigError
+from swarm.protocol.config import check_knobs
 
-STRATEGIES = ("patchswarm", "per-region", "direct", "flat", "full")
+# strategy -> CoreConfig knobs (the protocol's own switches; see docs/protocol.md).
+# "full" is patchswarm shipping the whole served checkpoint (``payload.full``).
+# The one list of strategies: the CLI, the scenario and the driver read it.
+STRATEGY_KNOBS: dict[str, dict[str, Any]] = {
+    "patchswarm": {"region_aware": True, "relay": True, "origin_only": False},
+    "per-region": {"region_aware": True, "relay": False, "origin_only": False},
+    "direct": {"region_aware": True, "relay": False, "origin_only": True},
+    "flat": {"region_aware": False, "relay": True, "origin_only": False},
+    "full": {"region_aware": True, "relay": True, "origin_only": False},
+}
+STRATEGIES = tuple(STRATEGY_KNOBS)
 TRAINER_SITE = "trainer"
 MAX_NODES = 200_000
 
@@ -479,9 +490,7 @@ def parse_scenario(data: dict[str, Any], default_name: str = "scenario") -> Scen
     proto = top.raw("protocol", {})
     if not isinstance(proto, dict):
         raise ConfigError("protocol: must be a table of CoreConfig fields")
-    for k, v in proto.items():
-        if not isinstance(v, int | float | bool | str):
-            raise ConfigError(f"protocol.{k}: must be a number, boolean or string")
+    proto = check_knobs(proto, "protocol")  # names and types; ranges when a node is built
     top.done()
 
     return Scenario(

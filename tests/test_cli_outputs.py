@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from swarm.cli import main
+from patchswarm.cli import main
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from swarm.cli import main
+from patchswarm.cli import main
 from swarm.trust.keys import TrustStore, load_private_key
 from swarm.trust.manifest import verify_manifest
 
@@ -164,7 +164,7 @@ def test_real_process_exit_codes(tmp_path):
 
     def run(*args):
         return subprocess.run(
-            [sys.executable, "-m", "swarm.cli", *args],
+            [sys.executable, "-m", "patchswarm", *args],
             capture_output=True, text=True, cwd=ROOT, timeout=120, check=False,
             env={**os.environ, "PYTHONPATH": str(ROOT)},
         )  # fmt: skip

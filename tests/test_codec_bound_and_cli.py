@@ -48,7 +48,7 @@ def test_entropy_helpers():
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "swarm.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "patchswarm", *args], capture_output=True,
                           text=True, timeout=120)
 
 
@@ -85,7 +85,7 @@ def test_cli_diff_apply_inspect_roundtrip(checkpoints):
 @pytest.mark.parametrize("damage", ["truncate", "wrong-base", "not-a-patch", "missing"])
 def test_cli_apply_bad_input_one_line_no_output(checkpoints, damage):
     d, _old, _new = checkpoints
-    subprocess.run([sys.executable, "-m", "swarm.cli", "diff", str(d / "old.safetensors"),
+    subprocess.run([sys.executable, "-m", "patchswarm", "diff", str(d / "old.safetensors"),
                     str(d / "new.safetensors"), "-o", str(d / "q.patch")], check=True, timeout=120)
     patch = (d / "q.patch").read_bytes()
     base = d / "old.safetensors"

@@ -15,9 +15,9 @@ import signal
 import aiohttp
 import pytest
 
+from lab.fleet import MODEL, LoopbackFleet
 from swarm.protocol import handshake as hs
 from swarm.protocol import wire
-from trainer.fleet import MODEL, LoopbackFleet
 
 
 def _cross_bytes(statuses: dict) -> int:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.netlab import NetLab, available
+from lab.netlab import NetLab, available
 
 ROOT = Path(__file__).resolve().parent.parent
 WHY = available()

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from lab.fleet import LoopbackFleet
 from swarm.codec import state_digest
-from trainer.fleet import LoopbackFleet
 from trainer.served import served_view
 
 

@@ -1,4 +1,4 @@
-"""NodeCore sessions wired together in memory (tests/protocol_net.py)."""
+"""NodeCore sessions wired together in memory (swarm/protocol/testing.py)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ from collections import Counter
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from protocol_net import Host, Net, Signer
 
 from swarm.protocol import events as ev
 from swarm.protocol import wire
 from swarm.protocol.handshake import READY
 from swarm.protocol.peer import ORIGIN
+from swarm.protocol.testing import MemHost as Host
+from swarm.protocol.testing import Net, Signer
 
 
 def fleet(regions: int, per: int, *, seed: int = 0, start: bool = True, peer_boot: bool = True,
@@ -196,7 +197,7 @@ def test_corrupt_border_is_banned_reported_and_its_chunks_resent() -> None:
     assert any(log.event == "peer_reported" and log.fields["peer"] == lid for _n, log in events)
     assert any(log.event == "region_resend" and log.fields["region"] == "reg0" for _n, log in events)
     assert o.core.banned(lid) and lid not in o.core.by_id
-    assert lid not in {b.node_id for b in o.core.seeder.borders["reg0"]}
+    assert lid not in {b.node_id for b in o.core.role.borders["reg0"]}
     # the exception to "exactly once" stays small: at most the liar's chunks come again
     flow = inflow(net, 2)
     assert 30 < flow["reg0"] <= 2 * 30 and flow["reg1"] <= 2 * 30
@@ -296,13 +297,13 @@ def test_replayed_old_manifest_is_ignored() -> None:
 def _invariants(h: Host) -> None:
     c = h.core
     assert c.uploading <= c.cfg.upload_slots
-    assert 0 <= c.n_req <= c.cfg.max_requests + c.cfg.endgame_chunks
-    assert c.n_req == sum(len(p.req) for p in c.peers.values())
-    for v, bits in c._have.items():
-        assert bits & ~c._full[v] == 0
+    assert 0 <= c.requests.n <= c.cfg.max_requests + c.cfg.endgame_chunks
+    assert c.requests.n == sum(len(p.req) for p in c.peers.values())
+    for vs in c.versions.states.values():
+        assert vs.have & ~vs.full == 0
     for p in c.peers.values():
         for (v, i) in p.req:
-            assert not (c._have[v] >> i) & 1 or v not in c.wanted
+            assert not (c.versions.states[v].have >> i) & 1 or v not in c.versions.wanted
 
 
 @settings(max_examples=25, deadline=None)

@@ -34,7 +34,10 @@ def test_round_trip_every_frame_type() -> None:
         (wire.LINKS, ["b", "c"]),
     ]
     for f in frames:
-        assert wire.decode(wire.encode(*f)) == list(f)
+        got = wire.decode(wire.encode(*f))
+        assert type(got) is wire.FRAME_TYPES[f[0]]
+        assert got.encode() == wire.encode(*f)  # the typed frame has the untyped frame's bytes
+        assert wire.decode(got.encode()) == got
 
 
 @pytest.mark.parametrize("frame", [
@@ -97,3 +100,12 @@ def test_random_frames_into_core_never_raise(frames: list[bytes]) -> None:
         assert all(isinstance(a, ev.Action) for a in acts)
     # a closed conn is forgotten; more frames on it are ignored
     assert len(core.peers) <= 1
+
+
+def test_small_frames_decode_once_and_are_shared() -> None:
+    b = wire.Have(3, (1, 2)).encode()
+    assert wire.decode(b) is wire.decode(bytes(bytearray(b)))  # equal bytes, one frozen frame
+    with pytest.raises(ProtocolError):
+        wire.decode(wire.encode(wire.HAVE, 3, []))  # errors are never cached
+    with pytest.raises(ProtocolError):
+        wire.decode(wire.encode(wire.HAVE, 3, []))

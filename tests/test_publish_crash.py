@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from node.config import load_config
-from swarm.cli import main as cli
+from patchswarm.cli import main as cli
 from swarm.codec import state_digest
 from trainer.served import served_view
 

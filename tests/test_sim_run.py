@@ -84,7 +84,7 @@ def test_same_seed_same_report_across_processes(tmp_path):
     for hashseed in ("1", "2"):
         out = tmp_path / hashseed
         env = {**os.environ, "PYTHONHASHSEED": hashseed}
-        subprocess.run([sys.executable, "-m", "swarm.cli", "sim", str(CONFIGS / "loopback-2x4.toml"),
+        subprocess.run([sys.executable, "-m", "patchswarm", "sim", str(CONFIGS / "loopback-2x4.toml"),
                         "--out", str(out), "--quiet", "--no-plots"], check=True, env=env,
                        cwd=CONFIGS.parent.parent, capture_output=True, timeout=120)
         reports.append(deterministic_view(json.loads((out / "report.json").read_text())))
@@ -138,7 +138,7 @@ def test_several_versions_in_sequence():
 
 
 def test_cli_writes_report_and_plots(tmp_path):
-    from swarm.cli import main
+    from patchswarm.cli import main
 
     out = tmp_path / "out"
     rc = main(["sim", str(CONFIGS / "loopback-2x4.toml"), "--out", str(out), "--quiet",
@@ -155,7 +155,7 @@ def test_cli_writes_report_and_plots(tmp_path):
 
 
 def test_cli_rejects_bad_scenario(tmp_path, capsys):
-    from swarm.cli import main
+    from patchswarm.cli import main
 
     bad = tmp_path / "bad.toml"
     bad.write_text('[payload]\npatch = "1 MiB"\n[[regions]]\nname = "a"\nnodes = -1\n')

@@ -8,7 +8,7 @@ import stat
 
 import pytest
 
-from swarm.cli import main
+from patchswarm.cli import main
 from swarm.errors import ConfigError
 from swarm.trust import ca
 

@@ -314,15 +314,7 @@ class Publisher:
         """Regions of the nodes the origin has met."""
         if self._loop is None:
             return []
-        core = self.node.core
-
-        def get() -> list[str]:
-            seen = {p.region for p in core.peers.values() if p.region}
-            seen |= {e[1] for e in core.book.sample(None, 10_000)}
-            seen.discard(core.cfg.region)
-            return sorted(seen)
-
-        return self.node.driver.call(get)
+        return self.node.driver.call(self.node.core.regions_seen)
 
     def wait_seeded(self, version: int, timeout: float = 300.0, *, regions: int | None = None,
                     on_progress: Callable[[dict[str, int]], None] | None = None,

@@ -9,11 +9,17 @@ makes every node download from the origin alone.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from swarm.errors import ConfigError
 
 ROLES = ("node", "origin")
+# fields that say who a node is, set by its driver: not policy knobs
+IDENTITY_FIELDS = frozenset({"node_id", "region", "model", "listen_addr", "role", "bootstrap",
+                             "swarm_secret", "active_version"})
 
 
 @dataclass(frozen=True)
@@ -62,7 +68,6 @@ class CoreConfig:
     # ---- versions
     active_version: int | None = 0  # version held at start (0 = the base checkpoint)
     keep_versions: int = 3  # versions kept announced/served behind the active one
-    chain_stall_s: float = 30.0  # stalled chain link -> fall back to a full manifest
     apply_retries: int = 3
     apply_retry_s: float = 5.0
 
@@ -95,3 +100,35 @@ class CoreConfig:
     @property
     def is_origin(self) -> bool:
         return self.role == "origin"
+
+
+def check_knobs(knobs: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """Validate policy knobs (``CoreConfig`` fields) from a config file or a scenario.
+
+    The one place knob names and types are checked (the node's ``[swarm]``, a
+    scenario's ``[protocol]``): ``ConfigError`` names ``where.knob``. Ranges are
+    ``CoreConfig.__post_init__``'s job. Floats may be written as integers.
+    """
+    fields = {f.name: f for f in dataclasses.fields(CoreConfig)}
+    out: dict[str, Any] = {}
+    for key, value in knobs.items():
+        if key in IDENTITY_FIELDS:
+            raise ConfigError(f"{where}.{key}: set it in its own section, not under [{where}]")
+        f = fields.get(key)
+        if f is None:
+            raise ConfigError(f"{where}.{key}: unknown protocol knob "
+                              f"(known: {', '.join(sorted(set(fields) - IDENTITY_FIELDS))})")
+        default = f.default
+        if isinstance(default, bool):
+            ok = isinstance(value, bool)
+        elif isinstance(default, int):
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif isinstance(default, float):
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+            value = float(value) if ok else value
+        else:
+            ok = True
+        if not ok:
+            raise ConfigError(f"{where}.{key}: expected {type(default).__name__}, got {value!r}")
+        out[key] = value
+    return out

@@ -26,6 +26,7 @@ Connection ids are opaque ints chosen by the driver, unique per core.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 # ----------------------------------------------------------------- events (driver -> core)
 
@@ -176,10 +177,15 @@ class Close(Action):
 
 @dataclass(frozen=True, slots=True)
 class AcceptManifest(Action):
-    """A verified manifest was accepted: the driver persists it (``raw``)."""
+    """A verified manifest was accepted: the driver persists it (``raw``).
+
+    ``manifest`` is what the core's ``verify_manifest`` returned for ``raw``:
+    the driver stores it as it is, without verifying the signature again.
+    """
 
     version: int
     raw: bytes
+    manifest: Any = None
 
 
 @dataclass(frozen=True, slots=True)

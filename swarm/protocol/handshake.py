@@ -8,29 +8,56 @@ connection, and the order of the two hellos differs per direction, so a MAC
 cannot be reflected back. A connection is ready once the peer's ``AUTH``
 checks out. Any other frame before that is out of order and closes it.
 
-States (per connection):
+The states and their legal inputs are data (``TRANSITIONS``), as in h11's
+``_state.py``; ``expect`` is the only reader of the table. The core carries out
+the side effects (send AUTH, check the MAC, resolve duplicate connections):
 
 | state      | input          | action                      | next       |
 |------------|----------------|-----------------------------|------------|
 | HELLO_WAIT | HELLO ok       | send AUTH                   | AUTH_WAIT  |
-| HELLO_WAIT | anything else  | close "out of order"        | -          |
 | AUTH_WAIT  | AUTH ok        | send state (announce, ...)  | READY      |
-| AUTH_WAIT  | AUTH bad       | close "bad auth"            | -          |
-| AUTH_WAIT  | anything else  | close "out of order"        | -          |
-| READY      | HELLO / AUTH   | close "out of order"        | -          |
+| READY      | any other frame| its handler                 | READY      |
+| any        | anything else  | close "out of order"        | -          |
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import hmac
 
 from swarm.errors import ProtocolError
 from swarm.protocol import wire
 
-HELLO_WAIT = 0
-AUTH_WAIT = 1
-READY = 2
+
+class HandshakeState(enum.Enum):
+    HELLO_WAIT = "hello_wait"
+    AUTH_WAIT = "auth_wait"
+    READY = "ready"
+
+
+HELLO_WAIT = HandshakeState.HELLO_WAIT
+AUTH_WAIT = HandshakeState.AUTH_WAIT
+READY = HandshakeState.READY
+
+#: (state, frame class) -> next state; READY also takes every frame but HELLO and AUTH
+TRANSITIONS: dict[tuple[HandshakeState, type[wire.Frame]], HandshakeState] = {
+    (HELLO_WAIT, wire.Hello): AUTH_WAIT,
+    (AUTH_WAIT, wire.Auth): READY,
+}
+_HANDSHAKE_FRAMES = (wire.Hello, wire.Auth)
+_OUT_OF_ORDER = {HELLO_WAIT: "before HELLO", AUTH_WAIT: "before AUTH", READY: "after the handshake"}
+
+
+def expect(state: HandshakeState, frame: wire.Frame) -> HandshakeState:
+    """The state ``frame`` leads to from ``state``; ``ProtocolError`` if it is out of order."""
+    nxt = TRANSITIONS.get((state, type(frame)))
+    if nxt is not None:
+        return nxt
+    if state is READY and not isinstance(frame, _HANDSHAKE_FRAMES):
+        return READY
+    raise ProtocolError(f"{frame.NAME} {_OUT_OF_ORDER[state]}")
+
 
 AUTH_TAG = b"patchswarm-auth-v1\x00"
 
@@ -44,14 +71,14 @@ def check_mac(secret: bytes, got: bytes, sender_hello: bytes, receiver_hello: by
 
 
 def hello_frame(*, model: str, node_id: str, region: str, addr: str, role: str, nonce: bytes) -> bytes:
-    return wire.encode(wire.HELLO, wire.PROTOCOL_VERSION, model, node_id, region, addr, role, nonce)
+    return wire.Hello(wire.PROTOCOL_VERSION, model, node_id, region, addr, role, nonce).encode()
 
 
-def check_hello(f: list, *, model: str, node_id: str) -> None:
-    """Refuse a decoded HELLO that cannot join this swarm."""
-    if f[1] != wire.PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {f[1]} (we speak {wire.PROTOCOL_VERSION})")
-    if f[2] != model:
-        raise ProtocolError(f"model {f[2]!r} is not ours ({model!r})")
-    if f[3] == node_id:
+def check_hello(f: wire.Hello, *, model: str, node_id: str) -> None:
+    """Refuse a HELLO that cannot join this swarm."""
+    if f.proto != wire.PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {f.proto} (we speak {wire.PROTOCOL_VERSION})")
+    if f.model != model:
+        raise ProtocolError(f"model {f.model!r} is not ours ({model!r})")
+    if f.node_id == node_id:
         raise ProtocolError("connected to ourselves")

@@ -60,3 +60,7 @@ class AddressBook:
 
     def region_ids(self, region: str) -> list[str]:
         return list(self._regions.get(region, ()))
+
+    def regions(self) -> list[str]:
+        """Regions with at least one entry."""
+        return [r for r, lst in self._regions.items() if lst]

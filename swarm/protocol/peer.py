@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
-from swarm.protocol.handshake import HELLO_WAIT
+import enum
 
-SAME = "same_region"
-CROSS = "cross_region"
-ORIGIN = "from_origin"
-KINDS = (SAME, CROSS, ORIGIN)
+from swarm.protocol.handshake import HELLO_WAIT, HandshakeState
+
+
+class PeerKind(enum.StrEnum):
+    """Where the peer on the other end sits, for the traffic counters."""
+
+    SAME = "same_region"
+    CROSS = "cross_region"
+    ORIGIN = "from_origin"
+
+
+SAME = PeerKind.SAME
+CROSS = PeerKind.CROSS
+ORIGIN = PeerKind.ORIGIN
+KINDS = tuple(PeerKind)
 
 
 class Peer:
@@ -15,7 +26,7 @@ class Peer:
     a key in ``bits`` means the peer knows that version's manifest."""
 
     __slots__ = (
-        "addr", "bad", "bits", "border", "busy", "can_req", "conn", "ewma", "hello_in",
+        "addr", "bits", "border", "busy", "can_req", "conn", "ewma", "hello_in",
         "hello_out", "kept", "kind", "last_heard", "last_sent", "links", "listen_addr",
         "node_id", "outbound", "region", "relay_busy", "req", "role", "samples", "since",
         "state", "timeouts",
@@ -25,7 +36,7 @@ class Peer:
         self.conn = conn
         self.outbound = outbound
         self.addr = addr
-        self.state = HELLO_WAIT
+        self.state: HandshakeState = HELLO_WAIT
         self.since = now
         self.hello_out = b""
         self.hello_in = b""
@@ -45,10 +56,13 @@ class Peer:
         self.ewma = 0.0  # seconds per chunk, request -> arrival
         self.samples = 0
         self.timeouts = 0
-        self.bad = 0
         self.relay_busy = 0  # origin's view: relays this border is carrying out
         self.links: set[str] = set()  # origin's view: cross-region borders it is linked to
 
     @property
     def is_origin(self) -> bool:
         return self.role == "origin"
+
+    @property
+    def ready(self) -> bool:
+        return self.state is HandshakeState.READY

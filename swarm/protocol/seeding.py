@@ -25,19 +25,30 @@ The origin is also the tracker: every joining node gets a sample of its region
 
 from __future__ import annotations
 
+import enum
 from collections import deque
-from typing import TYPE_CHECKING
 
-from swarm.protocol import events as ev
 from swarm.protocol import wire
-from swarm.protocol.handshake import READY
+from swarm.protocol.peer import Peer
 from swarm.protocol.picker import iter_bits, lowest
-
-if TYPE_CHECKING:
-    from swarm.protocol.core import NodeCore
-    from swarm.protocol.peer import Peer
+from swarm.protocol.roles import FrameHandler, Host, Role
 
 ORIGIN_SRC = -1
+
+
+class SeedMode(enum.Enum):
+    REGIONS = "regions"
+    DIRECT = "direct"
+    FLAT = "flat"
+
+    @classmethod
+    def of(cls, origin_only: bool, region_aware: bool) -> SeedMode:
+        if origin_only:
+            return cls.DIRECT
+        return cls.REGIONS if region_aware else cls.FLAT
+
+
+DIRECT, FLAT, REGIONS = SeedMode.DIRECT, SeedMode.FLAT, SeedMode.REGIONS
 
 
 class RegionPlan:
@@ -51,12 +62,15 @@ class RegionPlan:
         self.inflight: dict[int, list] = {}  # index -> [source conn | -1, target conn, deadline | None]
 
 
-class Seeder:
-    def __init__(self, core: NodeCore) -> None:
-        c = core.cfg
-        self.core = core
-        self.cfg = c
-        self.mode = "direct" if c.origin_only else ("regions" if c.region_aware else "flat")
+class OriginRole(Role):
+    """The origin (trainer): tracker and seeder of every region. See the module docstring."""
+
+    shares_bitfields = False  # the origin pushes; it never waits to be asked
+
+    def __init__(self, host: Host) -> None:
+        super().__init__(host)
+        c = host.cfg
+        self.mode = SeedMode.of(c.origin_only, c.region_aware)
         self.borders: dict[str, list[Peer]] = {}
         self.plans: dict[int, dict[str, RegionPlan]] = {}
         self.versions: list[int] = []
@@ -69,17 +83,62 @@ class Seeder:
         self.replaced = 0  # border replacements dialled
         self.resend_now: set[int] = set()  # conns of borders banned: re-plan their chunks at once
 
+    # ------------------------------------------------------------------ role hooks
+    def frame_handlers(self) -> dict[type[wire.Frame], FrameHandler]:
+        return {wire.RelayFail: self._f_relay_fail, wire.Links: self._f_links,
+                wire.Report: self._f_report}
+
+    def _f_relay_fail(self, p: Peer, f: wire.RelayFail) -> None:
+        self.on_relay_fail(p, f.version, f.index, f.target)
+
+    def _f_links(self, p: Peer, f: wire.Links) -> None:
+        self.on_links(p, list(f.ids))
+
+    def _f_report(self, p: Peer, f: wire.Report) -> None:
+        """Node -> origin: it banned ``f.node_id`` for corrupt chunks."""
+        self.on_report(p, f.node_id)
+
+    def may_serve(self, p: Peer) -> bool:
+        # the origin pushes; it serves requests only as the seed of a flat swarm
+        return not self.cfg.region_aware and not self.cfg.origin_only
+
+    def on_ban(self, node_id: str) -> None:
+        self.schedule()
+
+    def on_holdings(self, p: Peer, v: int, gained: int) -> bool:
+        self.on_have(p, v, gained)
+        return True
+
+    def after_sent(self) -> None:
+        self.schedule()
+
+    def on_local_complete(self, v: int) -> None:
+        if v not in self.plans:
+            # a restarted origin keeps seeding what it published before (one-shot publish)
+            self.on_publish(v)
+
+    def heartbeat_drop(self, p: Peer) -> bool:
+        if not p.kept and self.host.now - p.since > self.cfg.handshake_timeout_s:
+            self.host.close(p, "tracker contact done")
+            return True
+        return False
+
+    # ------------------------------------------------------------------ read model
+    def region_sent(self, v: int) -> dict[str, int]:
+        """Per region: the chunks of ``v`` that entered it (bitsets), as far as the plan knows."""
+        return {r: plan.sent for r, plan in self.plans.get(v, {}).items()}
+
     # ------------------------------------------------------------------ membership
     def on_ready(self, p: Peer) -> None:
-        core, c = self.core, self.cfg
+        host, c = self.host, self.cfg
         if p.is_origin:
-            core._close(p, "two origins in one swarm", "warning")
+            host.close(p, "two origins in one swarm", "warning")
             return
-        core.book.add(p.node_id, p.region, p.listen_addr, 0)
+        host.book.add(p.node_id, p.region, p.listen_addr, 0)
         keep = False
-        if self.mode == "direct":
+        if self.mode is DIRECT:
             keep = True
-        elif self.mode == "flat":
+        elif self.mode is FLAT:
             keep = self.kept < c.origin_peers
         else:
             bs = self.borders.setdefault(p.region, [])
@@ -91,32 +150,32 @@ class Seeder:
         if keep:
             self.kept += 1
         region = p.region if c.region_aware else None
-        sample = [list(x) for x in core.book.sample(region, c.tracker_sample + 1) if x[0] != p.node_id]
+        sample = [x for x in host.book.sample(region, c.tracker_sample + 1) if x[0] != p.node_id]
         if p.border and c.relay:
-            others = [[b.node_id, r, b.listen_addr, wire.PEER_BORDER]
+            others = [(b.node_id, r, b.listen_addr, wire.PEER_BORDER)
                       for r, lst in self.borders.items() if r != p.region for b in lst]
             sample = (others + sample)[: wire.MAX_PEERS]
-            note = wire.encode(wire.PEERS, [[p.node_id, p.region, p.listen_addr, wire.PEER_BORDER]])
+            note = wire.Peers(((p.node_id, p.region, p.listen_addr, wire.PEER_BORDER),)).encode()
             for r, lst in self.borders.items():
                 if r != p.region:
                     for b in lst:
-                        core._send(b, note)
+                        host.send(b, note)
         # PEERS before ROLE: a node told "tracker only" closes the link on ROLE
         if sample:
-            core._send(p, wire.encode(wire.PEERS, sample[: wire.MAX_PEERS]))
-        core._send(p, wire.encode(wire.ROLE, wire.ROLE_KEEP if keep else 0))
-        if self.mode == "direct":
+            host.send(p, wire.Peers(tuple(sample[: wire.MAX_PEERS])).encode())
+        host.send(p, wire.Role(wire.ROLE_KEEP if keep else 0).encode())
+        if self.mode is DIRECT:
             self._rr_add(p.conn)
         self.schedule()
 
     def on_leave(self, p: Peer) -> None:
-        core = self.core
+        host = self.host
         if p.kept:
             self.kept -= 1
         for key in [k for k in self.pushes if k[0] == p.conn]:
             del self.pushes[key]
         self.pushed.pop(p.conn, None)
-        if self.mode != "regions" or not p.border:
+        if self.mode is not REGIONS or not p.border:
             self.schedule()
             return
         bs = self.borders.get(p.region, [])
@@ -135,16 +194,16 @@ class Seeder:
                 lost = p.bits.get(v, 0) & plan.sent & ~others
                 if lost:
                     wait = 0.0 if p.conn in self.resend_now else self.cfg.border_grace_s
-                    self.graces.append((core.now + wait, p.region, v, lost))
+                    self.graces.append((host.now + wait, p.region, v, lost))
         self.resend_now.discard(p.conn)
         # find a replacement border: dial a node of that region we heard of
-        connected = {q.node_id for q in core.peers.values()}
-        cands = [i for i in core.book.region_ids(p.region) if i != p.node_id and i not in connected]
+        connected = {q.node_id for q in host.peers.values()}
+        cands = [i for i in host.book.region_ids(p.region) if i != p.node_id and i not in connected]
         if cands:
-            entry = core.book.get(cands[core.rng.randrange(len(cands))])
+            entry = host.book.get(cands[host.rng.randrange(len(cands))])
             if entry is not None:
                 self.replaced += 1
-                core._dial(entry[1])
+                host.dial(entry[1])
         self.schedule()
 
     def on_report(self, p: Peer, bad: str) -> None:
@@ -154,15 +213,15 @@ class Seeder:
         as good as lost (its copies reach nobody), so those chunks are sent into
         the region again at once: the allowed exception to "exactly once".
         """
-        core = self.core
-        if bad == core.cfg.node_id or bad == p.node_id:
+        host = self.host
+        if bad == host.cfg.node_id or bad == p.node_id:
             return
-        core._log("warning", "peer_reported", reporter=p.node_id, peer=bad)
-        conn = core.by_id.get(bad)
-        q = core.peers.get(conn) if conn is not None else None
+        host.log("warning", "peer_reported", reporter=p.node_id, peer=bad)
+        conn = host.by_id.get(bad)
+        q = host.peers.get(conn) if conn is not None else None
         if q is not None and q.border:
             self.resend_now.add(q.conn)
-        core.ban(bad, f"reported by {p.node_id}: corrupt chunks")
+        host.ban(bad, f"reported by {p.node_id}: corrupt chunks")
         self.resend_now.discard(conn if conn is not None else -1)
         self.tick()
 
@@ -175,16 +234,16 @@ class Seeder:
         self.versions.append(v)
         self.versions.sort()
         self.plans[v] = {}
-        if self.mode == "direct":
-            for p in self.core.peers.values():
-                if p.state == READY and p.kept:
+        if self.mode is DIRECT:
+            for p in self.host.peers.values():
+                if p.ready and p.kept:
                     self._rr_add(p.conn)
         self.schedule()
 
     def on_have(self, p: Peer, v: int, gained: int) -> None:
-        if self.mode == "direct":
+        if self.mode is DIRECT:
             self._rr_add(p.conn)
-        elif self.mode == "regions" and p.border and gained:
+        elif self.mode is REGIONS and p.border and gained:
             plan = self.plans.get(v, {}).get(p.region)
             if plan is not None:
                 for i in iter_bits(gained & plan.infl):
@@ -194,8 +253,8 @@ class Seeder:
 
     def on_relay_fail(self, p: Peer, v: int, i: int, target: str) -> None:
         p.links.discard(target)
-        tc = self.core.by_id.get(target)
-        t = self.core.peers.get(tc) if tc is not None else None
+        tc = self.host.by_id.get(target)
+        t = self.host.peers.get(tc) if tc is not None else None
         if t is not None:
             plan = self.plans.get(v, {}).get(t.region)
             if plan is not None and i in plan.inflight and plan.inflight[i][0] == p.conn:
@@ -209,14 +268,14 @@ class Seeder:
         if region:
             plan = self.plans.get(v, {}).get(region)
             if plan is not None and i in plan.inflight:
-                plan.inflight[i][2] = self.core.now + self.cfg.request_timeout_s
+                plan.inflight[i][2] = self.host.now + self.cfg.request_timeout_s
         return True
 
     def _drop_inflight(self, plan: RegionPlan, i: int) -> None:
         src, _dst, _d = plan.inflight.pop(i)
         plan.infl &= ~(1 << i)
         if src != ORIGIN_SRC:
-            s = self.core.peers.get(src)
+            s = self.host.peers.get(src)
             if s is not None and s.relay_busy > 0:
                 s.relay_busy -= 1
 
@@ -235,13 +294,13 @@ class Seeder:
         return t
 
     def tick(self) -> None:
-        now = self.core.now
+        now = self.host.now
         changed = False
         for v, plans in self.plans.items():
             for r, plan in plans.items():
                 for i, (_s, _t, d) in list(plan.inflight.items()):
                     if d is not None and d <= now:
-                        self.core._log("info", "region_transfer_timeout", version=v, region=r, index=i)
+                        self.host.log("info", "region_transfer_timeout", version=v, region=r, index=i)
                         self._drop_inflight(plan, i)
                         changed = True
         if self.graces:
@@ -260,7 +319,7 @@ class Seeder:
                 gone = lost & ~held
                 if gone:
                     plan.sent &= ~gone
-                    self.core._log("info", "region_resend", version=v, region=r, chunks=gone.bit_count())
+                    self.host.log("info", "region_resend", version=v, region=r, chunks=gone.bit_count())
                     changed = True
             self.graces = keep
         if changed:
@@ -273,31 +332,31 @@ class Seeder:
             self.rr.append(conn)
 
     def _push(self, p: Peer, v: int, i: int, region: str) -> None:
-        m = self.core.manifests[v]
         self.pushes[(p.conn, v, i)] = region
-        self.core._out.append(ev.SendChunk(p.conn, v, i, m.chunk_length(i)))
+        self.host.send_chunk(p.conn, v, i)
 
     def schedule(self) -> None:
         if not self.versions:
             return
-        if self.mode == "direct":
+        if self.mode is DIRECT:
             self._schedule_direct()
-        elif self.mode == "regions":
+        elif self.mode is REGIONS:
             self._schedule_regions()
 
     def _schedule_direct(self) -> None:
-        core, slots = self.core, self.cfg.upload_slots
+        host, slots = self.host, self.cfg.upload_slots
         while len(self.pushes) < slots and self.rr:
             conn = self.rr.popleft()
             self.rr_set.discard(conn)
-            p = core.peers.get(conn)
-            if p is None or p.state != READY:
+            p = host.peers.get(conn)
+            if p is None or not p.ready:
                 continue
             pushed = self.pushed.setdefault(conn, {})
             for v in self.versions:
-                if v not in p.bits or v not in core._full:
+                st = host.holding(v)
+                if v not in p.bits or st is None:
                     continue
-                need = core._full[v] & ~p.bits[v] & ~pushed.get(v, 0)
+                need = st.full & ~p.bits[v] & ~pushed.get(v, 0)
                 if need:
                     i = lowest(need)
                     pushed[v] = pushed.get(v, 0) | (1 << i)
@@ -307,12 +366,13 @@ class Seeder:
                     break
 
     def _schedule_regions(self) -> None:
-        core, c = self.core, self.cfg
-        now = core.now
+        host, c = self.host, self.cfg
+        now = host.now
         for v in self.versions:
-            full = core._full.get(v)
-            if full is None:
+            st = host.holding(v)
+            if st is None:
                 continue
+            full = st.full
             plans = self.plans[v]
             holders: dict[str, list[Peer]] = {}
             rbits: dict[str, int] = {}
@@ -320,7 +380,7 @@ class Seeder:
             for r, lst in self.borders.items():
                 # a border that has not echoed the manifest yet gets it before the
                 # chunk (ANNOUNCE went out first on the same link): do not wait a round trip
-                hs = [b for b in lst if b.state == READY]
+                hs = [b for b in lst if b.ready]
                 holders[r] = hs
                 bits = 0
                 for b in hs:
@@ -409,7 +469,7 @@ class Seeder:
                 load[t.conn] = load.get(t.conn, 0) + 1
                 plan.inflight[i] = [b.conn, t.conn, now + 2 * self.cfg.request_timeout_s]
                 plan.infl |= 1 << i
-                self.core._send(b, wire.encode(wire.RELAY, v, i, t.node_id))
+                self.host.send(b, wire.Relay(v, i, t.node_id).encode())
                 return i
         return -1
 

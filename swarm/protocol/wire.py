@@ -15,7 +15,8 @@ the core and the same ``bytes`` object is sent to each of them.
 from __future__ import annotations
 
 import struct
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import msgpack
 
@@ -38,29 +39,9 @@ MAX_PEERS = 64  # entries in one PEERS frame
 NONCE_LEN = 16
 MAC_LEN = 32
 
-# ---- frame types
-HELLO = 1  # [1, proto, model, node_id, region, listen_addr, role, nonce]
-AUTH = 2  # [2, mac]
-PING = 3  # [3]
-PEERS = 4  # [4, [[node_id, region, addr, flags], ...]]  flags: 1 origin, 2 border
-ROLE = 5  # [5, flags]  origin -> node: 1 keep this link (border / served peer)
-ANNOUNCE = 6  # [6, signed manifest bytes]
-BITFIELD = 7  # [7, version, bits (little-endian bytes)]
-HAVE = 8  # [8, version, [index, ...]]
-REQUEST = 9  # [9, version, [index, ...]]
-CANCEL = 10  # [10, version, [index, ...]]
-REJECT = 11  # [11, version, [index, ...]]
-RELAY = 12  # [12, version, index, target node id]  origin -> border
-RELAY_FAIL = 13  # [13, version, index, target node id]  border -> origin
-LINKS = 14  # [14, [node id, ...]]  border -> origin: cross-region links it holds
-REPORT = 15  # [15, node id]  node -> origin: I banned this node (it sent corrupt chunks)
-
-NAMES = {
-    HELLO: "HELLO", AUTH: "AUTH", PING: "PING", PEERS: "PEERS", ROLE: "ROLE",
-    ANNOUNCE: "ANNOUNCE", BITFIELD: "BITFIELD", HAVE: "HAVE", REQUEST: "REQUEST",
-    CANCEL: "CANCEL", REJECT: "REJECT", RELAY: "RELAY", RELAY_FAIL: "RELAY_FAIL",
-    LINKS: "LINKS", REPORT: "REPORT",
-}
+# ---- frame types: one frozen dataclass per frame, fields in wire order.
+# On the wire a frame is the msgpack array ``[TYPE, field, ...]`` (tuples and
+# lists pack alike), so the bytes are those of the untyped encoder.
 
 PEER_ORIGIN = 1
 PEER_BORDER = 2
@@ -68,9 +49,167 @@ ROLE_KEEP = 1
 
 _pack = msgpack.Packer(use_bin_type=True).pack
 
+#: a PEERS entry: (node_id, region, addr, flags)  flags: PEER_ORIGIN | PEER_BORDER
+PeerEntry = tuple[str, str, str, int]
+
+
+class Frame:
+    """Base of every control frame; ``TYPE`` is the first element on the wire."""
+
+    __slots__ = ()
+    TYPE: ClassVar[int] = 0
+    NAME: ClassVar[str] = ""
+
+    def encode(self) -> bytes:
+        return _pack([self.TYPE, *(getattr(self, n) for n in self.__slots__)])
+
+    @classmethod
+    def pack(cls, *fields: Any) -> bytes:
+        """``cls(*fields).encode()`` without building the object (hot paths)."""
+        return _pack([cls.TYPE, *fields])
+
+
+@dataclass(frozen=True, slots=True)
+class Hello(Frame):
+    TYPE: ClassVar[int] = 1
+    NAME: ClassVar[str] = "HELLO"
+    proto: int
+    model: str
+    node_id: str
+    region: str
+    listen_addr: str
+    role: str
+    nonce: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Auth(Frame):
+    TYPE: ClassVar[int] = 2
+    NAME: ClassVar[str] = "AUTH"
+    mac: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Ping(Frame):
+    TYPE: ClassVar[int] = 3
+    NAME: ClassVar[str] = "PING"
+
+
+@dataclass(frozen=True, slots=True)
+class Peers(Frame):
+    TYPE: ClassVar[int] = 4
+    NAME: ClassVar[str] = "PEERS"
+    entries: tuple[PeerEntry, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Role(Frame):
+    """origin -> node: ``flags & ROLE_KEEP``: keep this link (border / served peer)."""
+
+    TYPE: ClassVar[int] = 5
+    NAME: ClassVar[str] = "ROLE"
+    flags: int
+
+
+@dataclass(frozen=True, slots=True)
+class Announce(Frame):
+    TYPE: ClassVar[int] = 6
+    NAME: ClassVar[str] = "ANNOUNCE"
+    manifest: bytes  # signed manifest bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Bitfield(Frame):
+    TYPE: ClassVar[int] = 7
+    NAME: ClassVar[str] = "BITFIELD"
+    version: int
+    bits: bytes  # little-endian: bit i = chunk i
+
+
+@dataclass(frozen=True, slots=True)
+class Have(Frame):
+    TYPE: ClassVar[int] = 8
+    NAME: ClassVar[str] = "HAVE"
+    version: int
+    indices: tuple[int, ...] | list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Request(Frame):
+    TYPE: ClassVar[int] = 9
+    NAME: ClassVar[str] = "REQUEST"
+    version: int
+    indices: tuple[int, ...] | list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel(Frame):
+    TYPE: ClassVar[int] = 10
+    NAME: ClassVar[str] = "CANCEL"
+    version: int
+    indices: tuple[int, ...] | list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Reject(Frame):
+    TYPE: ClassVar[int] = 11
+    NAME: ClassVar[str] = "REJECT"
+    version: int
+    indices: tuple[int, ...] | list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Relay(Frame):
+    """origin -> border: send chunk ``index`` of ``version`` to the border ``target``."""
+
+    TYPE: ClassVar[int] = 12
+    NAME: ClassVar[str] = "RELAY"
+    version: int
+    index: int
+    target: str
+
+
+@dataclass(frozen=True, slots=True)
+class RelayFail(Frame):
+    """border -> origin: the RELAY order could not be carried out."""
+
+    TYPE: ClassVar[int] = 13
+    NAME: ClassVar[str] = "RELAY_FAIL"
+    version: int
+    index: int
+    target: str
+
+
+@dataclass(frozen=True, slots=True)
+class Links(Frame):
+    """border -> origin: the cross-region borders it holds links to."""
+
+    TYPE: ClassVar[int] = 14
+    NAME: ClassVar[str] = "LINKS"
+    ids: tuple[str, ...] | list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class Report(Frame):
+    """node -> origin: I banned this node (it sent corrupt chunks)."""
+
+    TYPE: ClassVar[int] = 15
+    NAME: ClassVar[str] = "REPORT"
+    node_id: str
+
+
+FRAME_TYPES: dict[int, type[Frame]] = {
+    cls.TYPE: cls for cls in (Hello, Auth, Ping, Peers, Role, Announce, Bitfield, Have, Request,
+                              Cancel, Reject, Relay, RelayFail, Links, Report)
+}
+# the integer type codes, for tests and tools that build raw frames
+HELLO, AUTH, PING, PEERS, ROLE, ANNOUNCE, BITFIELD, HAVE, REQUEST, CANCEL, REJECT, RELAY, \
+    RELAY_FAIL, LINKS, REPORT = range(1, 16)
+NAMES = {t: cls.NAME for t, cls in FRAME_TYPES.items()}
+
 
 def encode(*fields: Any) -> bytes:
-    """Encode one frame; ``fields[0]`` is the frame type."""
+    """Encode a raw frame ``[type, field, ...]`` (tests and tools; the core uses ``Frame.encode``)."""
     return _pack(list(fields))
 
 
@@ -96,8 +235,8 @@ def _bin(v: Any, length: int | None, limit: int, what: str) -> bytes:
     return v
 
 
-def _indices(v: Any, what: str) -> list[int]:
-    if type(v) is not list or not v or len(v) > MAX_INDICES:
+def _indices(v: Any, what: str) -> tuple[int, ...]:
+    if type(v) is not tuple or not v or len(v) > MAX_INDICES:
         raise ProtocolError(f"{what}: expected 1..{MAX_INDICES} chunk indices")
     for i in v:
         if type(i) is not int or i < 0 or i >= MAX_CHUNKS:
@@ -105,39 +244,62 @@ def _indices(v: Any, what: str) -> list[int]:
     return v
 
 
-def _arity(f: list, n: int, name: str) -> None:
+def _arity(f: tuple, n: int, name: str) -> None:
     if len(f) != n:
         raise ProtocolError(f"{name}: expected {n - 1} fields, got {len(f) - 1}")
 
 
-def decode(frame: bytes) -> list:
-    """Decode and validate one control frame; ``ProtocolError`` on anything malformed."""
+_CACHE: dict[bytes, Frame] = {}  # small frames decoded before (frames are immutable)
+_CACHE_MAX = 4096
+_CACHE_FRAME_BYTES = 256
+
+
+def decode(frame: bytes) -> Frame:
+    """Decode and validate one control frame into its ``Frame`` dataclass.
+
+    ``ProtocolError`` on anything malformed. The same bytes always decode to
+    an equal frozen frame, so small frames seen before (a HAVE sent to many
+    peers) are returned from a bounded cache.
+    """
+    if type(frame) is bytes and len(frame) <= _CACHE_FRAME_BYTES:
+        f = _CACHE.get(frame)
+        if f is None:
+            f = _decode(frame)
+            if len(_CACHE) >= _CACHE_MAX:
+                _CACHE.clear()
+            _CACHE[frame] = f
+        return f
+    return _decode(frame)
+
+
+def _decode(frame: bytes) -> Frame:
     n = len(frame)
     if n == 0 or n > MAX_FRAME_BYTES:
         raise ProtocolError(f"frame of {n} bytes (limit {MAX_FRAME_BYTES})")
     try:
         f = msgpack.unpackb(
-            frame, raw=False, use_list=True, strict_map_key=True, ext_hook=_reject_ext,
+            frame, raw=False, use_list=False, strict_map_key=True, ext_hook=_reject_ext,
             max_str_len=MAX_MODEL_LEN, max_bin_len=MAX_MANIFEST_BYTES,
             max_array_len=MAX_INDICES, max_map_len=0,
         )
     except Exception as e:  # msgpack raises a zoo of types on hostile input
         raise ProtocolError(f"undecodable frame: {type(e).__name__}") from None
-    if type(f) is not list or not f or type(f[0]) is not int:
+    if type(f) is not tuple or not f or type(f[0]) is not int:
         raise ProtocolError("frame is not an array starting with a type")
     t = f[0]
-    name = NAMES.get(t)
-    if name is None:
+    cls = FRAME_TYPES.get(t)
+    if cls is None:
         raise ProtocolError(f"unknown frame type {t}")
-    if n > MAX_SMALL_FRAME_BYTES and t not in (ANNOUNCE, BITFIELD):
+    name = cls.NAME
+    if n > MAX_SMALL_FRAME_BYTES and cls is not Announce and cls is not Bitfield:
         raise ProtocolError(f"{name} frame of {n} bytes (limit {MAX_SMALL_FRAME_BYTES})")
-    if t in (HAVE, REQUEST, CANCEL, REJECT):
+    if cls in _INDEX_FRAMES:
         _arity(f, 3, name)
         _uint(f[1], MAX_VERSION, "version")
         _indices(f[2], name)
-    elif t == PING:
+    elif cls is Ping:
         _arity(f, 1, name)
-    elif t == HELLO:
+    elif cls is Hello:
         _arity(f, 8, name)
         _uint(f[1], 2**16, "protocol version")
         _str(f[2], MAX_MODEL_LEN, "model")
@@ -147,47 +309,50 @@ def decode(frame: bytes) -> list:
         if f[6] not in ("node", "origin"):
             raise ProtocolError("role: expected 'node' or 'origin'")
         _bin(f[7], NONCE_LEN, NONCE_LEN, "nonce")
-    elif t == AUTH:
+    elif cls is Auth:
         _arity(f, 2, name)
         _bin(f[1], MAC_LEN, MAC_LEN, "mac")
-    elif t == PEERS:
+    elif cls is Peers:
         _arity(f, 2, name)
-        if type(f[1]) is not list or len(f[1]) > MAX_PEERS:
+        if type(f[1]) is not tuple or len(f[1]) > MAX_PEERS:
             raise ProtocolError(f"PEERS: expected at most {MAX_PEERS} entries")
         for e in f[1]:
-            if type(e) is not list or len(e) != 4:
+            if type(e) is not tuple or len(e) != 4:
                 raise ProtocolError("PEERS: malformed entry")
             _str(e[0], MAX_ID_LEN, "peer id")
             _str(e[1], MAX_REGION_LEN, "peer region")
             _str(e[2], MAX_ADDR_LEN, "peer addr")
             _uint(e[3], 3, "peer flags")
-    elif t == ROLE:
+    elif cls is Role:
         _arity(f, 2, name)
         _uint(f[1], 1, "role flags")
-    elif t == ANNOUNCE:
+    elif cls is Announce:
         _arity(f, 2, name)
         _bin(f[1], None, MAX_MANIFEST_BYTES, "manifest")
         if not f[1]:
             raise ProtocolError("ANNOUNCE: empty manifest")
-    elif t == BITFIELD:
+    elif cls is Bitfield:
         _arity(f, 3, name)
         _uint(f[1], MAX_VERSION, "version")
         _bin(f[2], None, MAX_CHUNKS // 8, "bitfield")
-    elif t in (RELAY, RELAY_FAIL):
+    elif cls is Relay or cls is RelayFail:
         _arity(f, 4, name)
         _uint(f[1], MAX_VERSION, "version")
         _uint(f[2], MAX_CHUNKS - 1, "index")
         _str(f[3], MAX_ID_LEN, "target")
-    elif t == LINKS:
+    elif cls is Links:
         _arity(f, 2, name)
-        if type(f[1]) is not list or len(f[1]) > MAX_PEERS:
+        if type(f[1]) is not tuple or len(f[1]) > MAX_PEERS:
             raise ProtocolError(f"LINKS: expected at most {MAX_PEERS} ids")
         for e in f[1]:
             _str(e, MAX_ID_LEN, "link id")
-    elif t == REPORT:
+    elif cls is Report:
         _arity(f, 2, name)
         _str(f[1], MAX_ID_LEN, "reported id")
-    return f
+    return cls(*f[1:])
+
+
+_INDEX_FRAMES = frozenset((Have, Request, Cancel, Reject))
 
 
 # ---- bitfields: Python ints, bit i = chunk i

@@ -30,7 +30,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from swarm.errors import ManifestError
-from swarm.trust.chunks import HASH_LEN, chunk_count, chunk_hash, hash_chunks
+from swarm.trust.chunks import HASH_LEN, chunk_count, hash_chunks
 from swarm.trust.keys import KEY_ID_RE, TrustStore, key_id
 
 FORMAT_VERSION = 1
@@ -407,13 +407,3 @@ def decode_manifest_unverified(raw: bytes) -> Manifest:
     this node verified before it stored it; never trust the result otherwise."""
     kid, body, _ = _open_envelope(raw)
     return _decode_body(body, kid)
-
-
-def manifest_key_id(raw: bytes) -> str:
-    """The key id a raw envelope claims to be signed with (unverified)."""
-    return _open_envelope(raw)[0]
-
-
-def manifest_id(raw: bytes) -> bytes:
-    """A 32-byte id of a signed envelope (BLAKE3 of its bytes), for duplicate suppression."""
-    return chunk_hash(raw)

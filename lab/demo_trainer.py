@@ -8,7 +8,7 @@ line, answering one JSON object per stdout line:
 - ``publish``: one real AdamW REINFORCE step, then publish the new version;
 - ``quit`` (or end of input): drain and exit.
 
-Run as ``python -m trainer.demo_trainer --config trainer.toml --base-out base.safetensors``.
+Run as ``python -m lab.demo_trainer --config trainer.toml --base-out base.safetensors``.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from safetensors.torch import save_file
 
+    from lab.minilm import PolicyTrainer, load_masters
     from node.config import load_config
     from swarm.codec import state_digest
-    from trainer.minilm import PolicyTrainer, load_masters
     from trainer.publisher import Publisher
     from trainer.served import served_view
 

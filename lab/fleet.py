@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lab.netlab import NetLab
 from swarm.errors import PatchswarmError
-from trainer.netlab import NetLab
 
 MODEL = "all-MiniLM-L6-v2"
 
@@ -48,7 +48,7 @@ class NodeProc:
     log: Path
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
-    netns: str | None = None  # network namespace of an emulated host (trainer.netlab)
+    netns: str | None = None  # network namespace of an emulated host (lab.netlab)
 
     @property
     def prefix(self) -> list[str]:
@@ -87,7 +87,7 @@ class LoopbackFleet:
                  node_env: dict[str, dict[str, str]] | None = None,
                  lab: NetLab | None = None) -> None:
         """``lab``: place every node (and the trainer) on an emulated host of a
-        ``trainer.netlab.NetLab`` instead of 127.0.x.x. The calling process must
+        ``lab.netlab.NetLab`` instead of 127.0.x.x. The calling process must
         then run inside one of the lab's namespaces (it polls the nodes over HTTP)."""
         if regions < 1 or nodes_per_region < 1:
             raise FleetError("need at least one region and one node per region")
@@ -172,7 +172,7 @@ class LoopbackFleet:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         with self.trainer_log.open("ab") as logf:
             self.trainer = subprocess.Popen(
-                [*self.trainer_prefix, sys.executable, "-m", "trainer.demo_trainer", "--config",
+                [*self.trainer_prefix, sys.executable, "-m", "lab.demo_trainer", "--config",
                  str(self.workdir / "trainer.toml"), "--base-out",
                  str(self.workdir / "base.safetensors"), "--lr", str(self.lr)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logf, env=env,
@@ -199,7 +199,7 @@ class LoopbackFleet:
                     ) -> subprocess.CompletedProcess:
         """Run the real ``patchswarm publish --config trainer.toml CHECKPOINT`` once."""
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        cmd = [*self.trainer_prefix, sys.executable, "-m", "swarm.cli", "publish", "--config",
+        cmd = [*self.trainer_prefix, sys.executable, "-m", "patchswarm", "publish", "--config",
                str(self.workdir / "trainer.toml"), str(checkpoint), *args]
         with self.trainer_log.open("ab") as logf:
             return subprocess.run(cmd, stdout=subprocess.PIPE, stderr=logf, env=env,
@@ -209,7 +209,7 @@ class LoopbackFleet:
         env = dict(os.environ, PYTHONUNBUFFERED="1", **n.env)
         with n.log.open("ab") as logf:
             n.proc = subprocess.Popen(
-                [*n.prefix, sys.executable, "-m", "swarm.cli", "node", "--config", str(n.config)],
+                [*n.prefix, sys.executable, "-m", "patchswarm", "node", "--config", str(n.config)],
                 stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, env=env,
                 cwd=self.workdir)
 

@@ -100,7 +100,7 @@ def print_table(s: dict[str, Any]) -> None:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from trainer.fleet import FleetError, LoopbackFleet
+    from lab.fleet import FleetError, LoopbackFleet
 
     if args.versions < 1:
         raise FleetError("--versions must be >= 1")

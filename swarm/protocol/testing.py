@@ -1,6 +1,7 @@
-"""In-memory wiring for protocol tests: many ``NodeCore``s, one virtual clock.
+"""In-memory wiring for protocol tests and benchmarks: many ``NodeCore``s, one virtual clock.
 
-A deliberately simple driver (the real simulator lives in ``simulations/``):
+The third driver of the core (beside ``node.driver`` and ``simulations``), and
+a deliberately simple one (the real simulator lives in ``simulations/``):
 frames arrive ``latency`` later, FIFO per direction; a chunk takes
 ``size / rate`` seconds to leave its sender (every upload at full rate, no
 sharing) and arrives ``latency`` after that. Chunk verdicts come from a
@@ -20,6 +21,8 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from swarm.protocol import events as ev
+from swarm.protocol import handshake as hs
+from swarm.protocol import wire
 from swarm.protocol.config import CoreConfig
 from swarm.protocol.core import NodeCore
 from swarm.trust.keys import TrustStore, key_id
@@ -55,12 +58,12 @@ class Signer:
 
 
 @dataclass
-class Host:
+class MemHost:
     core: NodeCore
     addr: str
     region: str
     alive: bool = True
-    conns: dict[int, tuple[Host, int]] = field(default_factory=dict)  # my conn -> (peer host, its conn)
+    conns: dict[int, tuple[MemHost, int]] = field(default_factory=dict)  # my conn -> (peer host, its conn)
     applied: list[int] = field(default_factory=list)
     corrupt: Callable[[int, int], bool] = lambda v, i: False  # chunks this host sends corrupt
     tick_at: float = float("inf")
@@ -68,7 +71,7 @@ class Host:
 
 
 class Net:
-    """Hosts by address, an event heap and a virtual clock."""
+    """MemHosts by address, an event heap and a virtual clock."""
 
     def __init__(self, signer: Signer, *, latency: float = 0.005, rate: float = 1e6, seed: int = 0) -> None:
         self.signer = signer
@@ -76,7 +79,7 @@ class Net:
         self.rate = rate
         self.now = 0.0
         self.rng = random.Random(seed)
-        self.hosts: dict[str, Host] = {}
+        self.hosts: dict[str, MemHost] = {}
         self._heap: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self._cid = itertools.count(1)
@@ -86,33 +89,33 @@ class Net:
 
     # ---- building
     def add(self, node_id: str, region: str, *, role: str = "node", bootstrap: tuple[str, ...] = (),
-            secret: bytes = SECRET, **knobs: Any) -> Host:
+            secret: bytes = SECRET, **knobs: Any) -> MemHost:
         addr = f"{node_id}:1"
         cfg = CoreConfig(node_id=node_id, region=region, model=MODEL, listen_addr=addr, role=role,
                          bootstrap=bootstrap, swarm_secret=secret, **knobs)
         core = NodeCore(cfg, verify_manifest=self.signer.verify, rng=random.Random(f"{node_id}"),
                         now=self.now)
         core.raise_internal_errors = True
-        h = Host(core, addr, region)
+        h = MemHost(core, addr, region)
         self.hosts[addr] = h
         return h
 
-    def start(self, h: Host) -> None:
+    def start(self, h: MemHost) -> None:
         h.alive = True
         self._run(h, h.core.start(self.now))
 
-    def host(self, node_id: str) -> Host:
+    def host(self, node_id: str) -> MemHost:
         return self.hosts[f"{node_id}:1"]
 
     # ---- scheduling
     def at(self, t: float, fn: Callable[[], None]) -> None:
         heapq.heappush(self._heap, (t, next(self._seq), fn))
 
-    def deliver(self, h: Host, event: ev.Event) -> None:
+    def deliver(self, h: MemHost, event: ev.Event) -> None:
         if h.alive:
             self._run(h, h.core.handle(event))
 
-    def _run(self, h: Host, actions: list[ev.Action]) -> None:
+    def _run(self, h: MemHost, actions: list[ev.Action]) -> None:
         for a in actions:
             self._do(h, a)
         w = h.core.next_wakeup()
@@ -120,14 +123,14 @@ class Net:
             h.tick_at = max(w, self.now)
             t = h.tick_at
 
-            def fire(h: Host = h, t: float = t) -> None:
+            def fire(h: MemHost = h, t: float = t) -> None:
                 if h.tick_at == t:
                     h.tick_at = float("inf")
                     self.deliver(h, ev.Tick(self.now))
 
             self.at(t, fire)
 
-    def _do(self, h: Host, a: ev.Action) -> None:
+    def _do(self, h: MemHost, a: ev.Action) -> None:
         now, lat = self.now, self.latency
         if isinstance(a, ev.Log):
             self.logs.append((h.core.cfg.node_id, a))
@@ -173,7 +176,7 @@ class Net:
             self.at(now + 0.01, lambda: (h.applied.append(a.version) if ok else None,
                                          self.deliver(h, ev.Applied(self.now, a.version, ok)))[-1])
 
-    def kill(self, h: Host) -> None:
+    def kill(self, h: MemHost) -> None:
         """The host vanishes: its peers see their connections drop."""
         h.alive = False
         for _c, (peer, pc) in list(h.conns.items()):
@@ -195,9 +198,63 @@ class Net:
                 return
         self.now = max(self.now, min(until, self.now if self._heap else until))
 
-    def nodes(self) -> list[Host]:
+    def nodes(self) -> list[MemHost]:
         return [h for h in self.hosts.values() if h.core.cfg.role == "node"]
 
 
 def region_of(node_id: str, net: Net) -> str:
     return net.host(node_id).region
+
+
+class Script:
+    """One connection to one core, driven by hand (as wsproto's connection tests do).
+
+    The test plays the peer: ``handshake`` sends its HELLO and AUTH, ``send``
+    feeds one typed frame; both return the frames the core sent back on this
+    connection, decoded. ``actions`` keeps every action of the last call.
+    """
+
+    def __init__(self, core: NodeCore, conn: int, *, node_id: str, region: str, role: str = "node",
+                 secret: bytes = SECRET, outbound: bool = False) -> None:
+        self.core = core
+        self.conn = conn
+        self.node_id, self.region, self.role = node_id, region, role
+        self.secret = secret
+        self.outbound = outbound
+        self.actions: list[ev.Action] = []
+        self._core_hello = b""
+
+    @property
+    def now(self) -> float:
+        return self.core.now
+
+    def _feed(self, event: ev.Event) -> list[wire.Frame]:
+        self.actions = self.core.handle(event)
+        return self.frames(self.actions)
+
+    def frames(self, actions: list[ev.Action]) -> list[wire.Frame]:
+        return [wire.decode(a.frame) for a in actions
+                if isinstance(a, ev.SendFrame) and a.conn == self.conn]
+
+    def closed(self, actions: list[ev.Action] | None = None) -> bool:
+        """Whether the core closed this connection (in ``actions``, default the last call's)."""
+        acts = self.actions if actions is None else actions
+        return any(isinstance(a, ev.Close) and a.conn == self.conn for a in acts)
+
+    def handshake(self) -> list[wire.Frame]:
+        """Connect, trade HELLO and AUTH; the frames the core sent once the link is ready."""
+        self.actions = self.core.handle(
+            ev.PeerConnected(self.now, self.conn, self.outbound, f"{self.node_id}:1"))
+        hello = next(a.frame for a in self.actions if isinstance(a, ev.SendFrame))
+        self._core_hello = hello
+        mine = hs.hello_frame(model=MODEL, node_id=self.node_id, region=self.region,
+                              addr=f"{self.node_id}:1", role=self.role, nonce=bytes(wire.NONCE_LEN))
+        got = self._feed(ev.FrameReceived(self.now, self.conn, mine))
+        assert [type(f) for f in got] == [wire.Auth], got
+        mac = hs.mac(self.secret, mine, hello)
+        return self._feed(ev.FrameReceived(self.now, self.conn, wire.Auth(mac).encode()))
+
+    def send(self, frame: wire.Frame | bytes, *, now: float | None = None) -> list[wire.Frame]:
+        raw = frame if isinstance(frame, bytes) else frame.encode()
+        t = self.now if now is None else now
+        return self._feed(ev.FrameReceived(t, self.conn, raw))

@@ -1,0 +1,5 @@
+"""The demo and lab harness: a loopback fleet, emulated geography, a MiniLM step generator.
+
+Nothing a trainer or a node imports lives here; this package depends on
+``trainer`` and ``node``, never the reverse (tests/test_architecture.py).
+"""

@@ -1,0 +1,1 @@
+"""The ``patchswarm`` command: the application layer above swarm/, node/, trainer/, lab/, simulations/."""

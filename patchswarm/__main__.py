@@ -1,0 +1,5 @@
+import sys
+
+from patchswarm.cli import main
+
+sys.exit(main())

@@ -1,0 +1,47 @@
+"""Chunk traffic counters of one core, split by the kind of peer on the other end."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from swarm.protocol.peer import KINDS, PeerKind
+
+
+class Counters:
+    __slots__ = ("bad_chunks", "dup_chunks", "recv_bytes", "recv_chunks", "region_recv",
+                 "region_sent", "sent_bytes", "sent_chunks")
+
+    def __init__(self) -> None:
+        self.sent_bytes = dict.fromkeys(KINDS, 0)
+        self.recv_bytes = dict.fromkeys(KINDS, 0)
+        self.sent_chunks = dict.fromkeys(KINDS, 0)
+        self.recv_chunks = dict.fromkeys(KINDS, 0)
+        self.region_sent: dict[tuple[str, str], int] = {}  # (src, dst region) -> bytes we sent
+        self.region_recv: dict[tuple[str, str], int] = {}  # (src, dst region) -> bytes we received
+        self.dup_chunks = 0
+        self.bad_chunks = 0
+
+    def sent(self, kind: PeerKind, src: str, dst: str, size: int) -> None:
+        self.sent_bytes[kind] += size
+        self.sent_chunks[kind] += 1
+        rk = (src, dst)
+        self.region_sent[rk] = self.region_sent.get(rk, 0) + size
+
+    def received(self, kind: PeerKind, size: int) -> None:
+        self.recv_bytes[kind] += size
+        self.recv_chunks[kind] += 1
+
+    def received_from(self, src: str, dst: str, size: int) -> None:
+        rk = (src, dst)
+        self.region_recv[rk] = self.region_recv.get(rk, 0) + size
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "sent_bytes": {str(k): n for k, n in self.sent_bytes.items()},
+            "recv_bytes": {str(k): n for k, n in self.recv_bytes.items()},
+            "sent_chunks": {str(k): n for k, n in self.sent_chunks.items()},
+            "recv_chunks": {str(k): n for k, n in self.recv_chunks.items()},
+            "region_sent": {f"{a}->{b}": n for (a, b), n in self.region_sent.items()},
+            "region_recv": {f"{a}->{b}": n for (a, b), n in self.region_recv.items()},
+            "dup_chunks": self.dup_chunks, "bad_chunks": self.bad_chunks,
+        }

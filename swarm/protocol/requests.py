@@ -1,0 +1,134 @@
+"""Our outstanding chunk requests, and the policy that picks which chunks to ask for.
+
+``Requests`` is the bookkeeping (who was asked for what, the per-node budget,
+endgame twins); the choice among candidate chunks is a swappable policy
+(``RarestFirst`` by default), as Kraken separates its piece-request manager
+from ``rarest_first_policy``.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Protocol
+
+from swarm.protocol.config import CoreConfig
+from swarm.protocol.peer import Peer
+from swarm.protocol.picker import pick_some, popcount
+from swarm.protocol.versions import VersionSet
+
+Key = tuple[int, int]  # (version, chunk index)
+
+
+class PickPolicy(Protocol):
+    def pick(self, cand: int, avail: list[int], k: int) -> list[int]:
+        """Up to ``k`` chunks of the bitset ``cand``; ``avail[i]`` peers hold chunk ``i``."""
+        ...
+
+
+class RarestFirst:
+    """The chunks held by the fewest peers first; ties broken uniformly at random."""
+
+    __slots__ = ("rng",)
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+
+    def pick(self, cand: int, avail: list[int], k: int) -> list[int]:
+        return pick_some(cand, avail, self.rng, k)
+
+
+class Requests:
+    """Requests we have out: per peer in ``Peer.req``, per chunk in ``asked``."""
+
+    __slots__ = ("asked", "budget", "cfg", "n", "policy")
+
+    def __init__(self, cfg: CoreConfig, policy: PickPolicy) -> None:
+        self.cfg = cfg
+        self.policy = policy
+        self.n = 0  # outstanding requests, all peers
+        self.budget = cfg.max_requests
+        self.asked: dict[Key, list[int]] = {}  # (v, i) -> conns asked
+
+    @property
+    def full(self) -> bool:
+        return self.n >= self.budget
+
+    def plan(self, p: Peer, versions: VersionSet, now: float) -> list[tuple[int, list[int]]]:
+        """Top up our pipeline to ``p`` (policy first, then endgame); ``[(version, picks)]`` to send."""
+        if not p.can_req or p.busy or not versions.wanted:
+            return []
+        c = self.cfg
+        room = min(c.pipeline - len(p.req), self.budget - self.n)
+        if room <= 0:
+            return []
+        out: list[tuple[int, list[int]]] = []
+        for v in versions.wanted:
+            pb = p.bits.get(v)
+            if not pb:
+                continue
+            st = versions.states[v]
+            avail = st.avail
+            assert avail is not None  # every wanted version counts its holders
+            missing = st.full & ~st.have
+            cand = pb & missing & ~st.inflight
+            picks = self.policy.pick(cand, avail, room) if cand else []
+            if not picks and popcount(missing) <= c.endgame_chunks:
+                # endgame: everything missing is in flight; ask a second peer once
+                cand = pb & missing & ~st.dups
+                for key in p.req:
+                    if key[0] == v:
+                        cand &= ~(1 << key[1])
+                if cand:
+                    picks = self.policy.pick(cand, avail, room)
+                    d = st.dups
+                    for i in picks:
+                        d |= 1 << i
+                    st.dups = d
+            if not picks:
+                continue
+            infl = st.inflight
+            for i in picks:
+                key = (v, i)
+                p.req[key] = now
+                lst = self.asked.get(key)
+                if lst is None:
+                    self.asked[key] = [p.conn]
+                else:
+                    lst.append(p.conn)
+                infl |= 1 << i
+            st.inflight = infl
+            self.n += len(picks)
+            out.append((v, picks))
+            room -= len(picks)
+            if room <= 0:
+                break
+        return out
+
+    def forget(self, p: Peer, key: Key, versions: VersionSet) -> bool:
+        """Forget our request ``key`` to ``p``; True if it was outstanding."""
+        if p.req.pop(key, None) is None:
+            return False
+        self.n -= 1
+        lst = self.asked.get(key)
+        if lst is not None:
+            if p.conn in lst:
+                lst.remove(p.conn)
+            if not lst:
+                del self.asked[key]
+                st = versions.states.get(key[0])
+                if st is not None:
+                    st.inflight &= ~(1 << key[1])
+        return True
+
+    def arrived(self, key: Key, peers: dict[int, Peer]) -> list[Peer]:
+        """Chunk ``key`` is ours: drop every request for it; the peers to send CANCEL to."""
+        lst = self.asked.pop(key, None)
+        if not lst:
+            return []
+        out = []
+        for conn in lst:
+            q = peers.get(conn)
+            if q is not None and q.req.pop(key, None) is not None:
+                self.n -= 1
+                out.append(q)
+        return out

@@ -1,0 +1,305 @@
+"""What a core does because of its role: a rollout ``NodeRole`` or the ``OriginRole``.
+
+The core (``core.NodeCore``) runs what every participant does (handshake,
+announcements, holdings, requests, uploads, timers) and calls its role at
+fixed points (``Role``'s hooks). A role reaches the core only through the
+narrow ``Host`` interface: send, dial, close, log, the peers and the holdings;
+the core never looks inside a role. The origin's role lives in ``seeding``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from swarm.errors import ProtocolError
+from swarm.protocol import wire
+from swarm.protocol.config import CoreConfig
+from swarm.protocol.membership import AddressBook
+from swarm.protocol.peer import CROSS, SAME, Peer
+from swarm.protocol.versions import VersionState
+
+
+class Host(Protocol):
+    """The part of the core a role may use."""
+
+    cfg: CoreConfig
+    rng: random.Random
+    now: float
+    peers: dict[int, Peer]
+    by_id: dict[str, int]  # READY peers by node id
+    book: AddressBook
+    dialing: dict[str, float]  # addr -> dialled at
+    retry_at: dict[str, float]  # addr -> not before
+
+    def send(self, p: Peer, frame: bytes) -> None: ...
+    def send_chunk(self, conn: int, v: int, i: int) -> None: ...
+    def relay_chunk(self, conn: int, v: int, i: int) -> None: ...
+    def dial(self, addr: str) -> None: ...
+    def close(self, p: Peer, reason: str, level: str = "info") -> None: ...
+    def log(self, level: str, event: str, **fields: Any) -> None: ...
+    def holding(self, v: int) -> VersionState | None: ...
+    def ready_peers(self) -> list[Peer]: ...
+    def ban(self, node_id: str, reason: str) -> None: ...
+    def fill(self, p: Peer) -> None: ...
+
+
+FrameHandler = Callable[[Peer, Any], None]
+
+
+class Role:
+    """The hooks the core calls; the defaults do nothing."""
+
+    #: send our bitfield to a peer that shows a version late (the origin pushes instead)
+    shares_bitfields = True
+
+    def __init__(self, host: Host) -> None:
+        self.host = host
+        self.cfg = host.cfg
+
+    # ---- frames only this role accepts after the handshake
+    def frame_handlers(self) -> dict[type[wire.Frame], FrameHandler]:
+        return {}
+
+    # ---- peers
+    def admit(self, p: Peer) -> bool:
+        """``p`` finished the handshake (kind set); False if it was closed."""
+        return True
+
+    def on_ready(self, p: Peer) -> None:
+        """``p`` got our manifests and bitfields; say the rest."""
+
+    def on_leave(self, p: Peer) -> None:
+        """``p`` is gone (its requests and uploads already forgotten)."""
+
+    def may_serve(self, p: Peer) -> bool:
+        """Whether we answer ``p``'s requests."""
+        return True
+
+    def on_peer_heard(self, node_id: str, region: str, addr: str, flags: int) -> None:
+        """A PEERS entry we added to the address book."""
+
+    def maintain_mesh(self) -> None:
+        """Dial or trim links (after PEERS, ROLE and every heartbeat)."""
+
+    def on_ban(self, node_id: str) -> None:
+        """We banned ``node_id`` (first time)."""
+
+    @property
+    def is_border(self) -> bool:
+        return False
+
+    def region_sent(self, v: int) -> dict[str, int]:
+        """Per region, the chunks of ``v`` this role saw enter it (bitsets); read model only."""
+        return {}
+
+    # ---- holdings and chunks
+    def on_holdings(self, p: Peer, v: int, gained: int) -> bool:
+        """``p`` showed new chunks of ``v``; True if the role took it over (no availability)."""
+        return False
+
+    def on_sent(self, conn: int, v: int, i: int) -> bool:
+        """A chunk left; True if it was the role's own (not an upload slot)."""
+        return False
+
+    def after_sent(self) -> None:
+        """A chunk left and the upload slots were topped up."""
+
+    def on_publish(self, v: int) -> None:
+        """We published (or, restarted, hold all of) version ``v``."""
+
+    def on_local_complete(self, v: int) -> None:
+        """At start-up the store holds all of version ``v``."""
+
+    # ---- timers
+    def next_wakeup(self) -> float | None:
+        return None
+
+    def tick(self) -> None:
+        pass
+
+    def heartbeat_drop(self, p: Peer) -> bool:
+        """At a heartbeat: True if ``p`` was closed for role reasons."""
+        return False
+
+    def after_heartbeat(self) -> None:
+        pass
+
+
+class NodeRole(Role):
+    """A rollout node: region mesh, border links when the origin grants them, ban reports."""
+
+    def __init__(self, host: Host) -> None:
+        super().__init__(host)
+        self.border = False  # the origin granted us a border (ROLE keep) in a region-aware swarm
+        self._links_sent: frozenset[str] = frozenset()
+        self._reports: list[str] = []  # bans not yet reported to the origin
+        self._want_origin = False  # lost a kept origin link: redial the bootstrap list
+        self._origin_dial_at = float("-inf")
+
+    def frame_handlers(self) -> dict[type[wire.Frame], FrameHandler]:
+        return {wire.Role: self._f_role, wire.Relay: self._f_relay}
+
+    @property
+    def is_border(self) -> bool:
+        return self.border
+
+    # ---- peers
+    def admit(self, p: Peer) -> bool:
+        c, host = self.cfg, self.host
+        if p.is_origin:
+            self._want_origin = False
+        elif c.origin_only:
+            host.close(p, "origin-only mode: no node peers")
+            return False
+        if c.region_aware and p.kind == CROSS:
+            p.border = True  # only borders link across regions
+        p.can_req = (p.kind == SAME) if c.region_aware else not c.origin_only
+        if p.is_origin:
+            p.can_req = not c.region_aware and not c.origin_only
+        host.book.add(p.node_id, p.region, p.listen_addr, wire.PEER_ORIGIN if p.is_origin else 0)
+        return True
+
+    def on_ready(self, p: Peer) -> None:
+        c, host = self.cfg, self.host
+        if p.is_origin:
+            self._flush_reports()
+        if not p.is_origin and (p.kind == SAME or not c.region_aware):
+            region = c.region if c.region_aware else None
+            sample = tuple(x for x in host.book.sample(region, c.tracker_sample) if x[0] != p.node_id)
+            if sample:
+                host.send(p, wire.Peers(sample).encode())
+        if self.border and p.border:
+            self._send_links()
+        host.fill(p)
+
+    def on_leave(self, p: Peer) -> None:
+        if p.is_origin and p.kept:
+            # the origin went away (restart, one-shot publish, network): come back to it
+            self._want_origin = True
+        if p.is_origin and self.border:
+            self.border = False
+            self._links_sent = frozenset()
+        if self.border and p.border:
+            self._send_links()
+
+    def may_serve(self, p: Peer) -> bool:
+        return not (self.cfg.region_aware and p.kind != SAME)
+
+    def on_peer_heard(self, node_id: str, region: str, addr: str, flags: int) -> None:
+        c, host = self.cfg, self.host
+        if (flags & wire.PEER_BORDER and self.border and c.relay and region != c.region
+                and c.node_id < node_id and node_id not in host.by_id):
+            host.dial(addr)
+
+    def on_ban(self, node_id: str) -> None:
+        if node_id not in self._reports:
+            self._reports.append(node_id)
+        self._flush_reports()
+
+    def _flush_reports(self) -> None:
+        """Send pending bans to the origin; with no origin link, dial the bootstrap list."""
+        if not self._reports:
+            return
+        host = self.host
+        for p in host.peers.values():
+            if p.ready and p.is_origin:
+                for node_id in self._reports:
+                    host.send(p, wire.Report(node_id).encode())
+                self._reports.clear()
+                return
+        self._dial_origin()
+
+    def _dial_origin(self) -> None:
+        """Dial the bootstrap list (the origin is the tracker), at most once per ``redial_s``."""
+        host = self.host
+        if host.now - self._origin_dial_at < self.cfg.redial_s:
+            return
+        if any(a in host.dialing for a in self.cfg.bootstrap):
+            return
+        self._origin_dial_at = host.now
+        for addr in self.cfg.bootstrap:
+            if host.retry_at.get(addr, 0.0) <= host.now:
+                host.dial(addr)
+
+    def _send_links(self) -> None:
+        """Border -> origin: the cross-region borders we are linked to (relay targets)."""
+        host = self.host
+        links = frozenset(p.node_id for p in host.peers.values()
+                          if p.ready and p.border and not p.is_origin)
+        if links == self._links_sent:
+            return
+        self._links_sent = links
+        for p in host.peers.values():
+            if p.ready and p.is_origin:
+                host.send(p, wire.Links(tuple(sorted(links)[: wire.MAX_PEERS])).encode())
+
+    # ---- frames
+    def _f_role(self, p: Peer, f: wire.Role) -> None:
+        if not p.is_origin:
+            raise ProtocolError("ROLE from a peer that is not the origin")
+        p.kept = bool(f.flags & wire.ROLE_KEEP)
+        if not p.kept:
+            self.host.close(p, "origin: tracker only")
+            self.maintain_mesh()
+            return
+        if self.cfg.region_aware and not self.cfg.origin_only:
+            self.border = True
+            self.host.log("info", "border_granted")
+            self._send_links()
+
+    def _f_relay(self, p: Peer, f: wire.Relay) -> None:
+        if not p.is_origin:
+            raise ProtocolError("RELAY from a peer that is not the origin")
+        host = self.host
+        v, i, target = f.version, f.index, f.target
+        tc = host.by_id.get(target)
+        st = host.holding(v)
+        if tc is None or st is None or i >= st.chunk_count or not (st.have >> i) & 1:
+            host.send(p, wire.RelayFail(v, i, target).encode())
+            return
+        host.relay_chunk(tc, v, i)
+
+    # ---- timers
+    def after_heartbeat(self) -> None:
+        c, host = self.cfg, self.host
+        if ((self._want_origin or self._reports)
+                and not any(p.is_origin for p in host.peers.values() if p.ready)):
+            self._dial_origin()
+        if not c.origin_only:
+            self.maintain_mesh()
+        elif not host.peers and not host.dialing:
+            for addr in c.bootstrap:
+                if host.retry_at.get(addr, 0.0) <= host.now:
+                    host.dial(addr)
+
+    def maintain_mesh(self) -> None:
+        """Keep between mesh_low and mesh_high region peers; dial from the book."""
+        c, host = self.cfg, self.host
+        if c.origin_only:
+            return
+        region = c.region if c.region_aware else None
+        mesh = [p for p in host.peers.values()
+                if not p.is_origin and not p.border and (not p.ready or p.kind == SAME
+                                                         or not c.region_aware)]
+        n = len(mesh) + len(host.dialing)
+        if n < c.mesh_degree:
+            connected = {p.listen_addr for p in host.peers.values()}
+            for node_id, _r, addr, flags in host.book.sample(region, 2 * c.mesh_degree):
+                if n >= c.mesh_degree:
+                    break
+                if (flags & wire.PEER_ORIGIN or node_id in host.by_id or addr in connected
+                        or addr in host.dialing or host.retry_at.get(addr, 0.0) > host.now):
+                    continue
+                host.dial(addr)
+                n += 1
+            if not host.by_id and not host.dialing:
+                for addr in c.bootstrap:
+                    if host.retry_at.get(addr, 0.0) <= host.now:
+                        host.dial(addr)
+        elif len(mesh) > c.mesh_high:
+            extra = [p for p in mesh if p.ready and not p.req]
+            host.rng.shuffle(extra)
+            for p in extra[: len(mesh) - c.mesh_high]:
+                host.close(p, "mesh over mesh_high")

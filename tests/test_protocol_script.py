@@ -1,0 +1,256 @@
+"""Single-connection scripted tests of the seeding frames (ROLE, PEERS, RELAY, REPORT).
+
+One core, one or two hand-driven connections (``swarm.protocol.testing.Script``):
+the test plays the peer frame by frame and checks the exact frames the core
+answers with, as wsproto's connection tests do. The multi-core in-memory
+network tests live in ``test_protocol_core.py``.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from swarm.errors import ProtocolError
+from swarm.protocol import events as ev
+from swarm.protocol import handshake as hs
+from swarm.protocol import wire
+from swarm.protocol.config import CoreConfig
+from swarm.protocol.core import NodeCore
+from swarm.protocol.testing import MODEL, SECRET, Script, Signer
+
+
+def _core(node_id: str, region: str, *, role: str = "node", signer: Signer | None = None,
+          **knobs) -> NodeCore:
+    s = signer or Signer()
+    cfg = CoreConfig(node_id=node_id, region=region, model=MODEL, listen_addr=f"{node_id}:1",
+                     role=role, swarm_secret=SECRET, **knobs)
+    core = NodeCore(cfg, verify_manifest=s.verify, rng=random.Random(0))
+    core.raise_internal_errors = True
+    return core
+
+
+def _types(frames: list[wire.Frame]) -> list[type]:
+    return [type(f) for f in frames]
+
+
+# ---------------------------------------------------------------- origin side: PEERS, ROLE
+
+def test_origin_grants_borders_then_sends_peers_before_role_tracker_only() -> None:
+    o = _core("origin", "trainer", role="origin", border_nodes=1)
+    first = Script(o, 1, node_id="a", region="r")
+    assert first.handshake() == [wire.Role(wire.ROLE_KEEP)]  # nobody else to name yet
+    second = Script(o, 2, node_id="b", region="r")
+    got = second.handshake()
+    # PEERS before ROLE: a node told "tracker only" closes the link on ROLE
+    assert _types(got) == [wire.Peers, wire.Role]
+    assert got[0] == wire.Peers((("a", "r", "a:1", 0),))
+    assert got[1] == wire.Role(0)
+
+
+def test_origin_tells_a_new_border_of_the_other_regions_borders_and_them_of_it() -> None:
+    o = _core("origin", "trainer", role="origin", border_nodes=1)
+    ra = Script(o, 1, node_id="a", region="r1")
+    ra.handshake()
+    rb = Script(o, 2, node_id="b", region="r2")
+    got = rb.handshake()
+    assert ra.frames(rb.actions) == [wire.Peers((("b", "r2", "b:1", wire.PEER_BORDER),))]
+    assert got[0] == wire.Peers((("a", "r1", "a:1", wire.PEER_BORDER),))
+    assert got[-1] == wire.Role(wire.ROLE_KEEP)
+
+
+def test_origin_refuses_node_frames_meant_for_nodes() -> None:
+    o = _core("origin", "trainer", role="origin")
+    n = Script(o, 1, node_id="a", region="r")
+    n.handshake()
+    n.send(wire.Role(wire.ROLE_KEEP))
+    assert n.closed()  # ROLE is origin -> node only
+
+
+# ---------------------------------------------------------------- node side: ROLE
+
+def test_node_closes_the_origin_link_on_role_tracker_only() -> None:
+    n = _core("a", "r", bootstrap=("origin:1",))
+    o = Script(n, 1, node_id="origin", region="trainer", role="origin", outbound=True)
+    o.handshake()
+    o.send(wire.Role(0))
+    assert o.closed()
+    assert not n.is_border
+
+
+def test_node_becomes_a_border_on_role_keep_and_reports_its_links() -> None:
+    n = _core("a", "r")
+    o = Script(n, 1, node_id="origin", region="trainer", role="origin", outbound=True)
+    o.handshake()
+    assert o.send(wire.Role(wire.ROLE_KEEP)) == []  # no cross-region links yet: nothing to report
+    assert n.is_border
+    x = Script(n, 2, node_id="z", region="r2")
+    x.handshake()
+    assert o.frames(x.actions) == [wire.Links(("z",))]
+
+
+def test_role_from_a_peer_that_is_not_the_origin_closes_it() -> None:
+    n = _core("a", "r")
+    p = Script(n, 1, node_id="b", region="r")
+    p.handshake()
+    p.send(wire.Role(wire.ROLE_KEEP))
+    assert p.closed() and not n.is_border
+
+
+# ---------------------------------------------------------------- node side: RELAY
+
+def _border_holding(chunks: tuple[int, ...]) -> tuple[NodeCore, Script, Script]:
+    s = Signer()
+    n = _core("a", "r", signer=s, active_version=1)
+    n.handle(ev.LocalChunks(0.0, s.manifest(2, 4), chunks))
+    o = Script(n, 1, node_id="origin", region="trainer", role="origin", outbound=True)
+    o.handshake()
+    o.send(wire.Role(wire.ROLE_KEEP))
+    b = Script(n, 2, node_id="b", region="r2")
+    b.handshake()
+    return n, o, b
+
+
+def test_relay_sends_the_chunk_to_the_target_border() -> None:
+    n, o, _b = _border_holding((0, 1))
+    assert o.send(wire.Relay(2, 1, "b")) == []
+    assert [a for a in o.actions if isinstance(a, ev.SendChunk)] == [ev.SendChunk(2, 2, 1, 1000)]
+    n.handle(ev.ChunkSent(n.now, 2, 2, 1))
+    assert n.uploading == 0  # a relay does not hold an upload slot
+
+
+def test_relay_fails_for_a_chunk_not_held_or_an_unknown_target() -> None:
+    _n, o, _b = _border_holding((0, 1))
+    assert o.send(wire.Relay(2, 3, "b")) == [wire.RelayFail(2, 3, "b")]
+    assert o.send(wire.Relay(2, 0, "nobody")) == [wire.RelayFail(2, 0, "nobody")]
+    assert o.send(wire.Relay(9, 0, "b")) == [wire.RelayFail(9, 0, "b")]
+    assert not o.closed()
+
+
+def test_relay_from_a_node_closes_it() -> None:
+    _n, _o, b = _border_holding((0,))
+    b.send(wire.Relay(2, 0, "b"))
+    assert b.closed()
+
+
+def test_origin_orders_a_relay_and_pushes_itself_when_it_fails() -> None:
+    s = Signer()
+    o = _core("origin", "trainer", role="origin", signer=s, border_nodes=1)
+    a = Script(o, 1, node_id="a", region="r1")
+    a.handshake()
+    o.handle(ev.Publish(o.now, s.manifest(2, 1)))
+    assert [x for x in o.handle(ev.Tick(o.now)) if isinstance(x, ev.SendChunk)] == []
+    a.send(wire.Announce(s.manifest(2, 1)))
+    a.send(wire.Have(2, (0,)))  # r1 holds chunk 0
+    a.send(wire.Links(("b",)))  # and a is linked to b, the border of r2 to come
+    b = Script(o, 2, node_id="b", region="r2")
+    b.handshake()
+    # r2 takes chunk 0 from r1 (a relays it), not from the origin's uplink
+    assert wire.Relay(2, 0, "b") in a.frames(b.actions)
+    assert not [x for x in b.actions if isinstance(x, ev.SendChunk)]
+    # the relay fails: the origin forgets the link and sends the chunk into r2 itself
+    a.send(wire.RelayFail(2, 0, "b"))
+    assert [x for x in a.actions if isinstance(x, ev.SendChunk)] == [ev.SendChunk(2, 2, 0, 1000)]
+    assert not a.closed()
+
+
+def test_relay_fail_for_a_relay_never_ordered_changes_nothing() -> None:
+    o = _core("origin", "trainer", role="origin")
+    a = Script(o, 1, node_id="a", region="r1")
+    a.handshake()
+    assert a.send(wire.RelayFail(2, 0, "nobody")) == []
+    assert not a.closed()
+
+
+# ---------------------------------------------------------------- REPORT
+
+def _liar_banned_by(n: NodeCore, s: Signer, liar: Script) -> None:
+    liar.handshake()
+    liar.send(wire.Bitfield(2, wire.bits_to_bytes(0b1111, 4)))
+    for i in range(n.cfg.max_bad_chunks):
+        liar.actions = n.handle(ev.ChunkReceived(n.now, liar.conn, 2, i, False))
+
+
+def test_node_reports_a_ban_to_the_origin() -> None:
+    s = Signer()
+    n = _core("a", "r", signer=s, active_version=1)
+    n.handle(ev.LocalChunks(0.0, s.manifest(2, 4), ()))
+    o = Script(n, 1, node_id="origin", region="trainer", role="origin", outbound=True)
+    o.handshake()
+    liar = Script(n, 2, node_id="liar", region="r")
+    _liar_banned_by(n, s, liar)
+    assert liar.closed() and n.banned("liar")
+    assert o.frames(liar.actions) == [wire.Report("liar")]
+
+
+def test_node_without_an_origin_link_dials_it_and_reports_once_linked() -> None:
+    s = Signer()
+    n = _core("a", "r", signer=s, active_version=1, bootstrap=("origin:1",))
+    n.handle(ev.LocalChunks(0.0, s.manifest(2, 4), ()))
+    liar = Script(n, 2, node_id="liar", region="r")
+    _liar_banned_by(n, s, liar)
+    assert ev.Connect("origin:1") in liar.actions
+    o = Script(n, 1, node_id="origin", region="trainer", role="origin", outbound=True)
+    assert wire.Report("liar") in o.handshake()
+
+
+def test_origin_bans_a_reported_node_and_closes_its_link() -> None:
+    o = _core("origin", "trainer", role="origin")
+    rep = Script(o, 1, node_id="a", region="r")
+    rep.handshake()
+    bad = Script(o, 2, node_id="liar", region="r")
+    bad.handshake()
+    rep.send(wire.Report("liar"))
+    assert bad.closed(rep.actions) and o.banned("liar")
+    assert not rep.closed()
+
+
+def test_report_of_itself_or_the_origin_is_ignored() -> None:
+    o = _core("origin", "trainer", role="origin")
+    rep = Script(o, 1, node_id="a", region="r")
+    rep.handshake()
+    rep.send(wire.Report("a"))
+    rep.send(wire.Report("origin"))
+    assert not o.banned("a") and not o.banned("origin") and not rep.closed()
+
+
+def test_report_sent_to_a_node_closes_the_link() -> None:
+    n = _core("a", "r")
+    p = Script(n, 1, node_id="b", region="r")
+    p.handshake()
+    p.send(wire.Report("c"))
+    assert p.closed()
+
+
+# ---------------------------------------------------------------- read model
+
+def test_origin_read_model_regions_seen_and_region_chunks() -> None:
+    s = Signer()
+    o = _core("origin", "trainer", role="origin", signer=s, border_nodes=1)
+    a = Script(o, 1, node_id="a", region="r1")
+    a.handshake()
+    Script(o, 2, node_id="b", region="r2").handshake()
+    assert o.regions_seen() == ["r1", "r2"]
+    o.handle(ev.Publish(o.now, s.manifest(2, 3)))
+    a.send(wire.Announce(s.manifest(2, 3)))
+    a.send(wire.Have(2, (0, 2)))
+    assert o.region_chunks(2) == {"r1": 0b101, "r2": 0}
+    assert o.peer_region(1) == "r1" and o.peer_region(99) is None
+
+
+# ---------------------------------------------------------------- handshake table
+
+def test_handshake_table_is_the_whole_story() -> None:
+    """Every (state, frame type) pair: the table's next state, READY staying READY, or refused."""
+    samples = {cls: cls(*[0] * len(cls.__slots__)) for cls in wire.FRAME_TYPES.values()}
+    for state in hs.HandshakeState:
+        for cls, frame in samples.items():
+            want = hs.TRANSITIONS.get((state, cls))
+            if want is None and state is hs.READY and cls not in (wire.Hello, wire.Auth):
+                want = hs.READY
+            if want is None:
+                with pytest.raises(ProtocolError):
+                    hs.expect(state, frame)
+            else:
+                assert hs.expect(state, frame) is want
