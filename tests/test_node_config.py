@@ -80,6 +80,30 @@ def test_secret_file_errors_name_the_key(tmp_path: Path, content: bytes | None, 
         parse_config(doc, tmp_path)
 
 
+INF, NAN = float("inf"), float("nan")
+
+
+@pytest.mark.parametrize(("knob", "value"), [
+    ("heartbeat_s", INF), ("peer_timeout_s", INF), ("have_batch_s", INF), ("redial_s", -1),
+    ("redial_s", NAN), ("ban_s", NAN), ("slow_factor", NAN), ("max_known_peers", -1),
+    ("tracker_sample", -1), ("max_timeouts", -1), ("endgame_chunks", -1), ("heartbeat_s", 0),
+    ("request_timeout_s", -INF), ("upload_slots", 0), ("peer_timeout_s", 0.5),
+])
+def test_knob_ranges_name_the_knob(tmp_path: Path, knob: str, value: float) -> None:
+    """The audit's list (issue #10): every one was accepted before."""
+    with pytest.raises(ConfigError, match=knob):
+        parse_config(_doc(swarm={knob: value}), tmp_path)
+
+
+def test_knob_ranges_from_toml_literals(tmp_path: Path) -> None:
+    import tomllib
+
+    doc = _doc()
+    doc["swarm"] = tomllib.loads("[swarm]\nban_s = nan\nheartbeat_s = inf\n")["swarm"]
+    with pytest.raises(ConfigError, match=r"ban_s|heartbeat_s"):
+        parse_config(doc, tmp_path)
+
+
 def test_origin_needs_a_signing_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"publish\.signing_key"):
         parse_config(_doc(node={"role": "origin"}), tmp_path)

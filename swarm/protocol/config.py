@@ -22,6 +22,24 @@ IDENTITY_FIELDS = frozenset({"node_id", "region", "model", "listen_addr", "role"
                              "swarm_secret", "active_version"})
 
 
+_DAY = 86_400.0
+# Every numeric knob's range, as data: a value outside it, NaN or an infinity is a
+# ConfigError naming the knob (the node's [swarm] and a scenario's [protocol] alike).
+KNOB_RANGES: dict[str, tuple[float, float]] = {
+    "border_nodes": (1, 1024), "mesh_degree": (1, 1024), "mesh_low": (1, 1024),
+    "mesh_high": (1, 1024), "heartbeat_s": (0.01, 3600.0), "peer_timeout_s": (0.02, _DAY),
+    "handshake_timeout_s": (0.01, 3600.0), "redial_s": (0.0, _DAY),
+    "max_known_peers": (1, 1_000_000), "origin_peers": (0, 100_000), "tracker_sample": (0, 10_000),
+    "pipeline": (1, 1024), "max_requests": (1, 65_536), "upload_slots": (1, 4096),
+    "upload_queue": (0, 65_536), "request_timeout_s": (0.01, _DAY), "have_batch_s": (0.0, 60.0),
+    "endgame_chunks": (0, 1 << 20), "slow_factor": (1.0, 1e6), "slow_min_samples": (1, 1 << 20),
+    "max_bad_chunks": (1, 1 << 20), "ban_s": (0.0, 365 * _DAY), "max_timeouts": (1, 1 << 20),
+    "border_inflight": (1, 4096), "push_slots": (1, 65_536), "relay_slots": (1, 4096),
+    "border_grace_s": (0.0, _DAY), "keep_versions": (1, 1 << 20), "apply_retries": (0, 1000),
+    "apply_retry_s": (0.0, _DAY),
+}
+
+
 @dataclass(frozen=True)
 class CoreConfig:
     node_id: str
@@ -78,21 +96,16 @@ class CoreConfig:
             value = getattr(self, name)
             if not isinstance(value, str) or not value or len(value) > 256:
                 raise ConfigError(f"{name}: must be a non-empty string of at most 256 characters")
-        if not (1 <= self.mesh_low <= self.mesh_degree <= self.mesh_high):
+        for name, (lo, hi) in KNOB_RANGES.items():
+            value = getattr(self, name)
+            # NaN fails both comparisons; infinities fail the upper bound
+            if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
+                raise ConfigError(f"{name}: must be a number in {lo}..{hi}, got {value!r}")
+        if not (self.mesh_low <= self.mesh_degree <= self.mesh_high):
             raise ConfigError("mesh: need 1 <= mesh_low <= mesh_degree <= mesh_high")
-        for name in ("pipeline", "max_requests", "upload_slots", "border_nodes",
-                     "border_inflight", "relay_slots", "push_slots", "keep_versions"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}: must be >= 1")
-        for name in ("heartbeat_s", "peer_timeout_s", "request_timeout_s", "handshake_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name}: must be > 0")
-        if self.upload_queue < 0:
-            raise ConfigError("upload_queue: must be >= 0")
-        if self.ban_s < 0:
-            raise ConfigError("ban_s: must be >= 0")
-        if self.have_batch_s < 0:
-            raise ConfigError("have_batch_s: must be >= 0")
+        if self.peer_timeout_s <= self.heartbeat_s:
+            raise ConfigError("peer_timeout_s: must be longer than heartbeat_s "
+                              f"({self.peer_timeout_s} <= {self.heartbeat_s})")
         if not isinstance(self.swarm_secret, bytes):
             raise ConfigError("swarm_secret: must be bytes")
         object.__setattr__(self, "bootstrap", tuple(self.bootstrap))
