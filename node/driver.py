@@ -92,6 +92,7 @@ class Driver:
         self.session: aiohttp.ClientSession | None = None
         self.runner: web.AppRunner | None = None
         self.draining = False
+        self.store_fault: str | None = None  # last local failure to keep a chunk (cleared on success)
         self.started_at = time.time()
         self.sent_to_region: dict[int, dict[str, set[int]]] = {}  # origin: v -> region -> chunks
         self.wire_bytes = {"sent": 0, "received": 0}
@@ -372,21 +373,48 @@ class Driver:
             self.feed(ev.PeerDisconnected(self.now(), c.id, str(exc)))
             await self._close_ws(c, str(exc))
             return
-        valid = await asyncio.to_thread(self._check_and_store, v, i, payload)
+        if not self.core.authenticated(c.id):
+            # Nothing but the handshake is read from an unauthenticated peer: the chunk
+            # is neither hashed nor stored, and nobody is blamed in a claimed name.
+            await self._drop(c, "chunk before the handshake")
+            return
+        verdict = await asyncio.to_thread(self._check_and_store, v, i, payload)
+        if isinstance(verdict, str):  # local fault: the core backs off, blames nobody
+            self.store_fault = verdict
+            self.feed(ev.ChunkNotStored(self.now(), c.id, v, i, verdict[:200]))
+            return
+        valid = verdict is None
+        if valid:
+            self.store_fault = None
         if c.id in self.conns or valid:
             self.feed(ev.ChunkReceived(self.now(), c.id, v, i, valid))
 
-    def _check_and_store(self, v: int, i: int, payload: memoryview) -> bool:
-        """Keep the chunk durably if it is the one its manifest names; False if it is bad.
+    def _check_and_store(self, v: int, i: int, payload: memoryview) -> bool | str | None:
+        """Keep the chunk durably if it is the one its manifest names.
 
-        ``put_chunk`` is the one check a received chunk gets (``StorePort``).
+        ``None``: stored. ``False``: the *sender's* fault (the bytes are not the
+        chunk the signed manifest names). A string: a *local* fault (disk full,
+        quota, too many open files, our manifest not persisted) that must never
+        be blamed on the sender. ``put_chunk`` is the one check a received chunk
+        gets (``StorePort``).
         """
         try:
             self.store.put_chunk(v, i, payload)
-            return True
-        except (ChunkError, StoreError) as exc:
+            return None
+        except ChunkError as exc:
             log.warning("chunk %d of version %d refused: %s", i, v, exc)
             return False
+        except (StoreError, OSError) as exc:
+            log.error("chunk %d of version %d not stored (local fault, sender not blamed): %s",
+                      i, v, exc)
+            return str(exc) or type(exc).__name__
+
+    async def _drop(self, c: Conn, reason: str) -> None:
+        log.warning("peer %s: %s", c.addr, reason)
+        if self.conns.pop(c.id, None) is not None:
+            c.closing = True
+            self.feed(ev.PeerDisconnected(self.now(), c.id, reason))
+        await self._close_ws(c, reason)
 
     # ---------------------------------------------------------------- apply
 

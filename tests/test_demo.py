@@ -56,6 +56,22 @@ async def _rogue_announce(addr: str, secret: bytes, manifest: bytes) -> str:
         return "still open"
 
 
+async def _claim_trainer_and_send_garbage(addr: str, version: int) -> str:
+    """Attack 1 of the audit (issue #10): HELLO claiming node id "trainer", never
+    AUTH, then two garbage chunks. It used to ban the trainer on every node."""
+    async with aiohttp.ClientSession() as s, s.ws_connect(f"http://{addr}/swarm") as ws:
+        await ws.send_bytes(hs.hello_frame(model=MODEL, node_id="trainer", region="trainer",
+                                           addr="127.0.9.9:1", role="origin",
+                                           nonce=os.urandom(16)))
+        for i in range(2):
+            await ws.send_bytes(wire.pack_chunk(version, i, os.urandom(4096)))
+        for _ in range(50):
+            msg = await ws.receive(timeout=5)
+            if msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED):
+                return f"closed: {msg.extra}"
+        return "still open"
+
+
 def test_fleet_converges_bitwise_with_one_copy_per_region() -> None:
     with LoopbackFleet(2, 3, chunk_size=32 * 1024) as fleet:
         fleet.start(timeout=120)
@@ -83,6 +99,15 @@ def test_fleet_converges_bitwise_with_one_copy_per_region() -> None:
         assert fleet.http(target.addr, "/healthz") == b"ok\n"
         metrics = fleet.http(target.addr, "/metrics").decode()
         assert "patchswarm_active_version" in metrics
+        # an outsider claiming to be the trainer is cut off before any chunk is read,
+        # and bans nobody: every node still takes the next version from the trainer
+        for n in fleet.nodes:
+            ended = asyncio.run(_claim_trainer_and_send_garbage(n.addr, pub["version"]))
+            assert "chunk before the handshake" in ended, ended
+        pub = fleet.publish()
+        statuses = fleet.wait_version(pub["version"], timeout=60)
+        assert {st["active_digest"] for st in statuses.values()} == {pub["digest"]}
+        assert all(st["bad_chunks"] == 0 for st in statuses.values())
 
 
 @pytest.mark.slow

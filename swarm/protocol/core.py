@@ -121,6 +121,9 @@ class NodeCore:
         r = self.apply.retry_at
         if r is not None and r < t:
             t = r
+        h = self.exchange.hold_until
+        if h is not None and h < t:
+            t = h
         if self._role_timers:
             s = self.role.next_wakeup()
             if s is not None and s < t:
@@ -284,6 +287,7 @@ class NodeCore:
         if e.outbound:
             self.dialing.pop(e.addr, None)
         p = Peer(e.conn, e.outbound, e.addr, self.now)
+        p.identity = e.identity
         self.peers[e.conn] = p
         c = self.cfg
         p.hello_out = hs.hello_frame(model=c.model, node_id=c.node_id, region=c.region,
@@ -315,6 +319,20 @@ class NodeCore:
         self.exchange.fill_all()
 
     # ================================================================ frames
+    def authenticated(self, conn: int) -> bool:
+        """Whether ``conn`` finished the handshake: a driver reads nothing else before."""
+        p = self.peers.get(conn)
+        return p is not None and p.state is READY
+
+    def _on_chunk(self, e: ev.ChunkReceived) -> None:
+        p = self.peers.get(e.conn)
+        if p is not None and p.state is not READY:
+            # Nothing but the handshake is read from an unauthenticated peer, and
+            # a peer that claimed an id in its HELLO is not blamed in that id's name.
+            self.close(p, "chunk before the handshake", "warning")
+            return
+        self.exchange.on_chunk(e)
+
     def _on_frame(self, e: ev.FrameReceived) -> None:
         p = self.peers.get(e.conn)
         if p is None:
@@ -343,6 +361,9 @@ class NodeCore:
 
     def _on_hello(self, p: Peer, f: wire.Hello, raw: bytes) -> None:
         hs.check_hello(f, model=self.cfg.model, node_id=self.cfg.node_id)
+        if p.identity is not None and (f.node_id, f.region, f.role) != p.identity:
+            raise ProtocolError(f"HELLO names {f.node_id!r}/{f.region!r}/{f.role!r}, its "
+                                f"certificate {p.identity[0]!r}/{p.identity[1]!r}/{p.identity[2]!r}")
         if self.banned(f.node_id):
             if p.outbound:
                 self.retry_at[p.addr] = self.now + self.cfg.redial_s
@@ -559,6 +580,9 @@ class NodeCore:
         if self.apply.retry_at is not None and now >= self.apply.retry_at:
             self.apply.retry_at = None
             self.check_apply()
+        if self.exchange.hold_until is not None and now >= self.exchange.hold_until:
+            self.exchange.hold_until = None
+            self.exchange.fill_all()
         self.role.tick()
         if now >= self._next_hb:
             self._next_hb = now + self.cfg.heartbeat_s
@@ -610,7 +634,8 @@ _HANDLERS: dict[type, Callable[[NodeCore, Any], None]] = {
     ev.ConnectFailed: NodeCore._on_connect_failed,
     ev.PeerDisconnected: NodeCore._on_disconnected,
     ev.FrameReceived: NodeCore._on_frame,
-    ev.ChunkReceived: lambda core, e: core.exchange.on_chunk(e),
+    ev.ChunkReceived: NodeCore._on_chunk,
+    ev.ChunkNotStored: lambda core, e: core.exchange.on_not_stored(e),
     ev.ChunkSent: lambda core, e: core.exchange.on_sent(e),
     ev.Publish: NodeCore._on_publish,
     ev.LocalChunks: NodeCore._on_local,

@@ -8,7 +8,7 @@ from swarm.protocol.peer import KINDS, PeerKind
 
 
 class Counters:
-    __slots__ = ("bad_chunks", "dup_chunks", "recv_bytes", "recv_chunks", "region_recv",
+    __slots__ = ("bad_chunks", "dup_chunks", "local_faults", "recv_bytes", "recv_chunks", "region_recv",
                  "region_sent", "sent_bytes", "sent_chunks")
 
     def __init__(self) -> None:
@@ -20,6 +20,7 @@ class Counters:
         self.region_recv: dict[tuple[str, str], int] = {}  # (src, dst region) -> bytes we received
         self.dup_chunks = 0
         self.bad_chunks = 0
+        self.local_faults = 0  # chunks we failed to keep for a local reason (not the sender's)
 
     def sent(self, kind: PeerKind, src: str, dst: str, size: int) -> None:
         self.sent_bytes[kind] += size
@@ -44,4 +45,5 @@ class Counters:
             "region_sent": {f"{a}->{b}": n for (a, b), n in self.region_sent.items()},
             "region_recv": {f"{a}->{b}": n for (a, b), n in self.region_recv.items()},
             "dup_chunks": self.dup_chunks, "bad_chunks": self.bad_chunks,
+            "local_faults": self.local_faults,
         }

@@ -47,11 +47,15 @@ class PeerConnected(Event):
 
     For an outbound connection ``addr`` is what ``Connect`` named; for an
     inbound one it is informational. The core sends its handshake next.
+    ``identity`` is ``(node_id, region, role)`` when the transport proved it
+    (mutual TLS with the swarm CA): the peer's HELLO must then name exactly
+    that identity, or the connection is closed.
     """
 
     conn: int
     outbound: bool
     addr: str = ""
+    identity: tuple[str, str, str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +95,19 @@ class ChunkReceived(Event):
     version: int
     index: int
     valid: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkNotStored(Event):
+    """A chunk from ``conn`` could not be kept for a *local* reason (disk full,
+    quota, too many open files): never the sender's fault. The core forgets the
+    request without blame and holds new requests back for a while (exponential
+    back-off), so a full disk does not turn into a storm of downloads."""
+
+    conn: int
+    version: int
+    index: int
+    reason: str = ""
 
 
 @dataclass(frozen=True, slots=True)

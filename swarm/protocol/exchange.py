@@ -53,6 +53,9 @@ class ChunkExchange:
         self.peers = host.peers
         self.requests = Requests(cfg, policy)
         self.uploads = UploadSlots(cfg.upload_slots, cfg.upload_queue)
+        # local faults (disk full, ...): no new requests until then; back-off doubles
+        self.hold_until: float | None = None
+        self.hold_s = 0.0
 
     def frame_handlers(self) -> dict[type[wire.Frame], Any]:
         return {wire.Bitfield: self.on_bitfield, wire.Have: self.on_have,
@@ -74,6 +77,8 @@ class ChunkExchange:
 
     def fill(self, p: Peer) -> None:
         """Top up our pipeline of requests to ``p`` (see ``Requests.plan``)."""
+        if self.hold_until is not None:
+            return
         for v, picks in self.requests.plan(p, self.versions, self.host.now):
             self.host.send(p, wire.Request.pack(v, picks))
 
@@ -140,7 +145,7 @@ class ChunkExchange:
 
     def fill_all(self, skip: Peer | None = None) -> None:
         rq = self.requests
-        if not self.versions.wanted or rq.n >= rq.budget:
+        if not self.versions.wanted or rq.n >= rq.budget or self.hold_until is not None:
             return
         plan, versions, now, send = rq.plan, self.versions, self.host.now, self.host.send
         for p in list(self.peers.values()):
@@ -182,6 +187,7 @@ class ChunkExchange:
         else:
             st.have |= bit
             st.inflight &= ~bit
+            self.hold_s = 0.0
             # endgame: cancel the twin request
             twins = self.requests.arrived((v, i), self.peers)
             if twins:
@@ -198,6 +204,21 @@ class ChunkExchange:
         if p is not None and requested:
             self.fill(p)
         self.fill_all()
+
+    def on_not_stored(self, e: ev.ChunkNotStored) -> None:
+        """A local failure to keep a chunk: forget the request, blame nobody, back off."""
+        st = self.versions.get(e.version)
+        p = self.peers.get(e.conn)
+        if st is None or not 0 <= e.index < st.chunk_count:
+            return
+        if p is not None:
+            p.busy = False
+            self.requests.forget(p, (e.version, e.index), self.versions)
+        self.host.counters.local_faults += 1
+        self.hold_s = min(30.0, max(1.0, self.hold_s * 2))
+        self.hold_until = self.host.now + self.hold_s
+        self.host.log("error", "chunk_not_stored", version=e.version, index=e.index,
+                      reason=e.reason, hold_s=self.hold_s)
 
     def _on_bad_chunk(self, p: Peer | None, st: VersionState, i: int) -> None:
         v = st.version

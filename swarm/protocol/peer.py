@@ -27,7 +27,7 @@ class Peer:
 
     __slots__ = (
         "addr", "bits", "border", "busy", "can_req", "conn", "ewma", "hello_in",
-        "hello_out", "kept", "kind", "last_heard", "last_sent", "links", "listen_addr",
+        "hello_out", "identity", "kept", "kind", "last_heard", "last_sent", "links", "listen_addr",
         "node_id", "outbound", "region", "relay_busy", "req", "role", "samples", "since",
         "state", "timeouts",
     )
@@ -40,6 +40,7 @@ class Peer:
         self.since = now
         self.hello_out = b""
         self.hello_in = b""
+        self.identity: tuple[str, str, str] | None = None  # proven by the transport (mTLS)
         self.node_id = ""
         self.region = ""
         self.listen_addr = ""

@@ -1,0 +1,112 @@
+"""Hardening of the core (issue #10): nothing but the handshake is read from an
+unauthenticated peer, a transport-proven identity binds the HELLO, and local
+faults are never blamed on a peer."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swarm.protocol import events as ev
+from swarm.protocol import handshake as hs
+from swarm.protocol import wire
+from swarm.protocol.config import CoreConfig
+from swarm.protocol.core import NodeCore
+from swarm.protocol.testing import MODEL, SECRET, Script, Signer
+
+
+def _core(node_id: str = "a", region: str = "r", signer: Signer | None = None, **knobs) -> NodeCore:
+    s = signer or Signer()
+    cfg = CoreConfig(node_id=node_id, region=region, model=MODEL, listen_addr=f"{node_id}:1",
+                     swarm_secret=SECRET, **knobs)
+    core = NodeCore(cfg, verify_manifest=s.verify, rng=random.Random(0))
+    core.raise_internal_errors = True
+    return core
+
+
+def _hello(node_id: str, region: str = "r", role: str = "node") -> bytes:
+    return hs.hello_frame(model=MODEL, node_id=node_id, region=region, addr=f"{node_id}:1",
+                          role=role, nonce=bytes(wire.NONCE_LEN))
+
+
+def test_chunks_before_the_handshake_ban_nobody():
+    """Attack 1 of the audit: HELLO claiming "trainer", no AUTH, two garbage chunks."""
+    s = Signer()
+    n = _core(signer=s, active_version=1)
+    n.handle(ev.LocalChunks(0.0, s.manifest(2, 4), ()))
+    n.handle(ev.PeerConnected(0.0, 7, False, "evil:1"))
+    n.handle(ev.FrameReceived(0.0, 7, _hello("trainer", "trainer", "origin")))
+    assert not n.authenticated(7)
+    acts = n.handle(ev.ChunkReceived(0.0, 7, 2, 0, False))
+    assert ev.Close(7, "chunk before the handshake") in acts
+    n.handle(ev.PeerDisconnected(0.0, 7, "closed"))
+    for conn in (8, 9):  # and again on fresh connections
+        n.handle(ev.PeerConnected(0.0, conn, False, "evil:1"))
+        n.handle(ev.FrameReceived(0.0, conn, _hello("trainer", "trainer", "origin")))
+        n.handle(ev.ChunkReceived(0.0, conn, 2, 1, False))
+    assert not n.banned("trainer")
+    assert n.counters.bad_chunks == 0
+
+
+def test_a_ready_peer_sending_bad_chunks_is_still_banned():
+    s = Signer()
+    n = _core(signer=s, active_version=1)
+    n.handle(ev.LocalChunks(0.0, s.manifest(2, 4), ()))
+    liar = Script(n, 2, node_id="liar", region="r")
+    liar.handshake()
+    assert n.authenticated(2)
+    liar.send(wire.Bitfield(2, wire.bits_to_bytes(0b1111, 4)))
+    for i in range(n.cfg.max_bad_chunks):
+        n.handle(ev.ChunkReceived(n.now, 2, 2, i, False))
+    assert n.banned("liar")
+
+
+def test_hello_must_match_the_transport_identity():
+    n = _core()
+    acts = n.handle(ev.PeerConnected(0.0, 1, False, "x:1", identity=("b", "r", "node")))
+    assert any(isinstance(a, ev.SendFrame) for a in acts)
+    acts = n.handle(ev.FrameReceived(0.0, 1, _hello("trainer", "trainer", "origin")))
+    closes = [a for a in acts if isinstance(a, ev.Close)]
+    assert closes and "certificate" in closes[0].reason
+    # the same identity, claimed honestly, is admitted
+    n.handle(ev.PeerConnected(0.0, 2, False, "x:1", identity=("b", "r", "node")))
+    acts = n.handle(ev.FrameReceived(0.0, 2, _hello("b", "r", "node")))
+    assert [type(wire.decode(a.frame)) for a in acts if isinstance(a, ev.SendFrame)] == [wire.Auth]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.tuples(st.sampled_from(["b", "trainer", "c"]), st.sampled_from(["r", "trainer"]),
+                 st.sampled_from(["node", "origin"])))
+def test_any_mismatch_with_the_certificate_closes(claim):
+    n = _core()
+    n.handle(ev.PeerConnected(0.0, 1, False, "x:1", identity=("b", "r", "node")))
+    acts = n.handle(ev.FrameReceived(0.0, 1, _hello(*claim)))
+    closed = any(isinstance(a, ev.Close) for a in acts)
+    assert closed == (claim != ("b", "r", "node"))
+
+
+def test_a_local_store_fault_blames_nobody_and_backs_off():
+    s = Signer()
+    n = _core(signer=s, active_version=1)
+    n.handle(ev.LocalChunks(0.0, s.manifest(2, 4), ()))
+    peer = Script(n, 2, node_id="p", region="r")
+    peer.handshake()
+    acts = n.handle(ev.FrameReceived(n.now, 2, wire.Bitfield(2, wire.bits_to_bytes(0b1111, 4)).encode()))
+    asked = [wire.decode(a.frame) for a in acts if isinstance(a, ev.SendFrame)]
+    first = next(f for f in asked if isinstance(f, wire.Request))
+    i = first.indices[0]
+    for _ in range(5):  # the disk stays full: never a strike, never a ban
+        acts = n.handle(ev.ChunkNotStored(n.now, 2, 2, i, "No space left on device"))
+        assert not any(isinstance(a, ev.Close) for a in acts)
+        assert not any(isinstance(a, ev.SendFrame) and isinstance(wire.decode(a.frame), wire.Request)
+                       for a in acts), "no new requests while holding back"
+    assert not n.banned("p") and n.counters.bad_chunks == 0
+    assert n.counters.local_faults == 5
+    hold = n.exchange.hold_until
+    assert hold is not None and hold - n.now == 16.0  # 1, 2, 4, 8, 16 s (doubling, cap 30)
+    assert n.next_wakeup() <= hold
+    acts = n.handle(ev.Tick(hold + 0.001))  # after the hold, requests resume
+    assert any(isinstance(a, ev.SendFrame) and isinstance(wire.decode(a.frame), wire.Request)
+               for a in acts)
