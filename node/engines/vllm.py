@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from node.engines.base import CommitStats, EngineError, TensorUpdate, WeightUpdate
+from node.engines.http import EngineHTTP
 
 if TYPE_CHECKING:
     import torch
@@ -61,6 +62,10 @@ PAUSE_MODES = ("keep", "wait", "abort")
 PATHS = ("auto", "sparse", "dense", "reload")
 
 
+class _Refused(Exception):
+    """Every worker refused the update before writing anything."""
+
+
 class VllmEngine:
     """The engine port for one vLLM server; see the module docstring."""
 
@@ -69,7 +74,7 @@ class VllmEngine:
     def __init__(self, url: str, exchange_dir: Path | str, *, pause_mode: str = "wait",
                  timeout_s: float = 10.0, apply_timeout_s: float = 600.0,
                  pause_timeout_s: float = 120.0,
-                 truth: Mapping[str, torch.Tensor] | None = None,
+                 truth: Mapping[str, torch.Tensor] | Any = None, api_key: str | None = None,
                  sparse_max_fraction: float = 0.25, force_path: str = "auto") -> None:
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, not {pause_mode!r}")
@@ -82,7 +87,9 @@ class VllmEngine:
         self.timeout_s = timeout_s
         self.apply_timeout_s = apply_timeout_s
         self.pause_timeout_s = pause_timeout_s
-        self.truth = truth
+        # the node's InProcessWeights (its .weights) or any mapping name -> tensor
+        self.truth = getattr(truth, "weights", truth)
+        self.http = EngineHTTP(self.url, timeout_s=timeout_s, api_key=api_key)
         self.sparse_max_fraction = sparse_max_fraction
         self.force_path = force_path
         self._mirror: dict[str, torch.Tensor] = {}
@@ -90,28 +97,28 @@ class VllmEngine:
         self._staged: dict[int, tuple[Path, dict]] = {}  # version -> (file, plan summary)
         self.last_apply: dict | None = None  # what the worker reported for the last commit
         self.paused = False
+        self._sweep()
+
+    @classmethod
+    def from_config(cls, cfg: Any, truth: Any = None) -> VllmEngine:
+        """From an ``[engine]`` section (``node.engines.config.EngineConfig``)."""
+        if cfg.url is None or cfg.exchange_dir is None:
+            raise EngineError("vllm engine needs engine.url and an exchange directory")
+        return cls(cfg.url, cfg.exchange_dir, pause_mode=cfg.pause_mode, timeout_s=cfg.timeout_s,
+                   apply_timeout_s=cfg.commit_timeout_s, pause_timeout_s=cfg.commit_timeout_s,
+                   truth=truth, api_key=cfg.api_key, sparse_max_fraction=cfg.sparse_max_fraction)
+
+    def _sweep(self) -> None:
+        """Remove update files a crashed node left behind."""
+        for p in list(self.exchange_dir.glob("update-v*.safetensors")) + list(
+                self.exchange_dir.glob("update-v*.tmp")):
+            p.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ HTTP
 
     def _request(self, method: str, path: str, body: Any = None, *,
                  timeout: float | None = None) -> Any:
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout or self.timeout_s) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as exc:
-            detail = exc.read()[:500].decode(errors="replace")
-            raise EngineError(f"vllm {method} {path}: HTTP {exc.code}: {detail}") from None
-        except (urllib.error.URLError, OSError, TimeoutError) as exc:
-            raise EngineError(f"vllm {method} {path}: {exc}") from None
-        if not raw:
-            return None
-        try:
-            return json.loads(raw)
-        except ValueError:
-            raise EngineError(f"vllm {method} {path}: not JSON: {raw[:200]!r}") from None
+        return self.http.call(method, path, body, timeout_s=timeout).body
 
     def rpc(self, method: str, *args: str, timeout: float | None = None) -> list:
         """``collective_rpc`` on every worker; their results, one per worker."""
@@ -128,7 +135,7 @@ class VllmEngine:
     def served_version(self) -> int | None:
         got = self._request("GET", "/weight_info")
         v = got.get("weight_version") if isinstance(got, dict) else None
-        if v in (None, "", "default"):
+        if v in (None, "", "default", "None"):
             return None
         try:
             return int(v)
@@ -202,15 +209,25 @@ class VllmEngine:
             self.paused = True
         t_paused = time.perf_counter()
         try:
-            # From here the engine may change weights: any failure is uncertain.
+            # From here the engine may change weights: any failure is uncertain,
+            # except a refusal every worker reports before writing anything.
             results = self.rpc("patchswarm_apply", str(path.resolve()),
                                timeout=self.apply_timeout_s)
             self.last_apply = results[0] if results else None
+            refused = [r for r in results if not (isinstance(r, dict) and r.get("ok"))]
+            if refused:
+                if all(isinstance(r, dict) and r.get("wrote") is False for r in results):
+                    self._resume_quietly()
+                    raise _Refused(f"vllm refused version {update.version}: "
+                                   f"{refused[0].get('error') if isinstance(refused[0], dict) else refused[0]}")
+                raise EngineError(f"workers failed applying version {update.version}: {refused[0]!r:.300}")
             self._request("POST", "/update_weight_version", {"new_version": str(update.version)})
             reset = self._request("POST", "/reset_prefix_cache")
             if isinstance(reset, dict) and not reset.get("success", True):
                 log.warning("vllm: prefix cache not reset (blocks held by kept requests); "
                             "run vLLM without prefix caching with pause_mode=keep")
+        except _Refused as exc:
+            raise EngineError(str(exc), uncertain=False) from None
         except EngineError as exc:
             raise EngineError(f"vllm commit of version {update.version}: {exc}",
                               uncertain=True) from None
@@ -237,6 +254,13 @@ class VllmEngine:
             kinds[0], kinds[0]) if len(kinds) == 1 else "+".join(kinds) or "none"
         paused_s = (t_applied - t0) if self.pause_mode != "keep" else (t_applied - t_paused)
         return CommitStats(update.version, paused_s, t_end - t0, path_name, plan["file_bytes"])
+
+    def _resume_quietly(self) -> None:
+        try:
+            self._request("POST", "/resume")
+            self.paused = False
+        except EngineError as exc:
+            log.warning("vllm: resume after a refused update failed: %s", exc)
 
     def close(self) -> None:
         for path, _ in self._staged.values():
@@ -364,3 +388,8 @@ class VllmProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def VLLMEngine(cfg: Any, truth: Any = None) -> VllmEngine:
+    """``make_engine``'s factory: ``VllmEngine.from_config``."""
+    return VllmEngine.from_config(cfg, truth)

@@ -128,11 +128,17 @@ class PatchswarmWorkerExtension:
 
         Everything is checked before the first write; a failure after it leaves
         the worker uncertain (the node then rebuilds it with a full update)."""
+        t0 = time.perf_counter()
+        try:
+            plan = self._patchswarm_plan(path)
+        except (ValueError, KeyError, OSError, RuntimeError) as exc:
+            # nothing was written: the node may resume serving the old version
+            return {"ok": False, "wrote": False, "error": f"{type(exc).__name__}: {exc}"}
+        return self._patchswarm_write(plan, t0)
+
+    def _patchswarm_plan(self, path: str) -> dict:
         from safetensors import safe_open
-        from vllm.model_executor.model_loader.checkpoint_weight_patch import (
-            CheckpointWeightPatch,
-            load_checkpoint_weight_patches,
-        )
+        from vllm.model_executor.model_loader.checkpoint_weight_patch import CheckpointWeightPatch
 
         t0 = time.perf_counter()
         model = _model(self)
@@ -180,8 +186,19 @@ class PatchswarmWorkerExtension:
             else:
                 raise ValueError(f"{name}: unknown path {how!r}")
             counts[how] += 1
-        t_check = time.perf_counter()
+        return {"meta": meta, "sparse": sparse, "dense": dense, "reload": reload, "device": device,
+                "counts": counts, "bytes": nbytes, "read_s": t_read - t0,
+                "check_s": time.perf_counter() - t_read}
 
+    def _patchswarm_write(self, plan: dict, t0: float) -> dict:
+        from vllm.model_executor.model_loader.checkpoint_weight_patch import (
+            load_checkpoint_weight_patches,
+        )
+
+        model = _model(self)
+        sparse, dense, reload = plan["sparse"], plan["dense"], plan["reload"]
+        device, meta = plan["device"], plan["meta"]
+        t_check = time.perf_counter()
         with torch.no_grad():
             if sparse:
                 load_checkpoint_weight_patches(model, sparse, validate_unique_indices=False)
@@ -194,9 +211,10 @@ class PatchswarmWorkerExtension:
         t_done = time.perf_counter()
         if "version" in meta:
             self._patchswarm_version = meta["version"]
-        return {"counts": counts, "bytes": nbytes, "read_s": t_read - t0,
-                "check_s": t_check - t_read, "write_s": t_done - t_check,
-                "total_s": t_done - t0, "version": getattr(self, "_patchswarm_version", None)}
+        return {"ok": True, "wrote": True, "counts": plan["counts"], "bytes": plan["bytes"],
+                "read_s": plan["read_s"], "check_s": plan["check_s"],
+                "write_s": t_done - t_check, "total_s": t_done - t0,
+                "version": getattr(self, "_patchswarm_version", None)}
 
     # ----------------------------------------------------------------- probe
 
