@@ -172,10 +172,22 @@ class VllmEngine:
                 entries.append({"name": t.name, "path": how, "shape": list(t.value.shape)})
                 plan[how] += 1
             # a reloaded module is rebuilt from what is loaded: send its whole group
-            group = sorted(n for n in known if self._layout[n]["module"] in reload_modules)
-            group += sorted(n for n, t in by_name.items()
-                            if self._layout[n]["module"] is None and self._choose(t, update.full) == "reload")
-            for n in group:
+            group = set(n for n in known if self._layout[n]["module"] in reload_modules)
+            complete = bool(self._known_names())  # do we know every checkpoint name?
+            for n, t in by_name.items():
+                info = self._layout[n]
+                if info["module"] is None and self._choose(t, update.full) == "reload":
+                    group.add(n)
+                elif info["module"] in reload_modules:
+                    for sib in info.get("group") or ():
+                        if sib in known:
+                            group.add(sib)
+                        elif not complete:
+                            raise EngineError(
+                                f"vllm: {sib} must be reloaded with {n} (same engine module "
+                                f"{info['module']}), but the adapter has no copy of it (pass "
+                                "truth=, or commit a full update first)")
+            for n in sorted(group):
                 value = self._value(n, by_name)
                 tensors[f"w/{n}"] = value.contiguous()
                 entries.append({"name": n, "path": "reload", "shape": list(value.shape)})
@@ -286,7 +298,8 @@ class VllmEngine:
             infos = [lay.get(n, {"module": None, "inplace": False}) for lay in layouts]
             # in place only where every worker (TP rank) can write in place
             self._layout[n] = {"module": infos[0]["module"],
-                               "inplace": all(i["inplace"] for i in infos)}
+                               "inplace": all(i["inplace"] for i in infos),
+                               "group": infos[0].get("group") or []}
 
     def _choose(self, t: TensorUpdate, full: bool) -> str:
         info = self._layout[t.name]

@@ -72,6 +72,22 @@ def _module_key(model: torch.nn.Module, name: str) -> tuple[str, str]:
     return module_path, param
 
 
+def _group(model: torch.nn.Module, name: str, module: torch.nn.Module) -> list[str]:
+    """Checkpoint names that load into the same engine module as ``name`` (itself included):
+    the packed siblings (q/k/v -> qkv_proj) times the module's own parameter names."""
+    module_path, _, _ = name.rpartition(".")
+    head, _, leaf = module_path.rpartition(".")
+    parts = [leaf]
+    for packed_parts in (getattr(model, "packed_modules_mapping", None) or {}).values():
+        if leaf in packed_parts:
+            parts = list(packed_parts)
+            break
+    params = [n for n, p in module.named_parameters(recurse=False) if p is not None] or [
+        name.rpartition(".")[2]]
+    prefix = f"{head}." if head else ""
+    return sorted({f"{prefix}{part}.{p}" for part in parts for p in params})
+
+
 def _inplace_ok(module: torch.nn.Module, param: str) -> bool:
     """True when a write into the loaded parameter is what the forward reads next."""
     if hasattr(module, "cpu_linear"):  # CPU backend: weights repacked after loading
@@ -110,7 +126,8 @@ class PatchswarmWorkerExtension:
             except AttributeError:
                 out[name] = {"module": None, "inplace": False}
                 continue
-            out[name] = {"module": path, "inplace": _inplace_ok(module, param)}
+            out[name] = {"module": path, "inplace": _inplace_ok(module, param),
+                         "group": _group(model, name, module)}
         return {"layout": out, "device": str(self._patchswarm_device(model)),
                 "dtype": str(next(model.parameters()).dtype)}
 
