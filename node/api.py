@@ -88,6 +88,7 @@ def engine_dict(driver: Driver) -> dict[str, Any] | None:
         "reason": st.reason or None,
         "served_version": st.served_version,
         "verified_version": driver.weights.version if driver.weights is not None else None,
+        "recorded_version": getattr(_active_record(driver), "version", None),
         "uncertain": st.uncertain,
         "last_commit": None if last is None else {
             "version": last.version, "path": last.path, "bytes": last.bytes,
