@@ -35,5 +35,5 @@ def make_engine(cfg: EngineConfig, truth: InProcessWeights) -> Engine:
         factory = getattr(vllm, "VLLMEngine", None)
         if factory is None:
             raise ConfigError("engine.kind: node.engines.vllm has no VLLMEngine adapter")
-        return factory(cfg)
+        return factory(cfg, truth=truth)  # it reads unchanged siblings of fused modules
     raise ConfigError(f"engine.kind: unknown engine {cfg.kind!r}")

@@ -24,6 +24,15 @@ Contract every adapter keeps (one adapter per module beside this one):
   ``full`` update) before it serves again.
 - ``close()`` releases the adapter's resources (not the engine process).
 
+Pause modes (``[engine] pause_mode``), as vLLM names them: ``wait`` (default)
+lets in-flight requests finish on the old version and holds new ones until
+the commit is done; ``keep`` freezes in-flight requests and resumes them on
+the new weights; ``abort`` aborts them (only when configured).
+
+The values of a ``WeightUpdate`` built by the node are the truth's own tensors,
+not copies: they are valid until the node commits the next version on the
+truth, which it never does while an adapter call is running.
+
 Adapters are synchronous: the node's driver calls them from a worker thread.
 """
 
@@ -83,7 +92,7 @@ class WeightUpdate:
 @dataclass(frozen=True)
 class CommitStats:
     version: int
-    paused_s: float  # generation paused (0.0 when pause_mode is "keep")
+    paused_s: float  # seconds generation was held (by our pause or the engine's own update lock)
     commit_s: float  # the whole commit call
     path: str  # how it was loaded: "inprocess", "inplace-sparse", "subset-reload", "dense", "disk"
     bytes: int  # bytes handed to the engine
