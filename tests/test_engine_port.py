@@ -218,3 +218,34 @@ def test_http_client_errors_are_one_clear_line() -> None:
         srv.server_close()
     with pytest.raises(EngineError, match=r"unreachable"):
         EngineHTTP(f"http://127.0.0.1:{srv.server_port}", timeout_s=0.5).get("/ok")
+
+
+def test_in_process_node_reports_its_engine(tmp_path: Path) -> None:
+    from node.api import health, status_dict
+    from node.daemon import build_node
+    from swarm.trust.keys import generate_keypair
+
+    generate_keypair(tmp_path / "t.key")
+    save_file(_state(0), str(tmp_path / "base.safetensors"))
+    data = {"node": {"id": "n", "region": "r", "model": "m"},
+            "network": {"listen": "127.0.0.1:1", "swarm_secret": "00" * 16},
+            "trust": {"trainer_keys": ["t.key.pub"]}, "store": {"dir": "s", "fsync": False},
+            "weights": {"base": "base.safetensors", "device": "cpu"}}
+    node = build_node(parse_config(data, tmp_path))
+    try:
+        eng = status_dict(node.driver, "m")["engine"]
+        assert eng["kind"] == "inprocess" and eng["served_version"] == 1 and eng["healthy"]
+        assert eng["verified_version"] == 1 and health(node.driver) is None
+        assert node.weights is not None and node.weights.device == "cpu"
+    finally:
+        node.store.close()
+    data["engine"] = {"kind": "sglang", "url": "http://127.0.0.1:9"}
+    data["weights"]["device"] = "auto"
+    node = build_node(parse_config(data, tmp_path))
+    try:
+        assert node.weights is not None and node.weights.device == "cpu"  # the engine owns the GPU
+        assert node.engine is not None and node.engine.kind == "sglang"
+        assert health(node.driver) == "engine: sglang engine not yet synced to version 1"
+        assert status_dict(node.driver, "m")["engine"]["state"] == "starting"
+    finally:
+        node.store.close()
