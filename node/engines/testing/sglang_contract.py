@@ -14,6 +14,9 @@ token is taken from a BLAKE3 hash of the state digest of the weights loaded at
 that step, the prompt and the position, and each token takes
 ``--token-delay-s``; in-flight requests therefore see pauses and updates.
 
+``/get_weights_by_name`` returns the first ``truncate_size`` rows of a tensor
+as float32 lists (SGLang's shape; checkpoint names only, no fused-shard mapping).
+
 What is not SGLang (test-only, under ``/contract/``):
 
 - ``GET /contract/state``: ``{"state_digest", "weight_version", "paused",
@@ -157,6 +160,8 @@ class ContractServer:
         r.add_post("/update_weights_from_tensor", self.update_weights_from_tensor)
         r.add_route("GET", "/flush_cache", self.flush_cache)
         r.add_route("POST", "/flush_cache", self.flush_cache)
+        r.add_route("GET", "/get_weights_by_name", self.get_weights_by_name)
+        r.add_route("POST", "/get_weights_by_name", self.get_weights_by_name)
         r.add_post("/generate", self.generate)
         r.add_put("/generate", self.generate)
         r.add_get("/contract/state", self.contract_state)
@@ -321,6 +326,16 @@ class ContractServer:
             {"success": False, "message": "the contract server cannot open SGLang's "
              "MultiprocessingSerializer payloads; use /update_weights_from_disk"}, status=400)
 
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        # SGLang: the parameter as float32 lists, the first ``truncate_size`` rows
+        body = await self._json(request, required=("name",))
+        if isinstance(body, web.Response):
+            return body
+        t = self.weights.get(str(body["name"]))
+        if t is None:
+            return error_response(400, "Get parameter by name failed")
+        return web.json_response(t.to(torch.float32).tolist()[: int(body.get("truncate_size", 100))])
+
     async def flush_cache(self, _: web.Request) -> web.Response:
         busy = bool(self.in_flight) and self.pause_mode != "retract"
         if not busy:
@@ -364,12 +379,16 @@ class ContractServer:
         self.radix_cache[key] = self.radix_cache.get(key, 0) + 1
         finish = ({"type": "abort", "message": "Abort all requests."} if state["aborted"]
                   else {"type": "length", "length": n})
+        extra: dict[str, Any] = {}
+        if body.get("return_logprob"):
+            extra["output_token_logprobs"] = [
+                [-(tok % 1000) / 997.0, tok, None] for tok in out]
         return web.json_response({
             "text": " ".join(map(str, out)), "output_ids": out,
             "meta_info": {"id": rid, "finish_reason": finish, "prompt_tokens": len(key),
                           "completion_tokens": len(out), "cached_tokens": 0,
                           "weight_version": self.weight_version,
-                          "e2e_latency": time.perf_counter() - t0},
+                          "e2e_latency": time.perf_counter() - t0, **extra},
         })
 
     def _abort_all(self) -> None:
