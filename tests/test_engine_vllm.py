@@ -279,3 +279,14 @@ def test_from_config(tmp_path: Path) -> None:
     eng = VLLMEngine(cfg, truth=_truth())
     assert eng.pause_mode == "keep" and eng.sparse_max_fraction == 0.1
     assert eng.exchange_dir == tmp_path / "engine-exchange" and eng.kind == "vllm"
+
+
+def test_rl_steps_change_a_few_percent_of_the_served_view() -> None:
+    """Guard for the slow tests: an RL-sized step changes some, not most, BF16 values."""
+    from tests.engine_vllm_support import llama_masters, rl_step
+    from trainer.served import served_view
+
+    m0 = llama_masters(0)
+    a, b = served_view(m0, "bf16"), served_view(rl_step(m0, 1, lr=2e-4), "bf16")
+    changed = sum(int((a[k].view(torch.int16) != b[k].view(torch.int16)).sum()) for k in a)
+    assert 0.005 < changed / sum(v.numel() for v in a.values()) < 0.2

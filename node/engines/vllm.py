@@ -219,7 +219,6 @@ class VllmEngine:
         if not self.paused:
             self._request("POST", f"/pause?mode={self.pause_mode}", timeout=self.pause_timeout_s)
             self.paused = True
-        t_paused = time.perf_counter()
         try:
             # From here the engine may change weights: any failure is uncertain,
             # except a refusal every worker reports before writing anything.
@@ -243,10 +242,10 @@ class VllmEngine:
         except EngineError as exc:
             raise EngineError(f"vllm commit of version {update.version}: {exc}",
                               uncertain=True) from None
-        t_applied = time.perf_counter()
         try:
             self._request("POST", "/resume")
             self.paused = False
+            t_resumed = time.perf_counter()
             served = self.served_version()
         except EngineError as exc:
             raise EngineError(f"vllm commit of version {update.version}: {exc}",
@@ -264,7 +263,9 @@ class VllmEngine:
         kinds = [k for k in ("sparse", "dense", "reload") if plan[k]]
         path_name = {"sparse": "inplace-sparse", "reload": "subset-reload"}.get(
             kinds[0], kinds[0]) if len(kinds) == 1 else "+".join(kinds) or "none"
-        paused_s = (t_applied - t0) if self.pause_mode != "keep" else (t_applied - t_paused)
+        # generation held: from the pause request until the resume returned
+        # (with "wait" this includes draining the requests in flight)
+        paused_s = t_resumed - t0
         return CommitStats(update.version, paused_s, t_end - t0, path_name, plan["file_bytes"])
 
     def _resume_quietly(self) -> None:
