@@ -128,12 +128,16 @@ def main() -> None:
                 changed_el = sum(t.changed.numel() for t in u.tensors)
                 samples.append({"paused_s": st.paused_s, "commit_s": st.commit_s,
                                 "write_s": w.get("write_s"), "path": st.path,
+                                "steps_s": dict(eng.last_timings),
                                 "changed_bytes": u.changed_bytes, "file_bytes": st.bytes,
                                 "changed_elements": changed_el,
                                 "elements": sum(t.value.numel() for t in u.tensors)})
             med = statistics.median(s["paused_s"] for s in samples)
             gb = samples[0]["changed_bytes"] / 1e9
+            steps = {k: statistics.median(x["steps_s"][k] for x in samples)
+                     for k in samples[0]["steps_s"]}
             row = {"path": label, "commits": len(samples), "paused_s_median": med,
+                   "steps_s_median": steps,
                    "write_s_median": statistics.median(s["write_s"] or 0 for s in samples),
                    "changed_bytes": samples[0]["changed_bytes"],
                    "changed_fraction": samples[0]["changed_elements"] / max(1, samples[0]["elements"]),
@@ -163,6 +167,9 @@ def main() -> None:
         per = "" if r["paused_s_per_gb"] is None else f"{r['paused_s_per_gb']:10.2f} s"
         print(f"{r['path']:<18} {r['paused_s_median'] * 1e3:10.1f} ms {ws:>13} "
               f"{r['changed_bytes'] / 1e6:11.2f} {r['changed_fraction']:6.3f} {per:>13}")
+    print("\nsteps of a commit (median ms): " + "; ".join(
+        f"{r['path']}: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r["steps_s_median"].items())
+        for r in rows if "steps_s_median" in r))
     print(f"\nafter {version} commits the engine equals a cold start on the last version "
           f"(greedy tokens and logprobs): {exact}")
     out = args.out or RESULTS / f"vllm-engine-{device}.json"

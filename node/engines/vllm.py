@@ -96,6 +96,7 @@ class VllmEngine:
         self._layout: dict[str, dict] = {}
         self._staged: dict[int, tuple[Path, dict]] = {}  # version -> (file, plan summary)
         self.last_apply: dict | None = None  # what the worker reported for the last commit
+        self.last_timings: dict[str, float] = {}  # seconds per step of the last commit
         self.paused = False
         self._sweep()
 
@@ -216,15 +217,18 @@ class VllmEngine:
             raise EngineError(f"vllm: version {update.version} was not staged")
         path, plan = staged
         t0 = time.perf_counter()
+        marks = {}
         if not self.paused:
             self._request("POST", f"/pause?mode={self.pause_mode}", timeout=self.pause_timeout_s)
             self.paused = True
+        marks["pause"] = time.perf_counter()
         try:
             # From here the engine may change weights: any failure is uncertain,
             # except a refusal every worker reports before writing anything.
             results = self.rpc("patchswarm_apply", str(path.resolve()),
                                timeout=self.apply_timeout_s)
             self.last_apply = results[0] if results else None
+            marks["apply"] = time.perf_counter()
             refused = [r for r in results if not (isinstance(r, dict) and r.get("ok"))]
             if refused:
                 if all(isinstance(r, dict) and r.get("wrote") is False for r in results):
@@ -233,7 +237,9 @@ class VllmEngine:
                                    f"{refused[0].get('error') if isinstance(refused[0], dict) else refused[0]}")
                 raise EngineError(f"workers failed applying version {update.version}: {refused[0]!r:.300}")
             self._request("POST", "/update_weight_version", {"new_version": str(update.version)})
+            marks["set_version"] = time.perf_counter()
             reset = self._request("POST", "/reset_prefix_cache")
+            marks["reset_prefix_cache"] = time.perf_counter()
             if isinstance(reset, dict) and not reset.get("success", True):
                 log.warning("vllm: prefix cache not reset (blocks held by kept requests); "
                             "run vLLM without prefix caching with pause_mode=keep")
@@ -245,12 +251,17 @@ class VllmEngine:
         try:
             self._request("POST", "/resume")
             self.paused = False
-            t_resumed = time.perf_counter()
+            t_resumed = marks["resume"] = time.perf_counter()
             served = self.served_version()
         except EngineError as exc:
             raise EngineError(f"vllm commit of version {update.version}: {exc}",
                               uncertain=True) from None
-        t_end = time.perf_counter()
+        t_end = marks["check_version"] = time.perf_counter()
+        prev = t0
+        self.last_timings = {}
+        for k, t in marks.items():
+            self.last_timings[k] = t - prev
+            prev = t
         if served != update.version:
             raise EngineError(f"vllm reports version {served} after committing {update.version}",
                               uncertain=True)
