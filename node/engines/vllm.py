@@ -148,6 +148,8 @@ class VllmEngine:
         import torch
         from safetensors.torch import save_file
 
+        if update.full:
+            self._layout.clear()  # a rebuilt (restarted, reconfigured) engine: ask it afresh
         try:
             names = {t.name for t in update.tensors}
             known = set(self._known_names()) | names
@@ -232,6 +234,7 @@ class VllmEngine:
             refused = [r for r in results if not (isinstance(r, dict) and r.get("ok"))]
             if refused:
                 if all(isinstance(r, dict) and r.get("wrote") is False for r in results):
+                    self._layout.clear()  # the engine may have changed: ask again next time
                     self._resume_quietly()
                     raise _Refused(f"vllm refused version {update.version}: "
                                    f"{refused[0].get('error') if isinstance(refused[0], dict) else refused[0]}")
