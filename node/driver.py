@@ -458,6 +458,11 @@ class Driver:
                 log.error("apply of version %d failed: %s", version, exc)
                 self.feed(ev.Applied(self.now(), version, False, str(exc)[:200]))
                 return
+            except Exception as exc:  # a bug must not leave the core waiting for Applied
+                log.exception("apply of version %d failed", version)
+                self.feed(ev.Applied(self.now(), version, False,
+                                     f"{type(exc).__name__}: {exc}"[:200]))
+                return
             # The truth holds `version`, bitwise checked: only now does the engine hear of it.
             if self.engine is not None:
                 await self._sync_engine()
@@ -524,6 +529,7 @@ class Driver:
                     stats = CommitStats(target, self._truth_commit_s, self._truth_commit_s,
                                         "inprocess", 0)
                 self._engine_ok(target, stats)
+                await self._record_served(target)
                 return True
             if served != st.served_version and st.served_version is not None:
                 log.warning("%s engine serves %s, expected version %d (restarted?); rebuilding it",
@@ -536,11 +542,20 @@ class Driver:
         except EngineError as exc:
             self._engine_failed(target, str(exc), exc.uncertain)
             return False
-        except (PatchswarmError, OSError, RuntimeError, ValueError) as exc:
+        except Exception as exc:  # an adapter bug: the engine's state is unknown
+            log.exception("%s engine adapter failed", st.kind)
             self._engine_failed(target, f"{type(exc).__name__}: {exc}", True)
             return False
         self._engine_ok(target, stats)
+        await self._record_served(target)
         return True
+
+    async def _record_served(self, version: int) -> None:
+        """The store's active record: verified and served (see the module docstring)."""
+        try:
+            await asyncio.to_thread(self._record_active, version, self.weights.digest)
+        except (PatchswarmError, OSError) as exc:
+            log.error("cannot record active version %d: %s", version, exc)
 
     def _engine_ok(self, version: int, stats: CommitStats | None) -> None:
         st = self.engine_state
@@ -563,10 +578,6 @@ class Driver:
                          st.kind, version, stats.path, stats.bytes, stats.paused_s, stats.commit_s)
         if was != "ok":
             log.info("%s engine healthy again, serving version %d", st.kind, version)
-        try:
-            self._record_active(version, self.weights.digest)
-        except (PatchswarmError, OSError) as exc:
-            log.error("cannot record active version %d: %s", version, exc)
 
     def _engine_failed(self, version: int, reason: str, uncertain: bool) -> None:
         st = self.engine_state

@@ -120,7 +120,9 @@ class InProcessWeights(EngineAdapter):
                 # base digest checked, nothing changed
                 applier = stage_patch(self.weights, payload, digests=self.tensor_digests)
             header = applier.header
-            if header is not None and header.base_digest is not None and header.base_digest != self.digest:
+            if header is None:
+                raise PatchFormatError(f"version {version}: truncated patch (no complete header)")
+            if header.base_digest is not None and header.base_digest != self.digest:
                 raise PatchApplyError(f"patch of version {version} has another base than ours")
             changes: dict[str, object] = {}
             for name, op, flat in applier.staged_changes():
