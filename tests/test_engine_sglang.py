@@ -92,14 +92,30 @@ class Rig:
         self.post("/contract/faults", f)
 
 
-@pytest.fixture
-def rig(tmp_path: Path) -> Iterator[Rig]:
-    r = Rig(tmp_path)
+@pytest.fixture(scope="module")
+def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+    r = Rig(tmp_path_factory.mktemp("sglang"))
     r.start()
     try:
         yield r
     finally:
         r.kill()
+
+
+@pytest.fixture
+def rig(shared_server: Rig, tmp_path: Path) -> Rig:
+    """A fresh truth and exchange directory against the shared server, reset to its base."""
+    if shared_server.proc is None or shared_server.proc.poll() is not None:
+        shared_server.start()
+    shared_server.post("/contract/reset", {})
+    r = Rig.__new__(Rig)
+    r.__dict__.update(shared_server.__dict__)
+    r.tmp = tmp_path
+    save_file(r.base, str(tmp_path / "base.safetensors"))
+    r.truth = InProcessWeights.load(tmp_path / "base.safetensors", 1, "cpu")
+    r.states = {1: r.base}
+    r.shared = shared_server
+    return r
 
 
 def _generate_in_thread(rig: Rig, n: int, out: list) -> threading.Thread:
@@ -249,6 +265,7 @@ def test_engine_down_and_killed_mid_commit(rig: Rig) -> None:
         eng.served_version()
     assert not e.value.uncertain
     rig.start()  # restarted: the base again, no version
+    rig.shared.proc = rig.proc  # the shared server is this one now (killed at module end)
     assert eng.served_version() is None
     eng.commit(rig.truth.weight_update(2, None, None))
     assert rig.state()["state_digest"] == state_digest(rig.states[2]).hex()

@@ -23,7 +23,8 @@ What is not SGLang (test-only, under ``/contract/``):
   "pause_mode", "in_flight", "loads", "loading", "calls"}``;
 - ``POST /contract/faults``: ``{"slow_load_s": s, "fail_load": "message",
   "status_500": true, "wrong_version": "7", "pause_ignores_mode": true}``
-  (any subset; ``{}`` clears them).
+  (any subset; ``{}`` clears them);
+- ``POST /contract/reset``: back to the base weights and the first version.
 
 ``/update_weights_from_tensor`` answers 400 ``success: false``: its
 ``serialized_named_tensors`` are SGLang's ``MultiprocessingSerializer`` pickles
@@ -124,6 +125,8 @@ class ContractServer:
                  api_key: str | None = None, sglang_version: str = "0.5.6",
                  token_delay_s: float = 0.01) -> None:
         self.model_path = str(model_path)
+        self.base_path = model_path
+        self.initial_version = weight_version
         self.weights = load_weights(model_path)
         self.digest = state_digest(self.weights)
         self.weight_version = weight_version
@@ -166,6 +169,7 @@ class ContractServer:
         r.add_put("/generate", self.generate)
         r.add_get("/contract/state", self.contract_state)
         r.add_post("/contract/faults", self.contract_faults)
+        r.add_post("/contract/reset", self.contract_reset)
         return app
 
     @web.middleware
@@ -411,6 +415,18 @@ class ContractServer:
             return body
         self.faults = dict(body)
         return web.json_response({"faults": self.faults})
+
+    async def contract_reset(self, _: web.Request) -> web.Response:
+        """Back to the state at start (base weights, first version), no faults, as if restarted."""
+        self.weights = load_weights(self.base_path)
+        self.digest = state_digest(self.weights)
+        self.model_path = str(self.base_path)
+        self.weight_version = self.initial_version
+        self.faults, self.calls, self.loads = {}, [], 0
+        self.paused, self.pause_mode = False, None
+        self._resume.set()
+        self.radix_cache.clear()
+        return web.json_response({"state_digest": self.digest.hex()})
 
 
 def spawn(model_path: Path, port: int, *, host: str = "127.0.0.1", log: Path | None = None,
