@@ -65,6 +65,7 @@ SWARM_PATH = "/swarm"
 MAX_WS_MESSAGE = wire.CHUNK_HEADER_LEN + wire.MAX_CHUNK_BYTES
 SEND_QUEUE_LIMIT = 4096  # frames queued per peer before it is dropped as too slow
 CONNECT_TIMEOUT_S = 5.0
+AHEAD_GRACE_TRIES = 3  # probes an engine ahead of a restarted node is given before a rebuild
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
            "error": logging.ERROR}
 
@@ -531,6 +532,15 @@ class Driver:
                 self._engine_ok(target, stats)
                 await self._record_served(target)
                 return True
+            if (served is not None and served > target and st.served_version is None
+                    and st.consecutive_failures < AHEAD_GRACE_TRIES):
+                # After a node restart the engine may already serve a version the node
+                # verified before the crash but had not recorded: let the node re-apply
+                # it from its store rather than take the engine back and forth.
+                self._engine_failed(target, f"engine serves version {served}, newer than the "
+                                    "node's verified version; waiting for the node to verify it",
+                                    False)
+                return False
             if served != st.served_version and st.served_version is not None:
                 log.warning("%s engine serves %s, expected version %d (restarted?); rebuilding it",
                             st.kind, "no version" if served is None else f"version {served}",

@@ -231,3 +231,29 @@ def test_a_bad_patch_is_an_apply_failure_and_touches_no_engine(tmp_path: Path, c
         assert health(r.driver) is None
 
     run(go())
+
+
+def test_engine_ahead_of_a_restarted_node_is_not_taken_back(tmp_path: Path) -> None:
+    async def go() -> None:
+        r = Rig(tmp_path)
+        v = r.publish("a")
+        r.engine.version = v  # it took version 2 before the node restarted at 1
+        r.engine.state = {k: t.clone() for k, t in r.states[v].items()}
+        assert not await r.driver._sync_engine()
+        assert r.engine.updates == [] and "newer than the node's" in health(r.driver)
+        await r.driver._apply(v)  # the node re-applies 2 from its store: nothing to send
+        assert r.engine.updates == [] and health(r.driver) is None and r.store.recorded == [2]
+
+    run(go())
+
+
+def test_engine_ahead_for_good_is_rebuilt(tmp_path: Path) -> None:
+    async def go() -> None:
+        r = Rig(tmp_path)
+        r.engine.version = 9
+        for _ in range(3):
+            assert not await r.driver._sync_engine()
+        assert await r.driver._sync_engine()
+        assert r.engine.updates[-1].full and r.engine.version == 1
+
+    run(go())
