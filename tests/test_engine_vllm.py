@@ -290,3 +290,27 @@ def test_rl_steps_change_a_few_percent_of_the_served_view() -> None:
     a, b = served_view(m0, "bf16"), served_view(rl_step(m0, 1, lr=2e-4), "bf16")
     changed = sum(int((a[k].view(torch.int16) != b[k].view(torch.int16)).sum()) for k in a)
     assert 0.005 < changed / sum(v.numel() for v in a.values()) < 0.2
+
+
+def test_engine_venv_reuses_a_good_venv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """scripts/engine_venv.py: a venv whose marker records the same recipe and that imports
+    vLLM is reused without running pip; a different recipe is rebuilt."""
+    from tests.engine_vllm_support import engine_venv
+
+    dest = tmp_path / "venv"
+    (dest / "bin").mkdir(parents=True)
+    (dest / "bin" / "python").write_text("")
+    monkeypatch.setattr(engine_venv, "probe", lambda d, timeout=300.0: "0.32.0")
+    pips: list[tuple] = []
+    monkeypatch.setattr(engine_venv, "pip", lambda d, *a, log=None: pips.append(a))
+    want = engine_venv.recipe(engine_venv.VLLM_PACKAGE, False)
+    (dest / engine_venv.MARKER).write_text(json.dumps(want))
+    assert engine_venv.build(dest) == dest / "bin" / "python" and not pips
+    # another vLLM package: rebuilt (pip runs), marker rewritten
+    monkeypatch.setattr(engine_venv.subprocess, "run",
+                        lambda *a, **k: type("R", (), {"returncode": 1, "stdout": ""})())
+    engine_venv.build(dest, "vllm==0.32.0")
+    assert pips and pips[0][:3] == ("install", "-c", str(engine_venv.ROOT / "constraints.txt"))
+    assert "vllm==0.32.0" in pips[0] and "torchcodec==0.14.0" in pips[0]
+    assert ("install", "--no-deps", "--no-build-isolation", "-e", str(engine_venv.ROOT)) in pips
+    assert json.loads((dest / engine_venv.MARKER).read_text())["vllm"] == "vllm==0.32.0"
