@@ -43,9 +43,11 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -135,6 +137,10 @@ class Driver:
         self._owed: dict[str, Any] | None = None  # changes since engine_state.served_version
         self._engine_lock = asyncio.Lock()
         self._truth_commit_s = 0.0
+        # Present while an engine commit may have left the engine uncertain (survives a
+        # node restart): the engine's version label is then not trusted, it is rebuilt.
+        root = getattr(store, "root", None)
+        self._commit_mark = Path(root) / "engine-commit" if root is not None else None
         self._watch_task: asyncio.Task | None = None
         self.host, self.port = host, port
         self.faults = faults or Faults()
@@ -524,7 +530,10 @@ class Driver:
         target = self.weights.version
         try:
             served = await asyncio.to_thread(self.engine.served_version)
-            if served == target:
+            marked = self._commit_mark is not None and self._commit_mark.exists()
+            if marked:
+                st.uncertain = True
+            if served == target and not marked:
                 stats = None
                 if st.kind == "inprocess":  # the truth's own commit was the engine's commit
                     stats = CommitStats(target, self._truth_commit_s, self._truth_commit_s,
@@ -532,7 +541,7 @@ class Driver:
                 self._engine_ok(target, stats)
                 await self._record_served(target)
                 return True
-            if (served is not None and served > target and st.served_version is None
+            if (served is not None and served > target and st.served_version is None and not marked
                     and st.consecutive_failures < AHEAD_GRACE_TRIES):
                 # After a node restart the engine may already serve a version the node
                 # verified before the crash but had not recorded: let the node re-apply
@@ -548,17 +557,39 @@ class Driver:
                 st.uncertain = True
             update = await asyncio.to_thread(self._engine_update, target, served)
             await asyncio.to_thread(self.engine.stage, update)
+            await asyncio.to_thread(self._mark, target)
             stats = await asyncio.to_thread(self.engine.commit, update)
         except EngineError as exc:
+            if not exc.uncertain and not st.uncertain:
+                await asyncio.to_thread(self._mark, None)
             self._engine_failed(target, str(exc), exc.uncertain)
             return False
         except Exception as exc:  # an adapter bug: the engine's state is unknown
             log.exception("%s engine adapter failed", st.kind)
             self._engine_failed(target, f"{type(exc).__name__}: {exc}", True)
             return False
+        await asyncio.to_thread(self._mark, None)
         self._engine_ok(target, stats)
         await self._record_served(target)
         return True
+
+    def _mark(self, version: int | None) -> None:
+        """Write (``version``) or remove (``None``) the commit-in-progress mark, durably."""
+        p = self._commit_mark
+        if p is None or self.engine.kind == "inprocess":
+            return
+        try:
+            if version is None:
+                p.unlink(missing_ok=True)
+                return
+            tmp = p.with_name(p.name + ".tmp")
+            with open(tmp, "w") as f:
+                f.write(f"{version}\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, p)
+        except OSError as exc:
+            log.warning("cannot %s %s: %s", "remove" if version is None else "write", p, exc)
 
     async def _record_served(self, version: int) -> None:
         """The store's active record: verified and served (see the module docstring)."""

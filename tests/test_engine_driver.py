@@ -257,3 +257,28 @@ def test_engine_ahead_for_good_is_rebuilt(tmp_path: Path) -> None:
         assert r.engine.updates[-1].full and r.engine.version == 1
 
     run(go())
+
+
+def test_uncertain_commit_is_remembered_across_a_node_restart(tmp_path: Path) -> None:
+    async def go() -> None:
+        r = Rig(tmp_path)
+        r.store.root = tmp_path  # type: ignore[attr-defined]
+        r.driver._commit_mark = tmp_path / "engine-commit"
+        await r.driver._sync_engine()
+        assert not (tmp_path / "engine-commit").exists()
+        r.engine.fail_next = EngineError("cut off mid-load", uncertain=True)
+        await r.driver._apply(r.publish("a"))
+        assert (tmp_path / "engine-commit").read_text() == "2\n"
+        r.engine.version = 1  # its label still says 1, its weights may be a mix
+        # the node restarts: a new driver over the same store, truth rebuilt to the record (1)
+        truth = InProcessWeights.load(tmp_path / "base.safetensors", 1, "cpu")
+        d = Driver(None, r.store, None, weights=truth, engine=r.engine,
+                   engine_cfg=EngineConfig(kind="sglang", url="http://x"), host="127.0.0.1", port=0)
+        d.loop = asyncio.get_running_loop()
+        n = len(r.engine.updates)
+        assert await d._sync_engine()
+        assert len(r.engine.updates) == n + 1 and r.engine.updates[-1].full  # label not trusted
+        assert not (tmp_path / "engine-commit").exists()
+        assert r.engine_digest() == state_digest(r.states[1])
+
+    run(go())

@@ -197,5 +197,19 @@ def test_node_feeds_sglang_and_survives_engine_faults(tmp_path: Path) -> None:
             _until("noticed the restart", lambda: _get(url + "/contract/state")["loads"] >= 1, 30)
             engine_serves(4, want4)
             assert "restarted?" in node.log.read_text() or "serves no version" in node.log.read_text()
+
+            # 6. the node itself dies while its engine lags (verified 5, recorded 4): on restart
+            #    it rebuilds its truth to the recorded version, re-applies 5 from its store
+            _post(url + "/contract/faults", {"fail_load": "busy"})
+            want5 = publish(4, 5)
+            _unhealthy(node.addr)
+            assert fleet.status(node)["engine"]["recorded_version"] == 4
+            fleet.kill(node)
+            _post(url + "/contract/faults", {})
+            fleet.start_node(node)
+            fleet.wait_healthy(90)
+            engine_serves(5, want5)
+            st = fleet.status(node)
+            assert st["active_version"] == 5 and st["engine"]["recorded_version"] == 5
         finally:
             kill_server()
