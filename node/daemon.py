@@ -131,6 +131,10 @@ async def serve(node: Node, stop: asyncio.Event, ready: asyncio.Event | None = N
     log.info("node %s (%s, region %s) listening on %s:%d, active version %s",
              node.cfg.node_id, node.cfg.role, node.cfg.region, node.cfg.listen_host,
              node.cfg.listen_port, node.core.active_version)
+    if node.engine is not None and node.engine.kind != "inprocess":
+        ec = node.cfg.engine
+        log.info("engine: %s at %s (pause_mode %s, exchange %s); syncing it to version %s",
+                 ec.kind, ec.url, ec.pause_mode, ec.exchange_dir, node.core.active_version)
     if ready is not None:
         ready.set()
     await stop.wait()
