@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from node.engines.base import WeightUpdate
+from node.engines.base import EngineError, TensorUpdate, WeightUpdate
 from node.engines.inprocess import InProcessWeights
 from node.engines.vllm import VllmEngine, VllmProcess
 from swarm.codec import encode_patch
@@ -131,6 +131,19 @@ def test_vllm_engine_serves_each_version_exactly(vllm_python: Path, tmp_path: Pa
             before = got
         assert "sparse" in paths[1][0] and "reload" in paths[1][0], paths
         assert paths[4][1]["sparse"] == 0, paths  # the dense version ships whole tensors
+
+        # a refusal before any write is certain: generation resumes on the old weights.
+        # (A stale layout claims a repacked linear takes in-place writes; the worker refuses.)
+        name = "model.layers.0.self_attn.o_proj.weight"
+        port._layout[name]["inplace"] = True
+        t = node.truth.weights[name]
+        bad = WeightUpdate(5, 4, b"\0" * 32, (TensorUpdate(name, t, torch.tensor([0, 7])),))
+        port.stage(bad)
+        with pytest.raises(EngineError) as ei:
+            port.commit(bad)
+        assert not ei.value.uncertain and "in-place" in str(ei.value)
+        assert port.served_version() == 4 and probe(engine.url) == before
+        assert not port._layout  # asked afresh next time
 
         # a restarted engine (here: one cold-started on v3) is rebuilt to the active version
         rebuilt = VllmEngine(refs[3].url, tmp_path / "exchange-rebuild", truth=node.truth)

@@ -208,10 +208,10 @@ class VllmEngine:
         except (OSError, ValueError, KeyError, RuntimeError) as exc:
             raise EngineError(f"vllm stage of version {update.version}: {exc}") from None
         plan["file_bytes"] = path.stat().st_size
-        old = self._staged.pop(update.version, None)
-        if old is not None and old[0] != path:
-            old[0].unlink(missing_ok=True)
-        self._staged[update.version] = (path, plan)
+        for old, _ in self._staged.values():  # one staged update at a time: drop the others
+            if old != path:
+                old.unlink(missing_ok=True)
+        self._staged = {update.version: (path, plan)}
 
     def commit(self, update: WeightUpdate) -> CommitStats:
         staged = self._staged.get(update.version)
