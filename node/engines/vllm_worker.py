@@ -175,8 +175,7 @@ class PatchswarmWorkerExtension:
         counts = {"sparse": 0, "dense": 0, "reload": 0}
         for e in entries:
             name, how = e["name"], e["path"]
-            if how == "sparse":
-                idx, val = tensors[f"i/{name}"], tensors[f"v/{name}"]
+            if how in ("sparse", "dense"):  # both write into the live parameter
                 mod_path, param = _module_key(model, name)
                 try:
                     module = model.get_submodule(mod_path)
@@ -184,6 +183,8 @@ class PatchswarmWorkerExtension:
                     raise ValueError(f"{name}: no engine module {mod_path}") from None
                 if not _inplace_ok(module, param):
                     raise ValueError(f"{name}: the engine layout does not allow an in-place write")
+            if how == "sparse":
+                idx, val = tensors[f"i/{name}"], tensors[f"v/{name}"]
                 if torch.isnan(val).any():
                     raise ValueError(f"{name}: a sparse value is NaN (send it dense)")
                 numel = 1
