@@ -1,10 +1,13 @@
 """The node's HTTP API, served on the same port as the peer protocol.
 
-- ``GET /healthz``: 200 ``ok`` while the node runs (503 while draining), for
-  container health checks and load balancers.
+- ``GET /healthz``: 200 ``ok`` while the node runs and its engine serves the
+  node's verified version; 503 with the reason on one line while draining, or
+  while the engine is unhealthy, behind or not yet synced (``engine: ...``).
 - ``GET /status``: JSON — node id, region, model, role, active and staged
   versions, the active state digest, peers, and chunk bytes sent/received
-  split into same-region, cross-region and from-trainer, plus per region pair.
+  split into same-region, cross-region and from-trainer, plus per region pair;
+  ``engine``: kind, state, reason, served version, the last commit (path,
+  bytes, pause and commit seconds).
 - ``GET /metrics``: Prometheus text format (``prometheus_client``), computed
   from the same state at scrape time, so the two never disagree.
 """
@@ -16,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
 if TYPE_CHECKING:
     from node.driver import Driver
@@ -30,9 +33,9 @@ def status_dict(driver: Driver, model: str) -> dict[str, Any]:
     core = driver.core
     st = core.status()
     counters = st["counters"]
-    engine = driver.engine
-    digest = engine.digest.hex() if engine is not None else None
-    if engine is None:
+    weights = driver.weights
+    digest = weights.digest.hex() if weights is not None else None
+    if weights is None:
         rec = _active_record(driver)
         digest = rec.digest.hex() if rec is not None else None
 
@@ -62,7 +65,57 @@ def status_dict(driver: Driver, model: str) -> dict[str, Any]:
         "store_bytes": driver.store.used_bytes,
         "uptime_s": round(time.time() - driver.started_at, 3),
         "draining": driver.draining,
+        "engine": engine_dict(driver),
     }
+
+
+def engine_dict(driver: Driver) -> dict[str, Any] | None:
+    """The ``engine`` block of ``/status`` (None on a node without weights, e.g. the origin)."""
+    if driver.engine is None:
+        return None
+    st = driver.engine_state
+    cfg = driver.engine_cfg
+    last = st.last_commit
+    retry = None
+    if st.next_retry_at is not None:
+        retry = round(max(0.0, st.next_retry_at - time.monotonic()), 3)
+    return {
+        "kind": st.kind,
+        "url": getattr(cfg, "url", None),
+        "pause_mode": getattr(cfg, "pause_mode", None),
+        "state": st.state,
+        "healthy": st.healthy,
+        "reason": st.reason or None,
+        "served_version": st.served_version,
+        "verified_version": driver.weights.version if driver.weights is not None else None,
+        "recorded_version": getattr(_active_record(driver), "version", None),
+        "uncertain": st.uncertain,
+        "last_commit": None if last is None else {
+            "version": last.version, "path": last.path, "bytes": last.bytes,
+            "paused_s": round(last.paused_s, 6), "commit_s": round(last.commit_s, 6),
+            "at": st.last_commit_at,
+        },
+        "commits": st.commits,
+        "failures": st.failures,
+        "consecutive_failures": st.consecutive_failures,
+        "retry_in_s": retry,
+        "state_for_s": round(time.monotonic() - st.since, 3),
+    }
+
+
+def health(driver: Driver) -> str | None:
+    """Why the node is not healthy (one line), or None when it is."""
+    if driver.draining:
+        return "draining"
+    if driver.engine is None:
+        return None
+    st = driver.engine_state
+    if st.state == "ok":
+        return None
+    if st.state == "starting":
+        return (f"engine: {st.kind} engine not yet synced to version "
+                f"{driver.weights.version if driver.weights is not None else '?'}")
+    return f"engine: {st.state}: {st.reason}"
 
 
 def _active_record(driver: Driver) -> Any:
@@ -106,6 +159,40 @@ class _Collector:
                               labels=labels)
         g.add_metric(who, float(st["store_bytes"]))
         yield g
+        yield from self._engine_metrics(labels, who)
+
+    def _engine_metrics(self, labels: list[str], who: list[str]):  # type: ignore[no-untyped-def]
+        d = self.driver
+        if d.engine is None:
+            return
+        es = d.engine_state
+        lab = [*labels, "engine"]
+        w = [*who, es.kind]
+        g = GaugeMetricFamily("patchswarm_engine_version",
+                              "Version the engine confirmed it serves (-1: none)", labels=lab)
+        g.add_metric(w, float(es.served_version if es.served_version is not None else -1))
+        yield g
+        g = GaugeMetricFamily("patchswarm_engine_healthy",
+                              "1 while the engine serves the node's verified version", labels=lab)
+        g.add_metric(w, 1.0 if es.healthy else 0.0)
+        yield g
+        s = SummaryMetricFamily("patchswarm_engine_commit_seconds",
+                                "Engine commits: seconds per commit call", labels=lab)
+        s.add_metric(w, count_value=float(es.commits), sum_value=es.commit_seconds)
+        yield s
+        s = SummaryMetricFamily("patchswarm_engine_paused_seconds",
+                                "Engine commits: seconds generation was held", labels=lab)
+        s.add_metric(w, count_value=float(es.commits), sum_value=es.paused_seconds)
+        yield s
+        last = es.last_commit
+        g = GaugeMetricFamily("patchswarm_engine_last_paused_seconds",
+                              "Generation pause of the last engine commit", labels=lab)
+        g.add_metric(w, last.paused_s if last is not None else 0.0)
+        yield g
+        c = CounterMetricFamily("patchswarm_engine_failures",
+                                "Engine commits or probes that failed", labels=lab)
+        c.add_metric(w, float(es.failures))
+        yield c
 
 
 def add_routes(app: web.Application, driver: Driver, model: str) -> None:
@@ -114,8 +201,9 @@ def add_routes(app: web.Application, driver: Driver, model: str) -> None:
     registry.register(_Collector(driver, model))
 
     async def healthz(_: web.Request) -> web.Response:
-        if driver.draining:
-            return web.Response(status=503, text="draining\n")
+        why = health(driver)
+        if why is not None:
+            return web.Response(status=503, text=why.replace("\n", " ") + "\n")
         return web.Response(text="ok\n")
 
     async def status(_: web.Request) -> web.Response:

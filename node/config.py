@@ -15,6 +15,8 @@ Layout (see configs/node.toml for a commented example)::
     [weights]  base (safetensors), base_version, device ("auto" | "cpu" | "cuda" | "cuda:N")
     [publish]  signing_key, chunk_size, served_dtype, context  (origin only)
     [swarm]    any ``CoreConfig`` policy knob, e.g. mesh_degree = 6
+    [engine]   kind ("inprocess" | "vllm" | "sglang"), url, timeouts, pause_mode, ...
+               (see ``node.engines.config``)
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from node.engines.config import EngineConfig, parse_engine
 from swarm.errors import ConfigError
 from swarm.protocol.config import CoreConfig, check_knobs
 
@@ -36,6 +39,7 @@ _SECTIONS = {
     "publish": {"signing_key", "chunk_size", "served_dtype", "context"},
     "swarm": None,  # checked against CoreConfig's fields
     "log": {"level", "format"},
+    "engine": None,  # checked by node.engines.config.parse_engine
 }
 MAX_CONFIG_BYTES = 1024 * 1024
 
@@ -69,6 +73,7 @@ class NodeConfig:
     log_format: str = "text"  # "text" (key=value) or "json" (one object per line)
     swarm: dict[str, Any] = field(default_factory=dict)
     source: Path | None = None
+    engine: EngineConfig = field(default_factory=EngineConfig)
 
     def core_config(self, active_version: int | None = None) -> CoreConfig:
         """The protocol core's knobs for this node; ``active_version`` defaults to the base."""
@@ -241,11 +246,15 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = Non
     log_format = _get(data.get("log") or {}, "log", "format", str, "text")
     if log_format not in ("text", "json"):
         raise ConfigError(f"log.format: expected text or json, got {log_format!r}")
+    store_dir = _path(base_dir, _get(store, "store", "dir", str), "store.dir")
+    engine = parse_engine(data.get("engine"), base_dir, store_dir)
+    if engine.external and role != "node":
+        raise ConfigError("engine.kind: only a rollout node (node.role = \"node\") feeds an engine")
     cfg = NodeConfig(
         node_id=node_id, region=region, model=model, role=role, listen_host=host,
         listen_port=port, advertise=advertise, bootstrap=tuple(bootstrap), swarm_secret=secret,
         trainer_keys=key_paths,
-        store_dir=_path(base_dir, _get(store, "store", "dir", str), "store.dir"),
+        store_dir=store_dir, engine=engine,
         quota_bytes=quota or None, keep_versions=keep,
         fsync=_get(store, "store", "fsync", bool, True), base=base, base_version=base_version,
         device=device, signing_key=signing_key, chunk_size=chunk_size, served_dtype=served,

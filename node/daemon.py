@@ -20,9 +20,11 @@ from dataclasses import dataclass
 from node.api import add_routes
 from node.config import NodeConfig
 from node.driver import Driver, Faults
+from node.engines import make_engine
+from node.engines.base import Engine
+from node.engines.inprocess import InProcessWeights
 from node.logs import setup_logging
 from node.store import ChunkStore
-from node.weights import InProcessWeights
 from swarm.errors import ConfigError, PatchswarmError
 from swarm.protocol.core import NodeCore
 from swarm.trust.keys import TrustStore
@@ -44,10 +46,19 @@ def open_trust(cfg: NodeConfig) -> TrustStore:
     return TrustStore.from_files(cfg.trainer_keys)
 
 
+def truth_device(cfg: NodeConfig) -> str:
+    """Where the checkpoint-coordinate truth lives: the CPU when an external engine
+    owns the GPU (``weights.device = "auto"``), else ``weights.device``."""
+    if cfg.engine.external and cfg.device == "auto":
+        return "cpu"
+    return cfg.device
+
+
 def restore_weights(cfg: NodeConfig, store: ChunkStore) -> InProcessWeights:
     """Load the base and replay the stored patches up to the recorded active version."""
     assert cfg.base is not None
-    engine = InProcessWeights.load(cfg.base, cfg.base_version, cfg.device)
+    device = truth_device(cfg)
+    engine = InProcessWeights.load(cfg.base, cfg.base_version, device)
     rec = store.active()
     if rec is None or rec.version <= cfg.base_version:
         return engine
@@ -61,7 +72,7 @@ def restore_weights(cfg: NodeConfig, store: ChunkStore) -> InProcessWeights:
     except PatchswarmError as exc:
         log.warning("cannot rebuild active version %d from the store (%s); starting from the base",
                     rec.version, exc)
-        engine = InProcessWeights.load(cfg.base, cfg.base_version, cfg.device)
+        engine = InProcessWeights.load(cfg.base, cfg.base_version, device)
     return engine
 
 
@@ -69,24 +80,28 @@ def restore_weights(cfg: NodeConfig, store: ChunkStore) -> InProcessWeights:
 class Node:
     cfg: NodeConfig
     store: ChunkStore
-    engine: InProcessWeights | None
+    weights: InProcessWeights | None  # the checkpoint-coordinate truth
+    engine: Engine | None  # what serves it ([engine] kind)
     core: NodeCore
     driver: Driver
 
 
-def build_node(cfg: NodeConfig, *, engine: InProcessWeights | None = None,
-               trust: TrustStore | None = None, faults: Faults | None = None,
-               loop_now: float = 0.0) -> Node:
-    """Everything but the sockets; ``engine=None`` for a node loads it from config."""
+def build_node(cfg: NodeConfig, *, weights: InProcessWeights | None = None,
+               engine: Engine | None = None, trust: TrustStore | None = None,
+               faults: Faults | None = None, loop_now: float = 0.0) -> Node:
+    """Everything but the sockets; ``weights=None`` for a node loads them from config,
+    ``engine=None`` builds the adapter ``[engine] kind`` names."""
     if trust is None:
         trust = open_trust(cfg)
     store = ChunkStore(cfg.store_dir, cfg.quota_bytes, trust=trust, fsync=cfg.fsync)
     try:
         for problem in store.problems:
             log.warning("store: %s", problem)
-        if engine is None and cfg.role == "node":
-            engine = restore_weights(cfg, store)
-        active = engine.version if engine is not None else None
+        if weights is None and cfg.role == "node":
+            weights = restore_weights(cfg, store)
+        if engine is None and weights is not None:
+            engine = make_engine(cfg.engine, weights)
+        active = weights.version if weights is not None else None
         if cfg.role == "origin":
             rec = store.active()
             active = rec.version if rec is not None else cfg.base_version
@@ -97,11 +112,12 @@ def build_node(cfg: NodeConfig, *, engine: InProcessWeights | None = None,
         store.close()
         raise
     host, port = cfg.listen_host, cfg.listen_port
-    driver = Driver(core, store, trust, engine=engine, host=host, port=port,
+    driver = Driver(core, store, trust, weights=weights, engine=engine, engine_cfg=cfg.engine,
+                    host=host, port=port,
                     faults=faults if faults is not None else faults_from_env(),
                     keep_versions=cfg.keep_versions)
     add_routes(driver.app, driver, cfg.model)
-    return Node(cfg, store, engine, core, driver)
+    return Node(cfg, store, weights, engine, core, driver)
 
 
 async def serve(node: Node, stop: asyncio.Event, ready: asyncio.Event | None = None) -> None:
@@ -115,6 +131,10 @@ async def serve(node: Node, stop: asyncio.Event, ready: asyncio.Event | None = N
     log.info("node %s (%s, region %s) listening on %s:%d, active version %s",
              node.cfg.node_id, node.cfg.role, node.cfg.region, node.cfg.listen_host,
              node.cfg.listen_port, node.core.active_version)
+    if node.engine is not None and node.engine.kind != "inprocess":
+        ec = node.cfg.engine
+        log.info("engine: %s at %s (pause_mode %s, exchange %s); syncing it to version %s",
+                 ec.kind, ec.url, ec.pause_mode, ec.exchange_dir, node.core.active_version)
     if ready is not None:
         ready.set()
     await stop.wait()
@@ -123,6 +143,8 @@ async def serve(node: Node, stop: asyncio.Event, ready: asyncio.Event | None = N
     node.store.close()
     if node.engine is not None:
         node.engine.close()
+    if node.weights is not None:
+        node.weights.close()
 
 
 def install_uvloop() -> bool:

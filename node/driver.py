@@ -12,8 +12,26 @@ everything the core may not touch:
   ``ChunkReceived(valid=True)``;
 - time: ``loop.time()`` (monotonic) is the core's ``now``; one timer, re-armed
   after every event from ``core.next_wakeup()``;
-- the apply pipeline: ``ApplyVersion`` -> stage + commit on the engine in a
-  worker thread -> record the active version in the store -> ``Applied``.
+- the apply pipeline: ``ApplyVersion`` -> stage + commit on the node's
+  checkpoint-coordinate truth (``weights``; checks the trainer's target digest)
+  in a worker thread -> hand the engine a ``WeightUpdate`` (stage + commit, in a
+  worker thread) -> record the active version in the store -> ``Applied``;
+- the engine's health: a watch task asks the engine which version it serves
+  every ``[engine] probe_s`` and brings it back to the node's verified version
+  (with back-off) when it failed, fell behind or restarted.
+
+Versions, and what each record means (docs/engines.md, "When the engine fails"):
+
+- the core's ``active_version`` is the node's *verified* version: the truth
+  holds it, bitwise checked; the node patches from it and seeds it to peers.
+  A verified version is always reported ``Applied(ok=True)``, even when the
+  engine then fails to take it: the swarm keeps moving and the store keeps
+  every chunk the engine may still need;
+- the engine's *served* version is what the engine confirmed after a commit
+  (``engine.served_version``);
+- the store's ``active`` record is written only once the engine confirmed the
+  version, so it is the version that was both verified and served; after a
+  restart the truth is rebuilt to it and newer stored versions are applied again.
 
 All core calls happen on the event-loop thread; other threads (a training
 loop using ``Publisher``) go through ``call`` / ``feed_threadsafe``.
@@ -25,14 +43,19 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
+from node.engines.base import CommitStats, Engine, EngineError, WeightUpdate
+from node.engines.config import EngineConfig
+from node.engines.inprocess import InProcessWeights, merge_changes
 from node.ports import StorePort, TrustPort
 from swarm.errors import ChunkError, PatchswarmError, ProtocolError, StoreError
 from swarm.protocol import events as ev
@@ -46,6 +69,7 @@ SWARM_PATH = "/swarm"
 MAX_WS_MESSAGE = wire.CHUNK_HEADER_LEN + wire.MAX_CHUNK_BYTES
 SEND_QUEUE_LIMIT = 4096  # frames queued per peer before it is dropped as too slow
 CONNECT_TIMEOUT_S = 5.0
+AHEAD_GRACE_TRIES = 3  # probes an engine ahead of a restarted node is given before a rebuild
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
            "error": logging.ERROR}
 
@@ -55,6 +79,30 @@ class Faults:
     """Deliberate misbehaviour, for tests of the swarm's defences only."""
 
     corrupt_chunks: bool = False  # flip a byte in every chunk this node sends
+
+
+@dataclass
+class EngineState:
+    """What the node knows about its engine (read by /status, /healthz, /metrics)."""
+
+    kind: str
+    state: str = "starting"  # starting | ok | behind | unhealthy
+    reason: str = ""
+    served_version: int | None = None  # last version the engine confirmed
+    uncertain: bool = True  # the engine may hold a mix: rebuild it with a full update
+    last_commit: CommitStats | None = None
+    last_commit_at: float | None = None
+    commits: int = 0
+    failures: int = 0
+    consecutive_failures: int = 0
+    commit_seconds: float = 0.0  # totals over all commits
+    paused_seconds: float = 0.0
+    next_retry_at: float | None = None  # monotonic
+    since: float = field(default_factory=time.monotonic)
+
+    @property
+    def healthy(self) -> bool:
+        return self.state == "ok"
 
 
 @dataclass
@@ -73,13 +121,30 @@ class Conn:
 class Driver:
     """Carry out a core's actions over real sockets; see the module docstring."""
 
-    def __init__(self, core: NodeCore, store: StorePort, trust: TrustPort, *, engine: Any = None,
+    def __init__(self, core: NodeCore, store: StorePort, trust: TrustPort, *,
+                 weights: InProcessWeights | None = None, engine: Engine | None = None,
+                 engine_cfg: EngineConfig | None = None,
                  host: str, port: int, faults: Faults | None = None,
                  keep_versions: int = 0) -> None:
         self.core = core
         self.store = store
         self.trust = trust
-        self.engine = engine
+        self.weights = weights  # the checkpoint-coordinate truth (InProcessWeights) or None
+        self.engine = engine  # the node.engines.base.Engine it feeds, or None (origin)
+        self.engine_cfg = engine_cfg
+        self.engine_state = EngineState(engine.kind if engine is not None else "none")
+        if engine is not None and engine.kind == "inprocess" and weights is not None:
+            # the truth is what serves: always in step with it
+            self.engine_state = EngineState("inprocess", state="ok", served_version=weights.version,
+                                            uncertain=False)
+        self._owed: dict[str, Any] | None = None  # changes since engine_state.served_version
+        self._engine_lock = asyncio.Lock()
+        self._truth_commit_s = 0.0
+        # Present while an engine commit may have left the engine uncertain (survives a
+        # node restart): the engine's version label is then not trusted, it is rebuilt.
+        root = getattr(store, "root", None)
+        self._commit_mark = Path(root) / "engine-commit" if root is not None else None
+        self._watch_task: asyncio.Task | None = None
         self.host, self.port = host, port
         self.faults = faults or Faults()
         self.keep_versions = keep_versions
@@ -114,6 +179,8 @@ class Driver:
         site = web.TCPSite(self.runner, self.host, self.port, reuse_address=True)
         await site.start()
         self._run(self.core.start(self.now()))
+        if self.engine is not None and self.weights is not None and self.engine.kind != "inprocess":
+            self._watch_task = self._spawn(self._watch_engine())
 
     def resume_from_store(self) -> None:
         """Tell the core what the store already holds (``LocalChunks``), after a restart."""
@@ -420,29 +487,222 @@ class Driver:
 
     async def _apply(self, version: int) -> None:
         t0 = time.perf_counter()
-        try:
-            if self.engine is None:
-                raise StoreError("this node has no engine to apply versions to")
-            digest = await asyncio.to_thread(self._apply_sync, version)
-        except (PatchswarmError, OSError, RuntimeError, ValueError) as exc:
-            log.error("apply of version %d failed: %s", version, exc)
-            self.feed(ev.Applied(self.now(), version, False, str(exc)[:200]))
-            return
+        async with self._engine_lock:
+            try:
+                if self.weights is None:
+                    raise StoreError("this node has no weights to apply versions to")
+                digest = await asyncio.to_thread(self._apply_truth, version)
+            except (PatchswarmError, OSError, RuntimeError, ValueError) as exc:
+                log.error("apply of version %d failed: %s", version, exc)
+                self.feed(ev.Applied(self.now(), version, False, str(exc)[:200]))
+                return
+            except Exception as exc:  # a bug must not leave the core waiting for Applied
+                log.exception("apply of version %d failed", version)
+                self.feed(ev.Applied(self.now(), version, False,
+                                     f"{type(exc).__name__}: {exc}"[:200]))
+                return
+            # The truth holds `version`, bitwise checked: only now does the engine hear of it.
+            if self.engine is not None:
+                await self._sync_engine()
         self.apply_seconds[version] = time.perf_counter() - t0
         self.activated_at[version] = time.time()
-        log.info("version %d active (digest %s, %.3f s)", version, digest.hex()[:16],
-                 self.apply_seconds[version])
+        st = self.engine_state
+        if st.healthy:
+            log.info("version %d active (digest %s, %.3f s)", version, digest.hex()[:16],
+                     self.apply_seconds[version])
+        else:
+            log.warning("version %d verified (digest %s) but the %s engine does not serve it: %s",
+                        version, digest.hex()[:16], st.kind, st.reason)
         self.feed(ev.Applied(self.now(), version, True))
 
-    def _apply_sync(self, version: int) -> bytes:
+    def _apply_truth(self, version: int) -> bytes:
+        """Stage + commit ``version`` on the checkpoint-coordinate truth (worker thread)."""
         m = self.store.manifest(version)
         payload = self.store.payload(version)
-        self.engine.stage(version, m.kind, payload, m.parent_digest)
-        digest = self.engine.commit(version, m.target_digest)
+        w = self.weights
+        w.stage(version, m.kind, payload, m.parent_digest)
+        t0 = time.perf_counter()
+        digest = w.commit(version, m.target_digest)
+        self._truth_commit_s = time.perf_counter() - t0
+        st = self.engine_state
+        nothing_owed = st.served_version is not None and not st.uncertain and self._owed == {}
+        self._owed = merge_changes(self._owed, w.last_changes, first=nothing_owed)
+        if self.engine is None:
+            self._record_active(version, digest)
+        return digest
+
+    def _record_active(self, version: int, digest: bytes) -> None:
         self.store.set_active(version, digest)
         if self.keep_versions:
             self.store.gc(self.keep_versions)
-        return digest
+
+    # --------------------------------------------------------------- engine
+
+    def _engine_update(self, target: int, served: int | None) -> WeightUpdate:
+        """What takes the engine from ``served`` to the truth's ``target`` (worker thread)."""
+        st = self.engine_state
+        w = self.weights
+        if self.engine.kind == "inprocess":
+            return WeightUpdate(target, served, w.digest, (), full=False)
+        incremental = (served is not None and served == st.served_version and not st.uncertain
+                       and self._owed is not None)
+        frac = self.engine_cfg.sparse_max_fraction if self.engine_cfg is not None else 1.0
+        return w.weight_update(target, served, self._owed if incremental else None,
+                               sparse_max_fraction=frac)
+
+    async def _sync_engine(self) -> bool:
+        """Bring the engine to the truth's version; call with ``_engine_lock`` held.
+
+        Asks the engine what it serves first: already there -> nothing to send;
+        at the version it last confirmed (and not uncertain) -> the changes
+        since; anything else (restarted, uncertain, never synced) -> everything.
+        """
+        st = self.engine_state
+        target = self.weights.version
+        try:
+            served = await asyncio.to_thread(self.engine.served_version)
+            marked = self._commit_mark is not None and self._commit_mark.exists()
+            if marked:
+                st.uncertain = True
+            if served == target and not marked:
+                stats = None
+                if st.kind == "inprocess":  # the truth's own commit was the engine's commit
+                    stats = CommitStats(target, self._truth_commit_s, self._truth_commit_s,
+                                        "inprocess", 0)
+                self._engine_ok(target, stats)
+                await self._record_served(target)
+                return True
+            if (served is not None and served > target and st.served_version is None and not marked
+                    and st.consecutive_failures < AHEAD_GRACE_TRIES):
+                # After a node restart the engine may already serve a version the node
+                # verified before the crash but had not recorded: let the node re-apply
+                # it from its store rather than take the engine back and forth.
+                self._engine_failed(target, f"engine serves version {served}, newer than the "
+                                    "node's verified version; waiting for the node to verify it",
+                                    False)
+                return False
+            if served != st.served_version and st.served_version is not None:
+                log.warning("%s engine serves %s, expected version %d (restarted?); rebuilding it",
+                            st.kind, "no version" if served is None else f"version {served}",
+                            st.served_version)
+                st.uncertain = True
+            update = await asyncio.to_thread(self._engine_update, target, served)
+            await asyncio.to_thread(self.engine.stage, update)
+            await asyncio.to_thread(self._mark, target)
+            stats = await asyncio.to_thread(self.engine.commit, update)
+        except EngineError as exc:
+            if not exc.uncertain and not st.uncertain:
+                await asyncio.to_thread(self._mark, None)
+            self._engine_failed(target, str(exc), exc.uncertain)
+            return False
+        except Exception as exc:  # an adapter bug: the engine's state is unknown
+            log.exception("%s engine adapter failed", st.kind)
+            self._engine_failed(target, f"{type(exc).__name__}: {exc}", True)
+            return False
+        await asyncio.to_thread(self._mark, None)
+        self._engine_ok(target, stats)
+        await self._record_served(target)
+        return True
+
+    def _mark(self, version: int | None) -> None:
+        """Write (``version``) or remove (``None``) the commit-in-progress mark, durably."""
+        p = self._commit_mark
+        if p is None or self.engine.kind == "inprocess":
+            return
+        try:
+            if version is None:
+                p.unlink(missing_ok=True)
+                return
+            tmp = p.with_name(p.name + ".tmp")
+            with open(tmp, "w") as f:
+                f.write(f"{version}\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, p)
+        except OSError as exc:
+            log.warning("cannot %s %s: %s", "remove" if version is None else "write", p, exc)
+
+    async def _record_served(self, version: int) -> None:
+        """The store's active record: verified and served (see the module docstring)."""
+        try:
+            await asyncio.to_thread(self._record_active, version, self.weights.digest)
+        except (PatchswarmError, OSError) as exc:
+            log.error("cannot record active version %d: %s", version, exc)
+
+    def _engine_ok(self, version: int, stats: CommitStats | None) -> None:
+        st = self.engine_state
+        was = st.state
+        st.served_version = version
+        st.uncertain = False
+        self._owed = {}
+        st.state, st.reason = "ok", ""
+        st.consecutive_failures = 0
+        st.next_retry_at = None
+        st.since = time.monotonic()
+        if stats is not None:
+            st.last_commit = stats
+            st.last_commit_at = time.time()
+            st.commits += 1
+            st.commit_seconds += stats.commit_s
+            st.paused_seconds += stats.paused_s
+            if st.kind != "inprocess":
+                log.info("%s engine serves version %d (%s, %d bytes, paused %.3f s, commit %.3f s)",
+                         st.kind, version, stats.path, stats.bytes, stats.paused_s, stats.commit_s)
+        if was != "ok":
+            log.info("%s engine healthy again, serving version %d", st.kind, version)
+
+    def _engine_failed(self, version: int, reason: str, uncertain: bool) -> None:
+        st = self.engine_state
+        st.failures += 1
+        st.consecutive_failures += 1
+        st.uncertain = st.uncertain or uncertain
+        if st.uncertain:
+            self._owed = None
+        st.state = "unhealthy"
+        served = "no version" if st.served_version is None else f"version {st.served_version}"
+        st.reason = (f"{st.kind} engine failed to take version {version}"
+                     f"{' mid-commit (state uncertain, will rebuild it)' if uncertain else ''}: "
+                     f"{reason[:300]}; last confirmed {served}")
+        st.since = time.monotonic()
+        cap = self.engine_cfg.retry_max_s if self.engine_cfg is not None else 30.0
+        delay = min(cap, 2.0 ** min(st.consecutive_failures - 1, 16))
+        st.next_retry_at = time.monotonic() + delay
+        log.error("%s (retry in %.0f s)", st.reason, delay)
+
+    async def _watch_engine(self) -> None:
+        """Probe the engine; bring it back to the verified version when needed."""
+        probe = self.engine_cfg.probe_s if self.engine_cfg is not None else 5.0
+        first = True
+        while not self.draining:
+            if not first:
+                st = self.engine_state
+                wait = probe
+                if st.next_retry_at is not None:
+                    wait = min(probe, max(0.05, st.next_retry_at - time.monotonic()))
+                await asyncio.sleep(wait)
+            first = False
+            if self.draining:
+                return
+            st = self.engine_state
+            if st.next_retry_at is not None and time.monotonic() < st.next_retry_at:
+                continue
+            if self._engine_lock.locked():
+                continue  # an apply is talking to the engine
+            async with self._engine_lock:
+                if st.state == "ok" and st.served_version == self.weights.version:
+                    try:
+                        served = await asyncio.to_thread(self.engine.served_version)
+                    except EngineError as exc:
+                        self._engine_failed(self.weights.version, str(exc), False)
+                        continue
+                    if served == st.served_version:
+                        continue
+                    st.state = "behind"
+                    st.reason = (f"{st.kind} engine serves "
+                                 f"{'no version' if served is None else f'version {served}'}, "
+                                 f"node verified version {self.weights.version}")
+                    log.warning("%s; bringing it up to date", st.reason)
+                await self._sync_engine()
 
     # --------------------------------------------------------------- status
 

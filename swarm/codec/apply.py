@@ -129,6 +129,24 @@ class PatchApplier:
             self.known.update(self._digests)
         return ApplyReport(total, self._changed, digest)
 
+    def staged_changes(self) -> list[tuple[str, str, np.ndarray | None]]:
+        """What a staged patch will change, before ``finish``: one ``(name, kind, flat)``
+        per record, ``kind`` one of ``sparse`` / ``dense`` / ``put`` / ``delete`` and
+        ``flat`` the int64 flat indices of the changed elements (``None`` for ``put``
+        and ``delete``). For engines that load only what changed."""
+        if self.staged is None:
+            raise PatchApplyError("staged_changes needs a staged, not yet finished, patch")
+        out: list[tuple[str, str, np.ndarray | None]] = []
+        for edit in self.staged:
+            name = edit.entry.name
+            if edit.kind == "sparse":
+                out.append((name, "sparse", np.asarray(edit.data[0], dtype=np.int64)))  # type: ignore[index]
+            elif edit.kind == "xor":
+                out.append((name, "dense", np.flatnonzero(edit.data).astype(np.int64)))  # type: ignore[arg-type]
+            else:
+                out.append((name, edit.kind, None))
+        return out
+
     def _merged_digests(self) -> dict[str, bytes]:
         merged = dict(self.known) if self.known is not None else {}
         merged.update(self._digests)

@@ -1,0 +1,276 @@
+"""The node's checkpoint-coordinate truth, and the engine that serves it in-process.
+
+``InProcessWeights`` holds the served view as torch tensors in this process
+(the checkpoint's names and layout, exact bits). Every node keeps one: the
+driver stages and commits each verified patch on it and checks the trainer's
+target digest there. With ``[engine] kind = "inprocess"`` it is also what
+serves (``InProcessEngine``, on ``cuda`` when present); with an external engine
+(vLLM, SGLang) it lives on the CPU and the driver hands the engine a
+``WeightUpdate`` built from it (``weight_update``) after each verified commit.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from node.engines.base import CommitStats, EngineError, TensorUpdate, WeightUpdate
+from swarm.errors import ConfigError, PatchApplyError, PatchFormatError
+
+if TYPE_CHECKING:
+    import torch
+
+
+def pick_device(wanted: str) -> str:
+    """``"auto"`` -> ``"cuda"`` when torch sees a GPU, else ``"cpu"``."""
+    import torch
+
+    if wanted == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if wanted.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"weights.device: {wanted!r} requested but torch sees no CUDA device")
+    return wanted
+
+
+class EngineAdapter:
+    """The checkpoint-coordinate holder's own contract (the engine port is
+    ``node.engines.base.Engine``).
+
+    Contract:
+
+    - ``version`` / ``digest``: what is being served now. ``digest`` is
+      ``swarm.codec.state_digest`` of the served tensors, the bitwise identity
+      every node compares with the trainer's.
+    - ``stage(version, kind, payload, base_digest)``: may run while the engine
+      serves the active version. Checks that the payload fits the active state
+      (its base digest) and prepares whatever it can without touching served
+      weights. A failure raises and changes nothing.
+    - ``commit(version, target_digest)``: makes the staged version the served
+      one, atomically for readers (they see the old or the new version, never a
+      mix). It verifies the resulting digest; on any failure the served state is
+      restored to the previous version before raising, so the node never
+      serves weights that are not a published version.
+    - ``close()``: release the engine's resources.
+    """
+
+    version: int
+    digest: bytes
+
+    def stage(self, version: int, kind: str, payload: bytes, base_digest: bytes | None) -> None:
+        raise NotImplementedError
+
+    def commit(self, version: int, target_digest: bytes) -> bytes:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class InProcessWeights(EngineAdapter):
+    """The served view as torch tensors in this process.
+
+    Patches are applied in place with the codec's all-or-nothing applier (a
+    scatter of the changed values, no full-size copy); a ``full`` checkpoint
+    replaces the state. ``lock`` is held during ``commit``, so a reader that
+    takes it sees one whole version.
+    """
+
+    def __init__(self, weights: dict[str, torch.Tensor], version: int, device: str) -> None:
+        from swarm.codec import state_digest, tensor_digest
+
+        self.weights = weights
+        self.device = device
+        self.version = version
+        # Per-tensor digests of the served state: an apply re-hashes only what it changed.
+        self.tensor_digests = {k: tensor_digest(v) for k, v in weights.items()}
+        self.digest = state_digest(weights, self.tensor_digests)
+        self.lock = threading.RLock()
+        self._staged: tuple[int, str, object] | None = None
+        self._staged_changes: dict[str, object] | None = None
+        # What the last commit changed: name -> flat int64 indices, None (whole tensor)
+        # or False (deleted); None as a whole after a full checkpoint (everything).
+        self.last_changes: dict[str, object] | None = None
+
+    @classmethod
+    def load(cls, path: Path, version: int, device: str = "auto") -> InProcessWeights:
+        """Load a base safetensors checkpoint onto ``device`` (``auto``: cuda if present)."""
+        from safetensors.torch import load_file
+
+        dev = pick_device(device)
+        try:
+            weights = load_file(str(path), device=dev)
+        except FileNotFoundError:
+            raise ConfigError(f"weights.base: {path} does not exist") from None
+        except Exception as exc:  # safetensors raises its own error types on bad files
+            raise ConfigError(f"weights.base: {path} is not a readable safetensors file: {exc}") from None
+        return cls(dict(weights), version, dev)
+
+    def stage(self, version: int, kind: str, payload: bytes, base_digest: bytes | None) -> None:
+        """Decode the patch against the served weights (they keep serving meanwhile)."""
+        if version <= self.version:
+            raise PatchApplyError(f"version {version} is not newer than active {self.version}")
+        if kind == "patch":
+            from swarm.codec import stage_patch
+
+            if base_digest is not None and base_digest != self.digest:
+                raise PatchApplyError(
+                    f"version {version} patches another state than the active version {self.version}")
+            with self.lock:
+                # base digest checked, nothing changed
+                applier = stage_patch(self.weights, payload, digests=self.tensor_digests)
+            header = applier.header
+            if header is None:
+                raise PatchFormatError(f"version {version}: truncated patch (no complete header)")
+            if header.base_digest is not None and header.base_digest != self.digest:
+                raise PatchApplyError(f"patch of version {version} has another base than ours")
+            changes: dict[str, object] = {}
+            for name, op, flat in applier.staged_changes():
+                changes[name] = False if op == "delete" else (
+                    None if flat is None else torch_from_numpy(flat))
+            self._staged = (version, kind, applier)
+            self._staged_changes = changes
+        elif kind == "full":
+            self._staged = (version, kind, payload)
+            self._staged_changes = None
+        else:
+            raise PatchFormatError(f"unknown payload kind {kind!r}")
+
+    def commit(self, version: int, target_digest: bytes) -> bytes:
+        """Apply what ``stage`` decoded: only the scatter and the digest checks run here."""
+        if self._staged is None or self._staged[0] != version:
+            raise PatchApplyError(f"version {version} was not staged")
+        _, kind, staged = self._staged
+        self._staged = None
+        with self.lock:
+            if kind == "patch":
+                promised = staged.header.target_digest
+                if promised is not None and promised != target_digest:
+                    raise PatchApplyError(
+                        f"version {version}: the patch targets another state than its manifest")
+                if promised is None:
+                    raise PatchApplyError(f"version {version}: patch carries no target digest")
+                digest = staged.finish().target_digest  # checks the target; rolls back on failure
+            else:
+                digest = self._replace_full(staged, version, target_digest)
+            self.version = version
+            self.digest = digest
+            self.last_changes = self._staged_changes
+            self._staged_changes = None
+        return digest
+
+    def weight_update(self, version: int, base_version: int | None,
+                      changes: dict[str, object] | None, *,
+                      sparse_max_fraction: float = 1.0) -> WeightUpdate:
+        """The ``WeightUpdate`` from ``base_version`` to the state held now.
+
+        ``changes`` maps tensor names to their changed flat indices (``None``:
+        the whole tensor); ``None`` as a whole, or a deleted tensor, makes it a
+        full update (engines cannot drop a parameter). Values are the tensors
+        held here, not copies: valid until the next commit on this holder, so the
+        caller hands them to the engine before it commits again."""
+        with self.lock:
+            if version != self.version:
+                raise PatchApplyError(f"update for version {version}, but the state is at {self.version}")
+            full = changes is None or any(v is False for v in changes.values())
+            if full:
+                names = sorted(self.weights)
+            else:
+                names = sorted(n for n in changes if n in self.weights)
+            tensors = []
+            for name in names:
+                t = self.weights[name]
+                if t.device.type != "cpu":
+                    t = t.detach().to("cpu")
+                flat = None if full else changes[name]
+                if flat is not None and flat.numel() > sparse_max_fraction * max(1, t.numel()):
+                    flat = None  # most of it changed: ship it whole
+                tensors.append(TensorUpdate(name, t, flat))
+            return WeightUpdate(version=version, base_version=None if full else base_version,
+                                target_digest=self.digest, tensors=tuple(tensors), full=full)
+
+    def _replace_full(self, payload: bytes, version: int, target_digest: bytes) -> bytes:
+        from safetensors.torch import load as load_bytes
+
+        from swarm.codec import state_digest
+
+        try:
+            new = {k: v.to(self.device) for k, v in load_bytes(payload).items()}
+        except Exception as exc:
+            raise PatchFormatError(f"version {version}: full checkpoint unreadable: {exc}") from None
+        digest = state_digest(new)
+        if digest != target_digest:
+            raise PatchApplyError(f"version {version}: full checkpoint digest differs from the manifest")
+        self.weights.clear()
+        self.weights.update(new)
+        from swarm.codec import tensor_digest
+
+        self.tensor_digests = {k: tensor_digest(v) for k, v in new.items()}
+        return digest
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """A CPU copy of the served state (for checks and tests), taken under the lock."""
+        with self.lock:
+            return {k: v.detach().to("cpu").clone() for k, v in self.weights.items()}
+
+    def close(self) -> None:
+        self.weights.clear()
+
+
+def torch_from_numpy(a: object) -> torch.Tensor:
+    import torch
+
+    return torch.from_numpy(a)
+
+
+def merge_changes(acc: dict[str, object] | None, new: dict[str, object] | None,
+                  first: bool) -> dict[str, object] | None:
+    """Fold what one more commit changed into what the engine still lacks.
+
+    ``first``: ``acc`` is empty (nothing owed yet). ``None`` means "everything"
+    (a full update) and absorbs the rest."""
+    import torch
+
+    if first:
+        return None if new is None else dict(new)
+    if acc is None or new is None:
+        return None
+    out = dict(acc)
+    for name, flat in new.items():
+        old = out.get(name, ...)
+        if old is ... or flat is False:
+            out[name] = flat
+        elif old is None or flat is None or old is False:
+            out[name] = None if old is not False else flat
+        else:
+            out[name] = torch.unique(torch.cat([old, flat]))  # type: ignore[list-item]
+    return out
+
+
+class InProcessEngine:
+    """``[engine] kind = "inprocess"``: the checkpoint-coordinate truth itself serves.
+
+    The truth's own commit is the engine's commit (under ``truth.lock``, checked
+    against the target digest), so ``stage`` and ``commit`` only confirm that
+    the truth holds the update's version."""
+
+    kind = "inprocess"
+
+    def __init__(self, truth: InProcessWeights) -> None:
+        self.truth = truth
+
+    def served_version(self) -> int | None:
+        return self.truth.version
+
+    def stage(self, update: WeightUpdate) -> None:
+        if self.truth.version != update.version:
+            raise EngineError(f"in-process weights are at version {self.truth.version}, "
+                              f"not {update.version}")
+
+    def commit(self, update: WeightUpdate) -> CommitStats:
+        self.stage(update)
+        return CommitStats(version=update.version, paused_s=0.0, commit_s=0.0, path="inprocess",
+                           bytes=0)
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,1 @@
+"""Test doubles of real engines that keep their documented contracts (no GPU needed)."""
