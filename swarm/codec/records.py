@@ -29,7 +29,7 @@ from swarm.codec.format import BodyReader, put_varint
 from swarm.codec.zstd_bounded import decompress_bounded
 from swarm.errors import PatchFormatError
 
-ZSTD_DENSE_LEVEL = 3
+ZSTD_DENSE_LEVEL = 1  # on shuffled XOR planes level 3 is 2-3x slower for <1% smaller (docs/benchmarks.md)
 ESCAPE_SLACK_BITS = 2  # escape when Exp-Golomb is this much longer than a raw value
 
 
@@ -204,27 +204,122 @@ def _unsigned(dt: DType) -> np.dtype:
 
 
 # ------------------------------------------------------------------ DENSE / FULL
+#
+# Byte planes are built and taken apart in blocks of ``BLOCK`` elements, so each
+# block's XOR, shuffle, count and hash run on data still in cache: a DENSE
+# record costs one read of each input and one write of the planes, not a
+# memory pass per step. The planes are split with integer casts and shifts
+# (contiguous, vectorised) rather than a strided byte transpose, which numpy
+# runs several times slower.
+
+BLOCK = 1 << 16
+
+
+def _uview(bits: np.ndarray) -> np.ndarray:
+    return bits.view(np.dtype(f"u{bits.dtype.itemsize}"))
+
+
+def shuffle_planes(bits: np.ndarray, itemsize: int, xor_with: np.ndarray | None = None
+                   ) -> np.ndarray:
+    """Byte planes of ``bits`` (or of ``bits ^ xor_with``): an (itemsize, n) uint8
+    array holding all first (least significant) bytes, then all second bytes..."""
+    n = bits.size
+    u = _uview(bits.reshape(-1))
+    x2 = None if xor_with is None else _uview(xor_with.reshape(-1))
+    if itemsize == 1:
+        if x2 is None:
+            return u.reshape(1, n)
+        return np.bitwise_xor(u, x2).reshape(1, n)
+    out = np.empty((itemsize, n), dtype=np.uint8)
+    scratch = np.empty(min(n, BLOCK), dtype=u.dtype)
+    tmp = np.empty_like(scratch)
+    for s in range(0, n, BLOCK):
+        e = min(n, s + BLOCK)
+        m = e - s
+        xb = u[s:e] if x2 is None else np.bitwise_xor(u[s:e], x2[s:e], out=scratch[:m])
+        np.copyto(out[0, s:e], xb, casting="unsafe")
+        for j in range(1, itemsize):
+            np.right_shift(xb, 8 * j, out=tmp[:m])
+            np.copyto(out[j, s:e], tmp[:m], casting="unsafe")
+    return out
+
+
+def _unshuffle_block(planes: np.ndarray, s: int, e: int, out: np.ndarray,
+                     tmp: np.ndarray) -> np.ndarray:
+    """Elements s..e from (itemsize, n) planes into the unsigned array ``out``."""
+    itemsize = planes.shape[0]
+    m = e - s
+    np.copyto(out, planes[itemsize - 1, s:e], casting="unsafe")
+    for j in range(itemsize - 2, -1, -1):
+        np.left_shift(out, 8, out=out)
+        np.copyto(tmp[:m], planes[j, s:e], casting="unsafe")
+        np.bitwise_or(out, tmp[:m], out=out)
+    return out
 
 
 def shuffle_bytes(bits: np.ndarray, itemsize: int) -> bytes:
     """Byte planes: all first bytes, then all second bytes... (zstd-friendly)."""
-    if itemsize == 1:
-        return bits.tobytes()
-    return np.ascontiguousarray(bits.view(np.uint8).reshape(-1, itemsize).T).tobytes()
+    return shuffle_planes(bits, itemsize).tobytes()
 
 
-def unshuffle_bytes(raw: bytes, count: int, dt: DType) -> np.ndarray:
-    planes = np.frombuffer(raw, dtype=np.uint8)
+def unshuffle_bytes(raw: bytes | memoryview | np.ndarray, count: int, dt: DType) -> np.ndarray:
+    """Inverse of ``shuffle_bytes``: a new, writable array of ``count`` bit patterns."""
+    planes = np.frombuffer(raw, dtype=np.uint8).reshape(dt.itemsize, count)
+    out = np.empty(count, dtype=np.dtype(f"u{dt.itemsize}"))
     if dt.itemsize == 1:
-        return planes.view(dt.np_view)
-    return np.ascontiguousarray(planes.reshape(dt.itemsize, count).T).view(dt.np_view).reshape(-1)
+        out[:] = planes[0]
+        return out.view(dt.np_view)
+    tmp = np.empty(min(count, BLOCK), dtype=out.dtype)
+    for s in range(0, count, BLOCK):
+        e = min(count, s + BLOCK)
+        _unshuffle_block(planes, s, e, out[s:e], tmp)
+    return out.view(dt.np_view)
+
+
+def xor_planes_into(flat: np.ndarray, planes: np.ndarray, hasher=None) -> int:
+    """``flat ^= unshuffle(planes)`` in place, block by block; returns how many
+    elements the XOR changed. ``hasher`` (e.g. an XXH3 state), if given, is fed
+    the result block by block, so the caller gets the new tensor's digest
+    without another pass over it."""
+    u = _uview(flat)
+    n = u.size
+    itemsize = planes.shape[0]
+    changed = 0
+    scratch = np.empty(min(n, BLOCK), dtype=u.dtype)
+    tmp = np.empty_like(scratch)
+    for s in range(0, n, BLOCK):
+        e = min(n, s + BLOCK)
+        m = e - s
+        xb = planes[0, s:e] if itemsize == 1 else _unshuffle_block(planes, s, e, scratch[:m], tmp)
+        ub = u[s:e]
+        np.bitwise_xor(ub, xb, out=ub)
+        changed += int(np.count_nonzero(xb))
+        if hasher is not None:
+            hasher.update(ub)
+    return changed
+
+
+def compress_planes(planes: np.ndarray, level: int = ZSTD_DENSE_LEVEL) -> bytes:
+    return zstandard.ZstdCompressor(level=level).compress(planes)
 
 
 def encode_blob(bits: np.ndarray, dt: DType, level: int = ZSTD_DENSE_LEVEL) -> bytes:
-    return zstandard.ZstdCompressor(level=level).compress(shuffle_bytes(bits, dt.itemsize))
+    return compress_planes(shuffle_planes(bits, dt.itemsize), level)
+
+
+def encode_xor_blob(old_bits: np.ndarray, new_bits: np.ndarray, dt: DType,
+                    level: int = ZSTD_DENSE_LEVEL) -> bytes:
+    """DENSE payload: zstd of the byte planes of ``old ^ new`` (XOR fused into the shuffle)."""
+    return compress_planes(shuffle_planes(old_bits, dt.itemsize, xor_with=new_bits), level)
+
+
+def decode_planes(r: BodyReader, count: int, dt: DType) -> np.ndarray:
+    """A DENSE/FULL payload as its (itemsize, count) byte planes (read-only)."""
+    # The size comes from the tensor table; the frame's own header is not trusted.
+    raw = decompress_bounded(r.rest(), count * dt.itemsize, r.what, PatchFormatError)
+    return np.frombuffer(raw, dtype=np.uint8).reshape(dt.itemsize, count)
 
 
 def decode_blob(r: BodyReader, count: int, dt: DType) -> np.ndarray:
-    # The size comes from the tensor table; the frame's own header is not trusted.
-    raw = decompress_bounded(r.rest(), count * dt.itemsize, r.what, PatchFormatError)
-    return unshuffle_bytes(raw, count, dt)
+    """A DENSE/FULL payload as a new, writable array of ``count`` bit patterns."""
+    return unshuffle_bytes(decode_planes(r, count, dt), count, dt)
