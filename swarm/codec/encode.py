@@ -3,8 +3,8 @@
 ``encode_patch(old, new)`` compares bit patterns tensor by tensor and writes
 one record per tensor that differs (unchanged tensors get none). Per tensor it
 picks the smaller of SPARSE and, when many elements changed, DENSE (chosen
-from the changed count and a coded sample, so a dense tensor never pays for
-the sparse coder, see ``choose_op``); tensors
+from the changed count and samples, so a dense tensor never pays for the
+sparse coder, see ``plan_op``); tensors
 added, reshaped or re-typed travel whole (FULL), removed ones as DELETE.
 Tensors are processed on a thread pool: the heavy numpy and hashing calls
 release the GIL.
@@ -25,20 +25,22 @@ from swarm.codec import context as ctx
 from swarm.codec import records
 from swarm.codec.digest import state_digest, tensor_digest
 from swarm.codec.dtypes import DType, bits_view, dtype_of
-from swarm.codec.format import DIGEST_BYTES, Op, TableEntry, encode_header, frame_record
+from swarm.codec.format import DIGEST_BYTES, Op, TableEntry, encode_header, record_prefix
 
 # Try DENSE when more than this fraction of a tensor changed.
 DENSE_TRY_FRACTION = 0.15
 # Above it DENSE is used unless SPARSE is (estimated) more than DENSE_BIAS
 # smaller: in that regime the sparse coder is 30-100x slower than DENSE, on
-# both sides, so a few percent of bytes do not pay for it. Tensors of at least
-# SAMPLE_MIN_ELEMENTS are estimated from SAMPLE_BLOCKS evenly spread blocks
-# (a quarter of the tensor, at most SAMPLE_BLOCKS x SAMPLE_BLOCK elements)
-# coded both ways; smaller ones are coded both ways in full.
+# both sides, so a few percent of bytes do not pay for it. The SPARSE size is
+# estimated without coding, from the changed count and a strided sample of
+# SPARSE_SAMPLE elements; the DENSE size by compressing SAMPLE_BLOCKS evenly
+# spread blocks of SAMPLE_BLOCK elements (tensors of DENSE_SAMPLE_MIN elements
+# or more, at most 1/16 of the work) or, for smaller tensors, the payload itself.
 DENSE_BIAS = 0.15
+SPARSE_SAMPLE = 1 << 12
 SAMPLE_BLOCKS = 8
 SAMPLE_BLOCK = 1 << 12
-SAMPLE_MIN_ELEMENTS = 1 << 16
+DENSE_SAMPLE_MIN = 16 * SAMPLE_BLOCKS * SAMPLE_BLOCK
 
 
 @dataclass
@@ -106,25 +108,36 @@ def _scan(old_bits: np.ndarray, new_bits: np.ndarray) -> tuple[np.ndarray, int, 
     return mask, int(np.count_nonzero(mask)), h_old.digest(), h_new.digest()
 
 
-def _sample(bits: np.ndarray) -> np.ndarray:
-    n = bits.size
-    size = min(SAMPLE_BLOCK, n // (4 * SAMPLE_BLOCKS))
-    starts = np.linspace(0, n - size, SAMPLE_BLOCKS).astype(np.int64)
-    return np.concatenate([bits[s:s + size] for s in starts])
+def _block_sample(bits: np.ndarray) -> np.ndarray:
+    starts = np.linspace(0, bits.size - SAMPLE_BLOCK, SAMPLE_BLOCKS).astype(np.int64)
+    return np.concatenate([bits[s:s + SAMPLE_BLOCK] for s in starts])
 
 
-def _estimate(old_bits: np.ndarray, new_bits: np.ndarray, dt: DType) -> tuple[float, float]:
-    """(SPARSE bytes, DENSE bytes) estimated by coding an evenly spread sample
-    of ``SAMPLE_BLOCKS`` blocks with the real coders (at most 1/4 of the work,
-    ~1/1000 for a 32M-element tensor) and scaling to the whole tensor. SPARSE within
-    ~1% of the real size, DENSE within 3% (15% for random data) on the
-    benchmark's dense cases."""
-    so, sn = _sample(old_bits), _sample(new_bits)
-    scale = old_bits.size / so.size
-    idx = np.flatnonzero(so != sn)
-    sparse = len(records.encode_sparse(idx, so[idx], sn[idx], dt)[0]) if idx.size else 0
-    dense = len(records.encode_xor_blob(so, sn, dt))
-    return sparse * scale, dense * scale
+def plan_op(old_bits: np.ndarray, new_bits: np.ndarray, changed: int, dt: DType
+            ) -> tuple[str, bytes | None]:
+    """Which coder a same-shape tensor with ``changed`` elements changed gets:
+    ("sparse" or "dense", the DENSE payload if it was computed on the way).
+
+    Decided before any full-size entropy coding: up to ``DENSE_TRY_FRACTION``
+    changed is SPARSE; above it DENSE unless SPARSE is estimated more than
+    ``DENSE_BIAS`` smaller. The estimates (see the constants) are within ~1% of
+    the real SPARSE size and ~3% of DENSE (15% for random data) on the
+    benchmark's cases, and cost a few percent of a DENSE encode."""
+    n = new_bits.size
+    if changed <= DENSE_TRY_FRACTION * n:
+        return "sparse", None
+    stride = max(1, n // SPARSE_SAMPLE)
+    so, sn = old_bits[::stride], new_bits[::stride]
+    j = np.flatnonzero(so != sn)
+    sparse = records.estimate_sparse_bytes(n, changed, so[j], sn[j], dt)
+    payload = None
+    if n >= DENSE_SAMPLE_MIN:
+        bo, bn = _block_sample(old_bits), _block_sample(new_bits)
+        dense = len(records.encode_xor_blob(bo, bn, dt)) * n / bo.size
+    else:
+        payload = records.encode_xor_blob(old_bits, new_bits, dt)
+        dense = len(payload)
+    return ("sparse" if sparse < (1 - DENSE_BIAS) * dense else "dense"), payload
 
 
 def _encode_sparse(old_bits: np.ndarray, new_bits: np.ndarray, idx: np.ndarray, dt: DType,
@@ -143,38 +156,23 @@ def _encode_sparse(old_bits: np.ndarray, new_bits: np.ndarray, idx: np.ndarray, 
     return payload, op
 
 
-def choose_op(old_bits: np.ndarray, new_bits: np.ndarray, changed: int, dt: DType) -> str:
-    """Which coder to run for a same-shape tensor with ``changed`` elements changed:
-    "sparse", "dense" or "both" (small tensors; then the rule below is applied to
-    the exact sizes). Decided before any full-size entropy coding: up to
-    ``DENSE_TRY_FRACTION`` changed is always sparse; above it DENSE unless a coded
-    sample says SPARSE is more than ``DENSE_BIAS`` smaller."""
-    n = new_bits.size
-    if changed <= DENSE_TRY_FRACTION * n:
-        return "sparse"
-    if n < SAMPLE_MIN_ELEMENTS:
-        return "both"
-    sparse, dense = _estimate(old_bits, new_bits, dt)
-    return "sparse" if sparse < (1 - DENSE_BIAS) * dense else "dense"
-
-
 def _encode_one(name: str, old: torch.Tensor | None, new: torch.Tensor | None,
                 context: str = "auto"
-                ) -> tuple[TableEntry, bytes | None, TensorStats, bytes | None, bytes | None]:
-    """-> (table entry, record body or None when unchanged, stats, new tensor digest,
-    old tensor digest or None when not computed)."""
+                ) -> tuple[TableEntry, list[bytes] | None, TensorStats, bytes | None, bytes | None]:
+    """-> (table entry, record body as parts to concatenate or None when unchanged,
+    stats, new tensor digest, old tensor digest or None when not computed)."""
     if new is None:
         assert old is not None
         dt = dtype_of(old, name)
         entry = TableEntry(name, Op.DELETE, dt, tuple(old.shape))
-        return entry, b"", TensorStats(name, "DELETE", old.numel(), 0, 0, 0), None, None
+        return entry, [], TensorStats(name, "DELETE", old.numel(), 0, 0, 0), None, None
     dt = dtype_of(new, name)
     new_bits = _bits(new, dt)
     full_bytes = new.numel() * dt.itemsize
     if old is None or old.dtype != new.dtype or tuple(old.shape) != tuple(new.shape):
         digest = tensor_digest(new)
         entry = TableEntry(name, Op.FULL, dt, tuple(new.shape))
-        body = digest[:DIGEST_BYTES] + records.encode_blob(new_bits, dt)
+        body = [digest[:DIGEST_BYTES], records.encode_blob(new_bits, dt)]
         stats = TensorStats(name, "FULL", new.numel(), new.numel(), 0, full_bytes)
         return entry, body, stats, digest, None
     old_bits = _bits(old, dt)
@@ -182,18 +180,16 @@ def _encode_one(name: str, old: torch.Tensor | None, new: torch.Tensor | None,
     stats = TensorStats(name, "SPARSE", new.numel(), k, 0, full_bytes)
     if k == 0:
         return TableEntry(name, Op.SPARSE, dt, tuple(new.shape)), None, stats, digest, old_digest
-    plan = choose_op(old_bits, new_bits, k, dt)
-    payload, op = b"", Op.DENSE
-    if plan != "dense":
+    plan, dense = plan_op(old_bits, new_bits, k, dt)
+    if plan == "sparse":
         payload, op = _encode_sparse(old_bits, new_bits, np.flatnonzero(mask), dt, context)
-    del mask
-    if plan != "sparse":
-        dense = records.encode_xor_blob(old_bits, new_bits, dt)
-        if plan == "dense" or len(payload) >= (1 - DENSE_BIAS) * len(dense):
-            payload, op = dense, Op.DENSE
+    else:
+        del mask
+        payload = dense if dense is not None else records.encode_xor_blob(old_bits, new_bits, dt)
+        op = Op.DENSE
     stats.op = op.name
     entry = TableEntry(name, op, dt, tuple(new.shape))
-    return entry, digest[:DIGEST_BYTES] + payload, stats, digest, old_digest
+    return entry, [digest[:DIGEST_BYTES], payload], stats, digest, old_digest
 
 
 def encode_patch(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], *,
@@ -235,9 +231,11 @@ def encode_patch(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor
         stats.append(st)
         if body is None:
             continue
-        record = frame_record(body)
-        st.record_bytes = len(record)
+        prefix = record_prefix(sum(len(b) for b in body))
+        st.record_bytes = len(prefix) + sum(len(b) for b in body)
         entries.append(entry)
-        framed.append(record)
-    patch = encode_header(base_digest, target_digest, entries) + b"".join(framed)
+        framed.append(prefix)
+        framed.extend(body)
+    # One concatenation: a dense patch is tens of MB, every extra join is a memcpy.
+    patch = b"".join([encode_header(base_digest, target_digest, entries), *framed])
     return EncodeResult(patch, base_digest, target_digest, time.perf_counter() - t0, stats)

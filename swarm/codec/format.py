@@ -103,10 +103,14 @@ def encode_header(base_digest: bytes | None, target_digest: bytes | None,
     return head + struct.pack("<I", check32(head, packed)) + packed
 
 
-def frame_record(body: bytes) -> bytes:
+def record_prefix(body_len: int) -> bytes:
     head = bytearray()
-    put_varint(head, len(body))
-    return bytes(head) + body
+    put_varint(head, body_len)
+    return bytes(head)
+
+
+def frame_record(body: bytes) -> bytes:
+    return record_prefix(len(body)) + body
 
 
 # ------------------------------------------------------------------ reading

@@ -16,6 +16,7 @@ nearly everywhere, or is new, reshaped or re-typed.
 from __future__ import annotations
 
 import itertools
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -299,8 +300,76 @@ def xor_planes_into(flat: np.ndarray, planes: np.ndarray, hasher=None) -> int:
     return changed
 
 
+# A byte plane whose order-0 entropy (on a sample) is above this many bits per
+# byte is stored raw: zstd would spend ~1 ns/byte to save under 10% of it. Low
+# mantissa planes of a dense update or a redrawn tensor are like that.
+RAW_PLANE_BITS = 7.2
+PLANE_SAMPLE = 1 << 16
+RAW_BLOCK = 128 * 1024  # zstd's Block_Maximum_Size
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+def plane_entropy_bits(plane: np.ndarray) -> float:
+    """Order-0 entropy in bits per byte of a strided sample of a byte plane."""
+    sample = plane[:: max(1, plane.size // PLANE_SAMPLE)]
+    counts = np.bincount(sample, minlength=256)
+    p = counts[counts > 0] / sample.size
+    return float(-(p * np.log2(p)).sum())
+
+
+def raw_planes(planes: np.ndarray) -> int:
+    """How many leading (least significant) byte planes to store raw."""
+    count = 0
+    while count < planes.shape[0] and plane_entropy_bits(planes[count]) > RAW_PLANE_BITS:
+        count += 1
+    return count
+
+
+def _frame_header_size(frame: bytes) -> tuple[int, int | None]:
+    """(header bytes, window descriptor byte or None if single-segment) of a frame
+    written by ``zstandard`` without checksum or dictionary id."""
+    fhd = frame[4]
+    single = (fhd >> 5) & 1
+    if fhd & 0x07:  # checksum or dictionary id: not what we asked for
+        raise ValueError("unexpected zstd frame header")
+    fcs = (1 if single else 0, 2, 4, 8)[fhd >> 6]
+    return 5 + (0 if single else 1) + fcs, (None if single else frame[5])
+
+
 def compress_planes(planes: np.ndarray, level: int = ZSTD_DENSE_LEVEL) -> bytes:
-    return zstandard.ZstdCompressor(level=level).compress(planes)
+    """One zstd frame of the byte planes (all first bytes, then all second bytes...).
+
+    Planes that look incompressible (``raw_planes``) are not given to zstd: the
+    frame is then written here as their raw blocks followed by the blocks of a
+    zstd frame of the remaining planes. That is a standard frame: raw blocks
+    change no decoder state (repeat offsets, entropy tables), so the compressed
+    blocks decode after them exactly as at the start of their own frame, and
+    their matches reach back only inside their own planes."""
+    cctx = zstandard.ZstdCompressor(level=level, write_checksum=False, write_dict_id=False)
+    n = planes.shape[1]
+    nraw = raw_planes(planes) if n else 0
+    if nraw == 0:
+        return cctx.compress(planes)
+    flat = planes.reshape(-1)
+    raw, rest = flat[: nraw * n], flat[nraw * n:]
+    sub, window = b"", None
+    if rest.size:
+        sub = cctx.compress(rest)
+        head, window = _frame_header_size(sub)
+        sub = sub[head:]
+    if window is None:  # window >= 128 KiB and >= the compressed part (when single-segment)
+        wlog = max(17, int(rest.size - 1).bit_length())
+        window = (wlog - 10) << 3
+    total = flat.size
+    fcs_flag, fcs = (2, struct.pack("<I", total)) if total < 1 << 32 else (3, struct.pack("<Q", total))
+    out = [_ZSTD_MAGIC, bytes([fcs_flag << 6, window]), fcs]
+    for off in range(0, raw.size, RAW_BLOCK):
+        size = min(RAW_BLOCK, raw.size - off)
+        last = int(off + size == raw.size and not rest.size)
+        out.append((last | size << 3).to_bytes(3, "little"))
+        out.append(raw[off:off + size].tobytes())
+    out.append(sub)
+    return b"".join(out)
 
 
 def encode_blob(bits: np.ndarray, dt: DType, level: int = ZSTD_DENSE_LEVEL) -> bytes:
@@ -323,3 +392,49 @@ def decode_planes(r: BodyReader, count: int, dt: DType) -> np.ndarray:
 def decode_blob(r: BodyReader, count: int, dt: DType) -> np.ndarray:
     """A DENSE/FULL payload as a new, writable array of ``count`` bit patterns."""
     return unshuffle_bytes(decode_planes(r, count, dt), count, dt)
+
+
+# ------------------------------------------------------------------ size estimates
+
+
+def rice_bits_geometric(count: int, p: float) -> float:
+    """Expected bits of ``count`` Rice-coded gaps (best parameter) when each slot is
+    a member with probability ``p`` (geometric gaps): per gap
+    r + 1 + E[g >> r], with E[g >> r] = q^(2^r) / (1 - q^(2^r)), q = 1 - p."""
+    if count == 0:
+        return 0.0
+    q = min(max(1.0 - p, 0.0), 1.0 - 1e-12)
+    best = float("inf")
+    for r in range(bs.MAX_RICE_K + 1):
+        qr = q ** (1 << r)
+        best = min(best, r + 1 + qr / (1.0 - qr))
+        if qr < 1e-9:
+            break
+    return count * best
+
+
+def estimate_sparse_bytes(n: int, k: int, old_vals: np.ndarray, new_vals: np.ndarray,
+                          dt: DType) -> float:
+    """Size of a SPARSE body for ``k`` changes among ``n`` elements, from a sample
+    of the changes' (old, new) bit patterns, without coding anything: the same
+    decisions as ``encode_sparse`` (big deltas, escapes, Exp-Golomb lengths)
+    counted on the sample and scaled, with i.i.d. (geometric) gaps assumed for
+    the Rice-coded position, delta and escape lists."""
+    m = old_vals.size
+    if k == 0 or m == 0:
+        return 0.0
+    delta = to_ordinal(new_vals, dt) - to_ordinal(old_vals, dt)
+    mag = np.abs(delta)
+    mag_big = mag[mag != 1]
+    eg_len = np.where(mag_big >= 2, bs.expgolomb_lengths(np.maximum(mag_big - 2, 0)), 1 << 30)
+    esc = (mag_big < 2) | (eg_len > dt.width + ESCAPE_SLACK_BITS)
+    scale = k / m
+    nb = mag_big.size * scale
+    ne = int(np.count_nonzero(esc)) * scale
+    bits = rice_bits_geometric(k, k / n) + k  # positions, signs
+    if nb:
+        bits += rice_bits_geometric(round(nb), nb / k)
+        bits += float(eg_len[~esc].sum()) * scale
+    if ne:
+        bits += rice_bits_geometric(round(ne), ne / nb) + ne * dt.width
+    return bits / 8 + 16
