@@ -169,3 +169,28 @@ def test_dense_truncation_refused_and_rolled_back():
         with pytest.raises(PatchFormatError):
             apply_patch(w, DPATCH[:cut])
         assert same_bits(w, DOLD)
+
+
+@pytest.mark.parametrize("rest", [0.0, 0.05, 0.3, 1.0])
+def test_scan_switches_to_planes_after_a_dense_start(rest):
+    """The first eighth fully changed, the rest at ``rest``: whichever op wins, the
+    scan's count, digests and (when it switched) planes are exact, and the patch
+    round-trips."""
+    rng = np.random.default_rng(3)
+    dt = BY_TORCH[torch.bfloat16]
+    n = 8 * B + 123
+    old = random_tensor(rng, dt, (n,))
+    bits = bits_view(old.clone(), dt).numpy().copy()
+    change = rng.random(n) < rest
+    change[: n // 8 + B] = True
+    bits[change] ^= 1
+    new = torch.from_numpy(bits).view(torch.bfloat16)
+    a, b = bits_view(old, dt).numpy(), bits_view(new, dt).numpy()
+    mask, k, planes, od, nd = enc._scan(a, b)
+    assert k == int(np.count_nonzero(a != b))
+    assert od == xxhash.xxh3_64(a.tobytes()).digest() and nd == xxhash.xxh3_64(b.tobytes()).digest()
+    assert planes is not None and mask is None
+    assert np.array_equal(planes, _reference_planes(a ^ b))
+    w = {"t": old.clone()}
+    apply_patch(w, encode_patch({"t": old}, {"t": new}).patch)
+    assert same_bits(w, {"t": new})

@@ -37,6 +37,9 @@ DENSE_TRY_FRACTION = 0.15
 # spread blocks of SAMPLE_BLOCK elements (tensors of DENSE_SAMPLE_MIN elements
 # or more, at most 1/16 of the work) or, for smaller tensors, the payload itself.
 DENSE_BIAS = 0.15
+# The scan writes DENSE's byte planes instead of the change mask once more than
+# this fraction of the tensor's first eighth changed (see _scan).
+DENSE_SCAN_FRACTION = 0.5
 SPARSE_SAMPLE = 1 << 12
 SAMPLE_BLOCKS = 8
 SAMPLE_BLOCK = 1 << 12
@@ -92,20 +95,40 @@ def use_context(mode: str, dt: DType) -> bool:
     return False
 
 
-def _scan(old_bits: np.ndarray, new_bits: np.ndarray) -> tuple[np.ndarray, int, bytes, bytes]:
-    """One blocked pass over both tensors: the changed-element mask, its count, and
-    both tensor digests (hashed while each block is in cache)."""
+def _scan(old_bits: np.ndarray, new_bits: np.ndarray
+          ) -> tuple[np.ndarray | None, int, np.ndarray | None, bytes, bytes]:
+    """One blocked pass over both tensors -> (changed-element mask, changed count,
+    XOR byte planes, old digest, new digest), hashing each block while in cache.
+
+    After the first eighth of the tensor, if more than ``DENSE_SCAN_FRACTION``
+    of it changed, the pass stops writing the mask and writes the XOR's byte
+    planes instead (what DENSE compresses), so a dense tensor is read once:
+    then the mask is None; otherwise the planes are None."""
     n = new_bits.size
     mask = np.empty(n, dtype=bool)
+    planes = None
     h_old, h_new = xxhash.xxh3_64(), xxhash.xxh3_64()
     o8, n8 = old_bits.view(np.uint8), new_bits.view(np.uint8)
+    uo, un = records._uview(old_bits), records._uview(new_bits)
     w = new_bits.itemsize
+    probe = max(records.BLOCK, n // 8)
+    k = 0
     for s in range(0, n, records.BLOCK):
         e = min(n, s + records.BLOCK)
-        np.not_equal(old_bits[s:e], new_bits[s:e], out=mask[s:e])
         h_old.update(o8[s * w:e * w])
         h_new.update(n8[s * w:e * w])
-    return mask, int(np.count_nonzero(mask)), h_old.digest(), h_new.digest()
+        if planes is not None:
+            k += records.shuffle_range(uo, un, planes, s, e)
+            continue
+        np.not_equal(old_bits[s:e], new_bits[s:e], out=mask[s:e])
+        if s < probe <= e < n:
+            k = int(np.count_nonzero(mask[:e]))
+            if k > DENSE_SCAN_FRACTION * e:
+                planes = np.empty((w, n), dtype=np.uint8)
+                records.shuffle_range(uo, un, planes, 0, e)
+    if planes is None:
+        return mask, int(np.count_nonzero(mask)), None, h_old.digest(), h_new.digest()
+    return None, k, planes, h_old.digest(), h_new.digest()
 
 
 def _block_sample(bits: np.ndarray) -> np.ndarray:
@@ -113,8 +136,8 @@ def _block_sample(bits: np.ndarray) -> np.ndarray:
     return np.concatenate([bits[s:s + SAMPLE_BLOCK] for s in starts])
 
 
-def plan_op(old_bits: np.ndarray, new_bits: np.ndarray, changed: int, dt: DType
-            ) -> tuple[str, bytes | None]:
+def plan_op(old_bits: np.ndarray, new_bits: np.ndarray, changed: int, dt: DType,
+            planes: np.ndarray | None = None) -> tuple[str, bytes | None]:
     """Which coder a same-shape tensor with ``changed`` elements changed gets:
     ("sparse" or "dense", the DENSE payload if it was computed on the way).
 
@@ -135,7 +158,8 @@ def plan_op(old_bits: np.ndarray, new_bits: np.ndarray, changed: int, dt: DType
         bo, bn = _block_sample(old_bits), _block_sample(new_bits)
         dense = len(records.encode_xor_blob(bo, bn, dt)) * n / bo.size
     else:
-        payload = records.encode_xor_blob(old_bits, new_bits, dt)
+        payload = (records.compress_planes(planes) if planes is not None
+                   else records.encode_xor_blob(old_bits, new_bits, dt))
         dense = len(payload)
     return ("sparse" if sparse < (1 - DENSE_BIAS) * dense else "dense"), payload
 
@@ -176,17 +200,21 @@ def _encode_one(name: str, old: torch.Tensor | None, new: torch.Tensor | None,
         stats = TensorStats(name, "FULL", new.numel(), new.numel(), 0, full_bytes)
         return entry, body, stats, digest, None
     old_bits = _bits(old, dt)
-    mask, k, old_digest, digest = _scan(old_bits, new_bits)
+    mask, k, planes, old_digest, digest = _scan(old_bits, new_bits)
     stats = TensorStats(name, "SPARSE", new.numel(), k, 0, full_bytes)
     if k == 0:
         return TableEntry(name, Op.SPARSE, dt, tuple(new.shape)), None, stats, digest, old_digest
-    plan, dense = plan_op(old_bits, new_bits, k, dt)
+    plan, dense = plan_op(old_bits, new_bits, k, dt, planes)
     if plan == "sparse":
-        payload, op = _encode_sparse(old_bits, new_bits, np.flatnonzero(mask), dt, context)
+        idx = np.flatnonzero(mask if mask is not None else old_bits != new_bits)
+        del mask, planes
+        payload, op = _encode_sparse(old_bits, new_bits, idx, dt, context)
     else:
         del mask
-        payload = dense if dense is not None else records.encode_xor_blob(old_bits, new_bits, dt)
-        op = Op.DENSE
+        if dense is None:
+            dense = (records.compress_planes(planes) if planes is not None
+                     else records.encode_xor_blob(old_bits, new_bits, dt))
+        payload, op = dense, Op.DENSE
     stats.op = op.name
     entry = TableEntry(name, op, dt, tuple(new.shape))
     return entry, [digest[:DIGEST_BYTES], payload], stats, digest, old_digest

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import struct
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -220,28 +221,48 @@ def _uview(bits: np.ndarray) -> np.ndarray:
     return bits.view(np.dtype(f"u{bits.dtype.itemsize}"))
 
 
+def shuffle_range(u: np.ndarray, x2: np.ndarray | None, out: np.ndarray, start: int,
+                  stop: int) -> int:
+    """Elements ``start..stop`` of the unsigned array ``u`` (XORed with ``x2`` if
+    given) into the (itemsize, n) byte planes ``out``, block by block; returns
+    how many of them are nonzero after the XOR (0 without ``x2``)."""
+    itemsize = out.shape[0]
+    changed = 0
+    if itemsize == 1:
+        if x2 is None:
+            out[0, start:stop] = u[start:stop]
+        else:
+            np.bitwise_xor(u[start:stop], x2[start:stop], out=out[0, start:stop])
+            changed = int(np.count_nonzero(out[0, start:stop]))
+        return changed
+    scratch = np.empty(min(stop - start, BLOCK), dtype=u.dtype)
+    tmp = np.empty_like(scratch)
+    for s in range(start, stop, BLOCK):
+        e = min(stop, s + BLOCK)
+        m = e - s
+        if x2 is None:
+            xb = u[s:e]
+        else:
+            xb = np.bitwise_xor(u[s:e], x2[s:e], out=scratch[:m])
+            changed += int(np.count_nonzero(xb))
+        np.copyto(out[0, s:e], xb, casting="unsafe")
+        for j in range(1, itemsize):
+            np.right_shift(xb, 8 * j, out=tmp[:m])
+            np.copyto(out[j, s:e], tmp[:m], casting="unsafe")
+    return changed
+
+
 def shuffle_planes(bits: np.ndarray, itemsize: int, xor_with: np.ndarray | None = None
                    ) -> np.ndarray:
     """Byte planes of ``bits`` (or of ``bits ^ xor_with``): an (itemsize, n) uint8
     array holding all first (least significant) bytes, then all second bytes..."""
     n = bits.size
     u = _uview(bits.reshape(-1))
+    if itemsize == 1 and xor_with is None:
+        return u.reshape(1, n)
     x2 = None if xor_with is None else _uview(xor_with.reshape(-1))
-    if itemsize == 1:
-        if x2 is None:
-            return u.reshape(1, n)
-        return np.bitwise_xor(u, x2).reshape(1, n)
     out = np.empty((itemsize, n), dtype=np.uint8)
-    scratch = np.empty(min(n, BLOCK), dtype=u.dtype)
-    tmp = np.empty_like(scratch)
-    for s in range(0, n, BLOCK):
-        e = min(n, s + BLOCK)
-        m = e - s
-        xb = u[s:e] if x2 is None else np.bitwise_xor(u[s:e], x2[s:e], out=scratch[:m])
-        np.copyto(out[0, s:e], xb, casting="unsafe")
-        for j in range(1, itemsize):
-            np.right_shift(xb, 8 * j, out=tmp[:m])
-            np.copyto(out[j, s:e], tmp[:m], casting="unsafe")
+    shuffle_range(u, x2, out, 0, n)
     return out
 
 
@@ -309,6 +330,22 @@ RAW_BLOCK = 128 * 1024  # zstd's Block_Maximum_Size
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 
+_local = threading.local()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    """A compressor per thread and level, reused: a fresh one costs an allocation
+    (and page faults) of its context on every record."""
+    cache = getattr(_local, "cctx", None)
+    if cache is None:
+        cache = _local.cctx = {}
+    cctx = cache.get(level)
+    if cctx is None:
+        cctx = cache[level] = zstandard.ZstdCompressor(
+            level=level, write_checksum=False, write_dict_id=False)
+    return cctx
+
+
 def plane_entropy_bits(plane: np.ndarray) -> float:
     """Order-0 entropy in bits per byte of a strided sample of a byte plane."""
     sample = plane[:: max(1, plane.size // PLANE_SAMPLE)]
@@ -345,7 +382,7 @@ def compress_planes(planes: np.ndarray, level: int = ZSTD_DENSE_LEVEL) -> bytes:
     change no decoder state (repeat offsets, entropy tables), so the compressed
     blocks decode after them exactly as at the start of their own frame, and
     their matches reach back only inside their own planes."""
-    cctx = zstandard.ZstdCompressor(level=level, write_checksum=False, write_dict_id=False)
+    cctx = _compressor(level)
     n = planes.shape[1]
     nraw = raw_planes(planes) if n else 0
     if nraw == 0:
