@@ -141,14 +141,14 @@ class BitReader:
     def unary(self, count: int, what: str) -> np.ndarray:
         if count == 0:
             return np.zeros(0, dtype=np.int64)
-        # Scan a window that usually holds all ``count`` codes (Rice quotients with
-        # the best parameter average under one bit), widening if not.
-        window = 2 * count + 64
+        # Scan a window that usually holds all ``count`` codes, widening if not.
+        window = 4 * count + 64
         while True:
             ones = np.flatnonzero(self.bits[self.pos:self.pos + window])
             if ones.size >= count or self.pos + window >= self.bits.size:
                 break
-            window *= 2
+            # Widen to what the density of ones seen so far says is needed (+20%).
+            window = int(window * max(2.0, 1.2 * count / max(1, ones.size)))
         if ones.size < count:
             raise PatchFormatError(f"{self.what} {what}: unary codes truncated")
         ends = ones[:count]
