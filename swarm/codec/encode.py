@@ -40,6 +40,7 @@ DENSE_BIAS = 0.15
 # The scan writes DENSE's byte planes instead of the change mask once more than
 # this fraction of the tensor's first eighth changed (see _scan).
 DENSE_SCAN_FRACTION = 0.5
+SCAN_BLOCK_BYTES = 1 << 18
 SPARSE_SAMPLE = 1 << 12
 SAMPLE_BLOCKS = 8
 SAMPLE_BLOCK = 1 << 12
@@ -111,10 +112,11 @@ def _scan(old_bits: np.ndarray, new_bits: np.ndarray
     o8, n8 = old_bits.view(np.uint8), new_bits.view(np.uint8)
     uo, un = records._uview(old_bits), records._uview(new_bits)
     w = new_bits.itemsize
-    probe = max(records.BLOCK, n // 8)
+    step = SCAN_BLOCK_BYTES // w  # elements per block: ~256 KB of each input
+    probe = max(step, n // 8)
     k = 0
-    for s in range(0, n, records.BLOCK):
-        e = min(n, s + records.BLOCK)
+    for s in range(0, n, step):
+        e = min(n, s + step)
         h_old.update(o8[s * w:e * w])
         h_new.update(n8[s * w:e * w])
         if planes is not None:
