@@ -2,10 +2,11 @@
 
 ``encode_patch(old, new)`` compares bit patterns tensor by tensor and writes
 one record per tensor that differs (unchanged tensors get none). Per tensor it
-picks the smaller of SPARSE and, when many elements changed, DENSE (chosen
-from the changed count and samples, so a dense tensor never pays for the
-sparse coder, see ``plan_op``); tensors
-added, reshaped or re-typed travel whole (FULL), removed ones as DELETE.
+uses SPARSE when few elements changed and, when many did, DENSE unless SPARSE
+is clearly smaller — decided from the changed count and samples before any
+full-size entropy coding, so a dense tensor never pays for the sparse coder
+(``plan_op``); tensors added, reshaped or re-typed travel whole (FULL),
+removed ones as DELETE.
 Tensors are processed on a thread pool: the heavy numpy and hashing calls
 release the GIL.
 """
