@@ -8,7 +8,9 @@ any failure â€” a corrupt or truncated record, a digest mismatch, a wrong base â
 rolls the weights back to exactly the state before the first record, then
 raises. Extra memory is bounded by the decoded records (positions plus old and
 new values), never a full-size copy of a tensor, except that DENSE records
-hold their XOR (their decoded size) until the apply ends.
+hold their XOR (their decoded size, as byte planes) until the apply ends.
+Bytes fed in are not copied while they hold whole records; only an incomplete
+tail is buffered, and copied once when its record completes.
 
 Contract for callers: while an apply is in progress the weights must not be
 served; after ``finish`` they are the target version, after an exception they
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import xxhash
 
 from swarm.codec import records
 from swarm.codec.digest import state_digest, tensor_digest
@@ -34,6 +37,7 @@ from swarm.codec.format import (
     TableEntry,
     decode_header,
     header_size_needed,
+    record_extent,
     split_record,
 )
 from swarm.errors import PatchApplyError, PatchFormatError
@@ -84,9 +88,14 @@ class PatchApplier:
         """
         if self._failed:
             raise PatchApplyError("apply already failed; weights were restored")
-        self._buf += data
         try:
-            self._drain()
+            if self._buf:
+                self._buf += data
+                if not self._ready():
+                    return self._next
+                data = bytes(self._buf)  # one copy per completed record, not per feed
+                self._buf.clear()
+            self._drain(memoryview(data))
         except BaseException:
             self.rollback()
             raise
@@ -98,8 +107,10 @@ class PatchApplier:
         In stage mode this is the commit: every decoded record is applied here,
         so the weights change only inside this call (the engine's pause)."""
         try:
-            if self.header is None:
-                self._drain()
+            if self.header is None and self._buf:
+                data = bytes(self._buf)
+                self._buf.clear()
+                self._drain(memoryview(data))
             if self.header is None:
                 raise PatchFormatError(f"truncated patch: {len(self._buf)} bytes, no complete header")
             total = len(self.header.entries)
@@ -160,7 +171,7 @@ class PatchApplier:
                 idx, old = u.data  # type: ignore[misc]
                 _scatter(self.weights[u.name], idx, old)
             elif u.kind == "xor":
-                _xor_into(self.weights[u.name], u.data)  # type: ignore[arg-type]
+                _xor_planes(self.weights[u.name], u.data)  # type: ignore[arg-type]
             elif u.kind == "put":
                 if u.data is None:
                     self.weights.pop(u.name, None)
@@ -170,20 +181,32 @@ class PatchApplier:
 
     # ---------------------------------------------------------------- internals
 
-    def _drain(self) -> None:
+    def _ready(self) -> bool:
+        """Whether the buffered bytes complete the header or the next record (or
+        run past the last record, which ``_drain`` reports)."""
         if self.header is None:
             need = header_size_needed(self._buf)
-            if need is None or len(self._buf) < need:
+            return need is not None and len(self._buf) >= need
+        if self._next >= len(self.header.entries):
+            return True
+        return record_extent(self._buf, 0, self.header.entries[self._next]) is not None
+
+    def _drain(self, view: memoryview) -> None:
+        """Apply every record complete in ``view`` (the bytes after those consumed
+        so far); keep the incomplete rest in ``self._buf``."""
+        offset = 0
+        if self.header is None:
+            need = header_size_needed(view)
+            if need is None or len(view) < need:
+                self._buf += view
                 return
-            self.header = decode_header(self._buf)
-            del self._buf[: self.header.header_bytes]
+            self.header = decode_header(view)
+            offset = self.header.header_bytes
             base = self.header.base_digest
             if self.check_base and base is not None and state_digest(self.weights, self.known) != base:
                 raise PatchApplyError(
                     "patch does not apply to these weights (base state digest differs: "
                     "wrong base version or foreign model)")
-        view = memoryview(bytes(self._buf))  # a snapshot, so the buffer can shrink below
-        offset = 0
         while self._next < len(self.header.entries):
             entry = self.header.entries[self._next]
             got = split_record(view, offset, entry)
@@ -192,9 +215,11 @@ class PatchApplier:
             body, offset = got
             self._apply_record(entry, body)
             self._next += 1
-        del self._buf[:offset]
-        if self._next == len(self.header.entries) and self._buf:
-            raise PatchFormatError(f"{len(self._buf)} trailing bytes after the last record")
+        rest = len(view) - offset
+        if self._next == len(self.header.entries) and rest:
+            raise PatchFormatError(f"{rest} trailing bytes after the last record")
+        if rest:
+            self._buf += view[offset:]
 
     def _apply_record(self, entry: TableEntry, body: memoryview) -> None:
         edit = self._decode_record(entry, body)
@@ -215,12 +240,13 @@ class PatchApplier:
         digest = bytes(r.take(DIGEST_BYTES))
         dt = entry.dtype
         if entry.op == Op.FULL:
-            bits = records.decode_blob(r, entry.numel, dt)
-            new = torch.from_numpy(bits.copy()).view(dt.torch_dtype).reshape(entry.shape)
+            bits = records.decode_blob(r, entry.numel, dt)  # a new, writable array
+            new = torch.from_numpy(bits).view(dt.torch_dtype).reshape(entry.shape)
             return _Edit(entry, what, digest, "put", new)
         t = self._base_tensor(entry, what)
         if entry.op == Op.DENSE:
-            return _Edit(entry, what, digest, "xor", records.decode_blob(r, entry.numel, dt))
+            # Kept as byte planes: un-shuffled block by block while XORed in (commit).
+            return _Edit(entry, what, digest, "xor", records.decode_planes(r, entry.numel, dt))
         reader = _block_reader(t) if entry.op == Op.SPARSE_CTX else None
         idx, head = records.decode_sparse_positions(r, entry.numel, dt, reader)
         old = _gather(t, idx)
@@ -243,19 +269,26 @@ class PatchApplier:
         else:
             t = self._base_tensor(edit.entry, edit.what)
             if edit.kind == "xor":
-                _xor_into(t, edit.data)  # type: ignore[arg-type]
+                hasher = xxhash.xxh3_64() if t.device.type == "cpu" else None
+                changed = _xor_planes(t, edit.data, hasher)  # type: ignore[arg-type]
                 self._undo.append(_Undo(name, "xor", edit.data))
-                self._changed += int(np.count_nonzero(edit.data))
+                self._changed += changed
+                if hasher is not None:  # hashed block by block during the XOR
+                    got = hasher.digest()
+                    self._check_digest(edit, got)
+                    return
             else:
                 idx, old, new = edit.data  # type: ignore[misc]
                 _scatter(t, idx, new)
                 self._undo.append(_Undo(name, "sparse", (idx, old)))
                 self._changed += int(idx.size)
-        got = tensor_digest(t)
+        self._check_digest(edit, tensor_digest(t))
+
+    def _check_digest(self, edit: _Edit, got: bytes) -> None:
         if got[:DIGEST_BYTES] != edit.digest:
             raise PatchApplyError(
                 f"{edit.what}: tensor digest after apply does not match (wrong base tensor)")
-        self._digests[name] = got
+        self._digests[edit.entry.name] = got
 
     def _base_tensor(self, entry: TableEntry, what: str) -> torch.Tensor:
         t = self.weights.get(entry.name)
@@ -311,12 +344,17 @@ def _scatter(t: torch.Tensor, idx: np.ndarray, values: np.ndarray) -> None:
         flat[torch.from_numpy(idx).to(flat.device)] = torch.from_numpy(values).to(flat.device)
 
 
-def _xor_into(t: torch.Tensor, xor: np.ndarray) -> None:
-    flat = bits_view(t, dtype_of(t))
+def _xor_planes(t: torch.Tensor, planes: np.ndarray, hasher=None) -> int:
+    """XOR the byte-shuffled ``planes`` into ``t`` in place; returns how many
+    elements changed. On the CPU this is one blocked pass (un-shuffle, XOR, count,
+    and feeding ``hasher`` the new bytes, all on one block in cache)."""
+    dt = dtype_of(t)
+    flat = bits_view(t, dt)
     if flat.device.type == "cpu":
-        np.bitwise_xor(flat.numpy(), xor, out=flat.numpy())
-    else:
-        flat.bitwise_xor_(torch.from_numpy(xor).to(flat.device))
+        return records.xor_planes_into(flat.numpy(), planes, hasher)
+    xor = records.unshuffle_bytes(planes, flat.numel(), dt)
+    flat.bitwise_xor_(torch.from_numpy(xor).to(flat.device))
+    return int(np.count_nonzero(xor))
 
 
 def stage_patch(weights: MutableMapping[str, torch.Tensor], patch: bytes | memoryview, *,

@@ -113,8 +113,15 @@ class BitReader:
         if width > MAX_FIELD_BITS:
             raise PatchFormatError(f"{self.what} {what}: field width {width} too large")
         b = self._take(count * width, what).reshape(count, width)
+        if width <= 16:  # narrow fields (Rice remainders): shift in one column at a time
+            acc = np.dtype(np.uint8 if width <= 8 else np.uint16)
+            out = b[:, 0].astype(acc)
+            for j in range(1, width):
+                out <<= acc.type(1)
+                out |= b[:, j]
+            return out.astype(np.uint64)
         # Left-pad each field to a whole machine word and let packbits do the rest.
-        word = 8 if width <= 8 else 16 if width <= 16 else 32 if width <= 32 else 64
+        word = 32 if width <= 32 else 64
         padded = np.zeros((count, word), dtype=np.uint8)
         padded[:, word - width:] = b
         return np.packbits(padded, axis=1).view(f">u{word // 8}").reshape(-1).astype(np.uint64)
@@ -140,7 +147,8 @@ class BitReader:
             ones = np.flatnonzero(self.bits[self.pos:self.pos + window])
             if ones.size >= count or self.pos + window >= self.bits.size:
                 break
-            window *= 4
+            # Widen to what the density of ones seen so far says is needed (+20%).
+            window = int(window * max(2.0, 1.2 * count / max(1, ones.size)))
         if ones.size < count:
             raise PatchFormatError(f"{self.what} {what}: unary codes truncated")
         ends = ones[:count]

@@ -103,10 +103,14 @@ def encode_header(base_digest: bytes | None, target_digest: bytes | None,
     return head + struct.pack("<I", check32(head, packed)) + packed
 
 
-def frame_record(body: bytes) -> bytes:
+def record_prefix(body_len: int) -> bytes:
     head = bytearray()
-    put_varint(head, len(body))
-    return bytes(head) + body
+    put_varint(head, body_len)
+    return bytes(head)
+
+
+def frame_record(body: bytes) -> bytes:
+    return record_prefix(len(body)) + body
 
 
 # ------------------------------------------------------------------ reading
@@ -198,9 +202,11 @@ def _parse_entry(i: int, r: object) -> TableEntry:
     return entry
 
 
-def split_record(data: memoryview, offset: int, entry: TableEntry) -> tuple[memoryview, int] | None:
-    """The body of the record at ``offset`` and the offset after it, or None if the
-    record is not complete yet."""
+def record_extent(data: bytes | bytearray | memoryview, offset: int,
+                  entry: TableEntry) -> tuple[int, int] | None:
+    """(body start, body end) of the record at ``offset``, or None if the record
+    is not complete yet. Takes no buffer views, so it may peek into a growing
+    bytearray."""
     length = shift = 0
     pos = offset
     while True:
@@ -218,7 +224,17 @@ def split_record(data: memoryview, offset: int, entry: TableEntry) -> tuple[memo
         raise PatchFormatError(f"record for {entry.name!r}: length {length} exceeds the limit")
     if len(data) - pos < length:
         return None
-    return data[pos:pos + length], pos + length
+    return pos, pos + length
+
+
+def split_record(data: memoryview, offset: int, entry: TableEntry) -> tuple[memoryview, int] | None:
+    """The body of the record at ``offset`` and the offset after it, or None if the
+    record is not complete yet."""
+    got = record_extent(data, offset, entry)
+    if got is None:
+        return None
+    start, end = got
+    return data[start:end], end
 
 
 # ------------------------------------------------------------------ varints

@@ -16,6 +16,8 @@ nearly everywhere, or is new, reshaped or re-typed.
 from __future__ import annotations
 
 import itertools
+import struct
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,7 +31,7 @@ from swarm.codec.format import BodyReader, put_varint
 from swarm.codec.zstd_bounded import decompress_bounded
 from swarm.errors import PatchFormatError
 
-ZSTD_DENSE_LEVEL = 3
+ZSTD_DENSE_LEVEL = 1  # on shuffled XOR planes level 3 is 2-3x slower for <1% smaller (docs/benchmarks.md)
 ESCAPE_SLACK_BITS = 2  # escape when Exp-Golomb is this much longer than a raw value
 
 
@@ -204,27 +206,272 @@ def _unsigned(dt: DType) -> np.dtype:
 
 
 # ------------------------------------------------------------------ DENSE / FULL
+#
+# Byte planes are built and taken apart in blocks of ``BLOCK`` elements, so each
+# block's XOR, shuffle, count and hash run on data still in cache: a DENSE
+# record costs one read of each input and one write of the planes, not a
+# memory pass per step. The planes are split with integer casts and shifts
+# (contiguous, vectorised) rather than a strided byte transpose, which numpy
+# runs several times slower.
+
+BLOCK = 1 << 16
+
+
+def _uview(bits: np.ndarray) -> np.ndarray:
+    return bits.view(np.dtype(f"u{bits.dtype.itemsize}"))
+
+
+def shuffle_range(u: np.ndarray, x2: np.ndarray | None, out: np.ndarray, start: int,
+                  stop: int) -> int:
+    """Elements ``start..stop`` of the unsigned array ``u`` (XORed with ``x2`` if
+    given) into the (itemsize, n) byte planes ``out``, block by block; returns
+    how many of them are nonzero after the XOR (0 without ``x2``)."""
+    itemsize = out.shape[0]
+    changed = 0
+    if itemsize == 1:
+        if x2 is None:
+            out[0, start:stop] = u[start:stop]
+        else:
+            np.bitwise_xor(u[start:stop], x2[start:stop], out=out[0, start:stop])
+            changed = int(np.count_nonzero(out[0, start:stop]))
+        return changed
+    scratch = np.empty(min(stop - start, BLOCK), dtype=u.dtype)
+    tmp = np.empty_like(scratch)
+    for s in range(start, stop, BLOCK):
+        e = min(stop, s + BLOCK)
+        m = e - s
+        if x2 is None:
+            xb = u[s:e]
+        else:
+            xb = np.bitwise_xor(u[s:e], x2[s:e], out=scratch[:m])
+            changed += int(np.count_nonzero(xb))
+        np.copyto(out[0, s:e], xb, casting="unsafe")
+        for j in range(1, itemsize):
+            np.right_shift(xb, 8 * j, out=tmp[:m])
+            np.copyto(out[j, s:e], tmp[:m], casting="unsafe")
+    return changed
+
+
+def shuffle_planes(bits: np.ndarray, itemsize: int, xor_with: np.ndarray | None = None
+                   ) -> np.ndarray:
+    """Byte planes of ``bits`` (or of ``bits ^ xor_with``): an (itemsize, n) uint8
+    array holding all first (least significant) bytes, then all second bytes..."""
+    n = bits.size
+    u = _uview(bits.reshape(-1))
+    if itemsize == 1 and xor_with is None:
+        return u.reshape(1, n)
+    x2 = None if xor_with is None else _uview(xor_with.reshape(-1))
+    out = np.empty((itemsize, n), dtype=np.uint8)
+    shuffle_range(u, x2, out, 0, n)
+    return out
+
+
+def _unshuffle_block(planes: np.ndarray, s: int, e: int, out: np.ndarray,
+                     tmp: np.ndarray) -> np.ndarray:
+    """Elements s..e from (itemsize, n) planes into the unsigned array ``out``."""
+    itemsize = planes.shape[0]
+    m = e - s
+    np.copyto(out, planes[itemsize - 1, s:e], casting="unsafe")
+    for j in range(itemsize - 2, -1, -1):
+        np.left_shift(out, 8, out=out)
+        np.copyto(tmp[:m], planes[j, s:e], casting="unsafe")
+        np.bitwise_or(out, tmp[:m], out=out)
+    return out
 
 
 def shuffle_bytes(bits: np.ndarray, itemsize: int) -> bytes:
     """Byte planes: all first bytes, then all second bytes... (zstd-friendly)."""
-    if itemsize == 1:
-        return bits.tobytes()
-    return np.ascontiguousarray(bits.view(np.uint8).reshape(-1, itemsize).T).tobytes()
+    return shuffle_planes(bits, itemsize).tobytes()
 
 
-def unshuffle_bytes(raw: bytes, count: int, dt: DType) -> np.ndarray:
-    planes = np.frombuffer(raw, dtype=np.uint8)
+def unshuffle_bytes(raw: bytes | memoryview | np.ndarray, count: int, dt: DType) -> np.ndarray:
+    """Inverse of ``shuffle_bytes``: a new, writable array of ``count`` bit patterns."""
+    planes = np.frombuffer(raw, dtype=np.uint8).reshape(dt.itemsize, count)
+    out = np.empty(count, dtype=np.dtype(f"u{dt.itemsize}"))
     if dt.itemsize == 1:
-        return planes.view(dt.np_view)
-    return np.ascontiguousarray(planes.reshape(dt.itemsize, count).T).view(dt.np_view).reshape(-1)
+        out[:] = planes[0]
+        return out.view(dt.np_view)
+    tmp = np.empty(min(count, BLOCK), dtype=out.dtype)
+    for s in range(0, count, BLOCK):
+        e = min(count, s + BLOCK)
+        _unshuffle_block(planes, s, e, out[s:e], tmp)
+    return out.view(dt.np_view)
+
+
+def xor_planes_into(flat: np.ndarray, planes: np.ndarray, hasher=None) -> int:
+    """``flat ^= unshuffle(planes)`` in place, block by block; returns how many
+    elements the XOR changed. ``hasher`` (e.g. an XXH3 state), if given, is fed
+    the result block by block, so the caller gets the new tensor's digest
+    without another pass over it."""
+    u = _uview(flat)
+    n = u.size
+    itemsize = planes.shape[0]
+    changed = 0
+    scratch = np.empty(min(n, BLOCK), dtype=u.dtype)
+    tmp = np.empty_like(scratch)
+    for s in range(0, n, BLOCK):
+        e = min(n, s + BLOCK)
+        m = e - s
+        xb = planes[0, s:e] if itemsize == 1 else _unshuffle_block(planes, s, e, scratch[:m], tmp)
+        ub = u[s:e]
+        np.bitwise_xor(ub, xb, out=ub)
+        changed += int(np.count_nonzero(xb))
+        if hasher is not None:
+            hasher.update(ub)
+    return changed
+
+
+# A byte plane whose order-0 entropy (on a sample) is above this many bits per
+# byte is stored raw: zstd would spend ~1 ns/byte to save under 10% of it. Low
+# mantissa planes of a dense update or a redrawn tensor are like that.
+RAW_PLANE_BITS = 7.2
+PLANE_SAMPLE = 1 << 16
+RAW_BLOCK = 128 * 1024  # zstd's Block_Maximum_Size
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+_local = threading.local()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    """A compressor per thread and level, reused: a fresh one costs an allocation
+    (and page faults) of its context on every record."""
+    cache = getattr(_local, "cctx", None)
+    if cache is None:
+        cache = _local.cctx = {}
+    cctx = cache.get(level)
+    if cctx is None:
+        cctx = cache[level] = zstandard.ZstdCompressor(
+            level=level, write_checksum=False, write_dict_id=False)
+    return cctx
+
+
+def plane_entropy_bits(plane: np.ndarray) -> float:
+    """Order-0 entropy in bits per byte of a strided sample of a byte plane."""
+    sample = plane[:: max(1, plane.size // PLANE_SAMPLE)]
+    counts = np.bincount(sample, minlength=256)
+    p = counts[counts > 0] / sample.size
+    return float(-(p * np.log2(p)).sum())
+
+
+def raw_planes(planes: np.ndarray) -> int:
+    """How many leading (least significant) byte planes to store raw."""
+    count = 0
+    while count < planes.shape[0] and plane_entropy_bits(planes[count]) > RAW_PLANE_BITS:
+        count += 1
+    return count
+
+
+def _frame_header_size(frame: bytes) -> tuple[int, int | None]:
+    """(header bytes, window descriptor byte or None if single-segment) of a frame
+    written by ``zstandard`` without checksum or dictionary id."""
+    fhd = frame[4]
+    single = (fhd >> 5) & 1
+    if fhd & 0x07:  # checksum or dictionary id: not what we asked for
+        raise ValueError("unexpected zstd frame header")
+    fcs = (1 if single else 0, 2, 4, 8)[fhd >> 6]
+    return 5 + (0 if single else 1) + fcs, (None if single else frame[5])
+
+
+def compress_planes(planes: np.ndarray, level: int = ZSTD_DENSE_LEVEL) -> bytes:
+    """One zstd frame of the byte planes (all first bytes, then all second bytes...).
+
+    Planes that look incompressible (``raw_planes``) are not given to zstd: the
+    frame is then written here as their raw blocks followed by the blocks of a
+    zstd frame of the remaining planes. That is a standard frame: raw blocks
+    change no decoder state (repeat offsets, entropy tables), so the compressed
+    blocks decode after them exactly as at the start of their own frame, and
+    their matches reach back only inside their own planes."""
+    cctx = _compressor(level)
+    n = planes.shape[1]
+    nraw = raw_planes(planes) if n else 0
+    if nraw == 0:
+        return cctx.compress(planes)
+    flat = planes.reshape(-1)
+    raw, rest = flat[: nraw * n], flat[nraw * n:]
+    sub, window = b"", None
+    if rest.size:
+        sub = cctx.compress(rest)
+        head, window = _frame_header_size(sub)
+        sub = sub[head:]
+    if window is None:  # window >= 128 KiB and >= the compressed part (when single-segment)
+        wlog = max(17, int(rest.size - 1).bit_length())
+        window = (wlog - 10) << 3
+    total = flat.size
+    fcs_flag, fcs = (2, struct.pack("<I", total)) if total < 1 << 32 else (3, struct.pack("<Q", total))
+    out = [_ZSTD_MAGIC, bytes([fcs_flag << 6, window]), fcs]
+    for off in range(0, raw.size, RAW_BLOCK):
+        size = min(RAW_BLOCK, raw.size - off)
+        last = int(off + size == raw.size and not rest.size)
+        out.append((last | size << 3).to_bytes(3, "little"))
+        out.append(raw[off:off + size].tobytes())
+    out.append(sub)
+    return b"".join(out)
 
 
 def encode_blob(bits: np.ndarray, dt: DType, level: int = ZSTD_DENSE_LEVEL) -> bytes:
-    return zstandard.ZstdCompressor(level=level).compress(shuffle_bytes(bits, dt.itemsize))
+    return compress_planes(shuffle_planes(bits, dt.itemsize), level)
+
+
+def encode_xor_blob(old_bits: np.ndarray, new_bits: np.ndarray, dt: DType,
+                    level: int = ZSTD_DENSE_LEVEL) -> bytes:
+    """DENSE payload: zstd of the byte planes of ``old ^ new`` (XOR fused into the shuffle)."""
+    return compress_planes(shuffle_planes(old_bits, dt.itemsize, xor_with=new_bits), level)
+
+
+def decode_planes(r: BodyReader, count: int, dt: DType) -> np.ndarray:
+    """A DENSE/FULL payload as its (itemsize, count) byte planes (read-only)."""
+    # The size comes from the tensor table; the frame's own header is not trusted.
+    raw = decompress_bounded(r.rest(), count * dt.itemsize, r.what, PatchFormatError)
+    return np.frombuffer(raw, dtype=np.uint8).reshape(dt.itemsize, count)
 
 
 def decode_blob(r: BodyReader, count: int, dt: DType) -> np.ndarray:
-    # The size comes from the tensor table; the frame's own header is not trusted.
-    raw = decompress_bounded(r.rest(), count * dt.itemsize, r.what, PatchFormatError)
-    return unshuffle_bytes(raw, count, dt)
+    """A DENSE/FULL payload as a new, writable array of ``count`` bit patterns."""
+    return unshuffle_bytes(decode_planes(r, count, dt), count, dt)
+
+
+# ------------------------------------------------------------------ size estimates
+
+
+def rice_bits_geometric(count: int, p: float) -> float:
+    """Expected bits of ``count`` Rice-coded gaps (best parameter) when each slot is
+    a member with probability ``p`` (geometric gaps): per gap
+    r + 1 + E[g >> r], with E[g >> r] = q^(2^r) / (1 - q^(2^r)), q = 1 - p."""
+    if count == 0:
+        return 0.0
+    q = min(max(1.0 - p, 0.0), 1.0 - 1e-12)
+    best = float("inf")
+    for r in range(bs.MAX_RICE_K + 1):
+        qr = q ** (1 << r)
+        best = min(best, r + 1 + qr / (1.0 - qr))
+        if qr < 1e-9:
+            break
+    return count * best
+
+
+def estimate_sparse_bytes(n: int, k: int, old_vals: np.ndarray, new_vals: np.ndarray,
+                          dt: DType) -> float:
+    """Size of a SPARSE body for ``k`` changes among ``n`` elements, from a sample
+    of the changes' (old, new) bit patterns, without coding anything: the same
+    decisions as ``encode_sparse`` (big deltas, escapes, Exp-Golomb lengths)
+    counted on the sample and scaled, with i.i.d. (geometric) gaps assumed for
+    the Rice-coded position, delta and escape lists."""
+    m = old_vals.size
+    if k == 0 or m == 0:
+        return 0.0
+    delta = to_ordinal(new_vals, dt) - to_ordinal(old_vals, dt)
+    mag = np.abs(delta)
+    mag_big = mag[mag != 1]
+    eg_len = np.where(mag_big >= 2, bs.expgolomb_lengths(np.maximum(mag_big - 2, 0)), 1 << 30)
+    esc = (mag_big < 2) | (eg_len > dt.width + ESCAPE_SLACK_BITS)
+    scale = k / m
+    nb = mag_big.size * scale
+    ne = int(np.count_nonzero(esc)) * scale
+    bits = rice_bits_geometric(k, k / n) + k  # positions, signs
+    if nb:
+        bits += rice_bits_geometric(round(nb), nb / k)
+        bits += float(eg_len[~esc].sum()) * scale
+    if ne:
+        bits += rice_bits_geometric(round(ne), ne / nb) + ne * dt.width
+    return bits / 8 + 16

@@ -33,7 +33,7 @@ def decompress_bounded(data: bytes | memoryview, limit: int, what: str,
                        error: Callable[[str], Exception], *, exact: bool = True) -> bytes:
     """Decompress one zstd frame of at most ``limit`` bytes (exactly ``limit`` if ``exact``)."""
     limit = min(limit, HARD_CEILING)
-    data = bytes(data)
+    data = memoryview(data)  # zstandard reads any buffer: no copy of the input
     try:
         declared = zstandard.get_frame_parameters(data).content_size
     except zstandard.ZstdError as exc:
@@ -53,7 +53,7 @@ def decompress_bounded(data: bytes | memoryview, limit: int, what: str,
     return out
 
 
-def _stream(data: bytes, limit: int, what: str, error: Callable[[str], Exception]) -> bytes:
+def _stream(data: memoryview, limit: int, what: str, error: Callable[[str], Exception]) -> bytes:
     dobj = zstandard.ZstdDecompressor().decompressobj()
     out = bytearray()
     pos = 0

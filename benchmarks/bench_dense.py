@@ -1,0 +1,249 @@
+"""Codec speed on dense and sparse patches, as ratios to baselines timed in the same run.
+
+Cases are synthetic 64 MiB served checkpoints (eight 8 MiB 2-D tensors plus eight
+small 1-D ones) in BF16, FP32 and FP8 e4m3, updated by multiplicative noise of a
+chosen relative size, so that from ~0.1% to ~99% of the elements change; plus a
+"replace" case (every tensor redrawn) and a "full" case (the node has none of
+the tensors: FULL records). For each case, repeated ``--repeat`` times with the
+measurements interleaved, medians reported:
+
+- ``encode``: ``encode_patch(old, new, threads=1)``;
+- ``apply``: what a node does, ``stage_patch(weights, patch, digests=cache)`` then
+  ``.finish()`` (decode, in-place apply, every tensor's XXH3 target digest, the
+  BLAKE3 state digest; the base state digest comes from the node's digest cache);
+- ``node CPU-s/GB``: apply plus BLAKE3 of every 4 MiB chunk of the patch (as
+  ``swarm.trust.chunks`` checks chunks on arrival), per GB of patch received;
+- baselines: ``memcpy`` of the checkpoint (numpy copy), and the Stitch/slime-style
+  codec ``XOR + byte-shuffle + zstd-3`` (numpy XOR of bit patterns, transpose to
+  byte planes, zstd level 3 per tensor) with its inverse (decompress, un-shuffle,
+  XOR in place; no digests).
+
+Speeds are MB of served checkpoint per CPU-second (``time.process_time``, one
+thread: torch, zstd and the encoder single-threaded), so descheduling on a shared
+machine does not count; the ratios are what to compare across runs.
+
+    python benchmarks/bench_dense.py [--repeat 3] [--cases all] [--out PATH]
+
+Prints a table and writes benchmarks/results/dense.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import blake3
+import numpy as np
+import torch
+import zstandard
+
+from swarm.codec import encode_patch, stage_patch
+from swarm.codec.digest import tensor_digest
+from swarm.codec.dtypes import bits_view, dtype_of
+
+RESULTS = Path(__file__).parent / "results"
+MiB = 1 << 20
+CHUNK = 4 * MiB
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
+# name -> (dtype, relative step size; "replace" redraws, "full" = node has nothing)
+CASES = {
+    "bf16 dense 93%": ("bf16", 2.0 ** -5),
+    "fp32 dense 99%": ("fp32", 2.0 ** -18),
+    "fp8 dense 90%": ("fp8", 2.0 ** -1),
+    "bf16 half ~30%": ("bf16", 2.0 ** -9),
+    "fp32 half ~50%": ("fp32", 2.0 ** -24),
+    "bf16 replace": ("bf16", "replace"),
+    "fp32 replace": ("fp32", "replace"),
+    "bf16 full (new tensors)": ("bf16", "full"),
+    "bf16 sparse ~0.1%": ("bf16", 2.0 ** -17),
+    "bf16 sparse ~1%": ("bf16", 2.0 ** -14),
+    "bf16 sparse ~2%": ("bf16", 2.0 ** -13),
+    "fp8 sparse ~0.5%": ("fp8", 2.0 ** -11),
+}
+
+
+def make_case(dtype: str, step: float | str, total: int = 64 * MiB, seed: int = 0
+              ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    dt = DTYPES[dtype]
+    item = torch.empty(0, dtype=dt).element_size()
+    small = 4096
+    big = (total - 8 * small * item) // item // 8
+    cols = 1024 if big % 1024 == 0 else 1
+    scale = 1.0 if dtype == "fp8" else 0.02
+    old, new = {}, {}
+    shapes = [(f"layers.{i}.weight", (big // cols, cols)) for i in range(8)]
+    shapes += [(f"layers.{i}.norm", (small,)) for i in range(8)]
+    for name, shape in shapes:
+        w = torch.randn(shape, generator=g) * scale
+        if step == "replace" or step == "full":
+            nw = torch.randn(shape, generator=g) * scale
+        else:
+            nw = w + torch.randn(shape, generator=g) * w.abs() * float(step)
+        if step != "full":
+            old[name] = w.to(dt).contiguous()
+        new[name] = nw.to(dt).contiguous()
+    return old, new
+
+
+def changed_fraction(old: dict, new: dict) -> float:
+    changed = total = 0
+    for name, b in new.items():
+        dt = dtype_of(b, name)
+        total += b.numel()
+        if name in old:
+            changed += int(np.count_nonzero(bits_view(old[name], dt).numpy()
+                                            != bits_view(b, dt).numpy()))
+        else:
+            changed += b.numel()
+    return changed / max(1, total)
+
+
+# ------------------------------------------------------------------ baselines
+
+
+def baseline_encode(old: dict, new: dict) -> list[bytes]:
+    """XOR + byte-shuffle + zstd-3 per tensor (Stitch/slime-style)."""
+    cctx = zstandard.ZstdCompressor(level=3)
+    out = []
+    for name, b in new.items():
+        dt = dtype_of(b, name)
+        y = bits_view(b, dt).numpy()
+        x = bits_view(old[name], dt).numpy() ^ y if name in old else y
+        planes = x.view(np.uint8).reshape(-1, dt.itemsize).T.copy()
+        out.append(cctx.compress(planes.tobytes()))
+    return out
+
+
+def baseline_apply(work: dict, new: dict, frames: list[bytes]) -> None:
+    dctx = zstandard.ZstdDecompressor()
+    for (name, b), frame in zip(new.items(), frames, strict=True):
+        dt = dtype_of(b, name)
+        raw = np.frombuffer(dctx.decompress(frame), dtype=np.uint8)
+        x = raw.reshape(dt.itemsize, -1).T.copy().view(dt.np_view).reshape(-1)
+        if name in work:
+            flat = bits_view(work[name], dt).numpy()
+            np.bitwise_xor(flat, x, out=flat)
+        else:
+            work[name] = torch.from_numpy(x).view(b.dtype).reshape(b.shape)
+
+
+# ------------------------------------------------------------------ measuring
+
+
+def cpu_timed(fn, setup=None) -> float:
+    if setup is not None:
+        setup()
+    t0 = time.process_time()
+    fn()
+    return time.process_time() - t0
+
+
+def measure(name: str, old: dict, new: dict, repeat: int) -> dict:
+    full = sum(t.numel() * t.element_size() for t in new.values())
+    result = encode_patch(old, new, threads=1)
+    patch = result.patch
+    frames = baseline_encode(old, new)
+    base_bytes = sum(len(f) for f in frames)
+    cache = {n: tensor_digest(t) for n, t in old.items()}
+    work = {n: t.clone() for n, t in old.items()}
+    flat_src = np.concatenate([bits_view(t, dtype_of(t)).numpy().view(np.uint8).reshape(-1)
+                               for t in new.values()])
+    flat_dst = np.empty_like(flat_src)
+
+    def reset() -> None:
+        for n in list(work):
+            if n not in old:
+                del work[n]
+        for n, t in old.items():
+            if n in work:
+                work[n].copy_(t)
+            else:
+                work[n] = t.clone()
+
+    def apply() -> None:
+        stage_patch(work, patch, digests=dict(cache)).finish()
+
+    def node() -> None:
+        for i in range(0, len(patch), CHUNK):
+            blake3.blake3(memoryview(patch)[i:i + CHUNK]).digest()
+        apply()
+
+    # Check the apply once (and the baseline round trip) before timing.
+    reset()
+    apply()
+    for n, t in new.items():
+        assert torch.equal(bits_view(work[n], dtype_of(t)), bits_view(t, dtype_of(t))), n
+    times: dict[str, list[float]] = {k: [] for k in
+                                     ("memcpy", "base_enc", "base_apply", "enc", "apply", "node")}
+    for _ in range(repeat):
+        times["memcpy"].append(cpu_timed(lambda: np.copyto(flat_dst, flat_src)))
+        times["base_enc"].append(cpu_timed(lambda: baseline_encode(old, new)))
+        times["base_apply"].append(cpu_timed(lambda: baseline_apply(work, new, frames), reset))
+        times["enc"].append(cpu_timed(lambda: encode_patch(old, new, threads=1)))
+        times["apply"].append(cpu_timed(apply, reset))
+        times["node"].append(cpu_timed(node, reset))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    mbps = {k: full / max(v, 1e-9) / 1e6 for k, v in med.items()}
+    ops = sorted({t.op for t in result.tensors})
+    return {
+        "case": name,
+        "changed_pct": 100 * changed_fraction(old, new),
+        "ops": ops,
+        "full_bytes": full,
+        "patch_bytes": len(patch),
+        "baseline_bytes": base_bytes,
+        "size_vs_baseline": len(patch) / base_bytes,
+        "memcpy_mbps": mbps["memcpy"],
+        "baseline_encode_mbps": mbps["base_enc"],
+        "baseline_apply_mbps": mbps["base_apply"],
+        "encode_mbps": mbps["enc"],
+        "apply_mbps": mbps["apply"],
+        "encode_x_baseline": mbps["enc"] / mbps["base_enc"],
+        "apply_x_baseline": mbps["apply"] / mbps["base_apply"],
+        "encode_x_memcpy": mbps["enc"] / mbps["memcpy"],
+        "apply_x_memcpy": mbps["apply"] / mbps["memcpy"],
+        "node_cpu_s_per_gb": med["node"] / (len(patch) / 1e9),
+        "baseline_node_cpu_s_per_gb": med["base_apply"] / (base_bytes / 1e9),
+        "times_s": times,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--cases", default="all", help="comma-separated case names, or 'all'")
+    ap.add_argument("--mib", type=int, default=64, help="checkpoint size per case")
+    ap.add_argument("--out", type=Path, default=RESULTS / "dense.json")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    names = list(CASES) if args.cases == "all" else [c.strip() for c in args.cases.split(",")]
+    print(f"{'case':<24} {'chg%':>6} {'op':<13} {'patch MB':>8} {'x base':>6} "
+          f"{'enc MB/s':>8} {'x base':>6} {'x mcpy':>6} {'apply MB/s':>10} {'x base':>6} "
+          f"{'x mcpy':>6} {'node s/GB':>9} {'base enc':>8} {'base app':>8} {'memcpy':>7}")
+    rows = []
+    for name in names:
+        dtype, step = CASES[name]
+        old, new = make_case(dtype, step, args.mib * MiB)
+        r = measure(name, old, new, args.repeat)
+        rows.append(r)
+        print(f"{name:<24} {r['changed_pct']:>6.2f} {'/'.join(r['ops']):<13} "
+              f"{r['patch_bytes'] / 1e6:>8.2f} {r['size_vs_baseline']:>6.3f} "
+              f"{r['encode_mbps']:>8.0f} {r['encode_x_baseline']:>6.2f} {r['encode_x_memcpy']:>6.3f} "
+              f"{r['apply_mbps']:>10.0f} {r['apply_x_baseline']:>6.2f} {r['apply_x_memcpy']:>6.3f} "
+              f"{r['node_cpu_s_per_gb']:>9.2f} {r['baseline_encode_mbps']:>8.0f} "
+              f"{r['baseline_apply_mbps']:>8.0f} {r['memcpy_mbps']:>7.0f}", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "machine": platform.machine(), "processor": platform.processor(),
+        "cpu_threads_torch": 1, "repeat": args.repeat, "mib": args.mib,
+        "timer": "process_time", "rows": rows}, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
