@@ -115,6 +115,22 @@ def test_staged_changes_name_the_changed_positions() -> None:
     assert state_digest(w) == state_digest(new)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
+def test_staged_changes_of_a_dense_record(dtype) -> None:
+    """DENSE records are kept as XOR byte planes: changed = any byte of the element."""
+    g = torch.Generator().manual_seed(3)
+    base = {"d": torch.randn(4096, generator=g).to(dtype)}
+    new = {"d": torch.randn(4096, generator=g).to(dtype)}
+    new["d"][::7] = base["d"][::7]  # some elements unchanged
+    enc = encode_patch(base, new)
+    applier = stage_patch({k: v.clone() for k, v in base.items()}, enc.patch)
+    [(name, kind, flat)] = applier.staged_changes()
+    assert (name, kind) == ("d", "dense")
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[base["d"].element_size()]
+    diff = (base["d"].view(bits) != new["d"].view(bits)).nonzero().flatten()
+    assert flat.tolist() == diff.tolist()
+
+
 def test_weight_update_after_a_patch_holds_the_changed_tensors(truth: InProcessWeights) -> None:
     base, new = _state(0), _moved(_state(0))
     enc = encode_patch(base, new)

@@ -153,7 +153,11 @@ class PatchApplier:
             if edit.kind == "sparse":
                 out.append((name, "sparse", np.asarray(edit.data[0], dtype=np.int64)))  # type: ignore[index]
             elif edit.kind == "xor":
-                out.append((name, "dense", np.flatnonzero(edit.data).astype(np.int64)))  # type: ignore[arg-type]
+                # DENSE records stay as (itemsize, count) byte planes of the XOR:
+                # element j changed iff any of its bytes differs
+                planes = np.asarray(edit.data)
+                changed = np.any(planes != 0, axis=0) if planes.ndim == 2 else planes != 0
+                out.append((name, "dense", np.flatnonzero(changed).astype(np.int64)))
             else:
                 out.append((name, edit.kind, None))
         return out
