@@ -49,6 +49,7 @@ class NodeProc:
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
     netns: str | None = None  # network namespace of an emulated host (lab.netlab)
+    api_port: int | None = None  # the HTTP API's own port (with TLS); None: the swarm port
 
     @property
     def prefix(self) -> list[str]:
@@ -57,6 +58,10 @@ class NodeProc:
     @property
     def addr(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def api_addr(self) -> str:
+        return f"{self.host}:{self.api_port or self.port}"
 
 
 def free_port(hosts: list[str], tries: int = 50) -> int:
@@ -85,10 +90,12 @@ class LoopbackFleet:
                  chunk_size: int = 64 * 1024, workdir: Path | None = None,
                  keep_workdir: bool = False, swarm: dict[str, Any] | None = None,
                  node_env: dict[str, dict[str, str]] | None = None,
-                 lab: NetLab | None = None) -> None:
+                 lab: NetLab | None = None, tls: bool = False) -> None:
         """``lab``: place every node (and the trainer) on an emulated host of a
         ``lab.netlab.NetLab`` instead of 127.0.x.x. The calling process must
-        then run inside one of the lab's namespaces (it polls the nodes over HTTP)."""
+        then run inside one of the lab's namespaces (it polls the nodes over HTTP).
+        ``tls``: a swarm CA for the fleet, a certificate per node and for the
+        trainer, mutual TLS on the swarm port and the HTTP API on a port of its own."""
         if regions < 1 or nodes_per_region < 1:
             raise FleetError("need at least one region and one node per region")
         if regions > 200 or nodes_per_region > 200:
@@ -102,6 +109,7 @@ class LoopbackFleet:
         self.swarm = swarm or {}
         self.node_env = node_env or {}
         self.lab = lab
+        self.tls = tls
         self.trainer_host = lab.ip_trainer if lab else "127.0.0.1"
         self.trainer_prefix = NetLab.exec_prefix(lab.ns_trainer) if lab else []
         self.nodes: list[NodeProc] = []
@@ -119,6 +127,11 @@ class LoopbackFleet:
             hosts = [self.trainer_host] + [place(r, i)[0] for r in range(regions)
                                            for i in range(nodes_per_region)]
             self.port = free_port(hosts)
+        self.api_port: int | None = None
+        if tls:
+            self.api_port = self.port + 1 if lab else free_port(hosts)
+            while self.api_port == self.port:
+                self.api_port = free_port(hosts)
         for r, region in enumerate(self.regions):
             for i in range(nodes_per_region):
                 name = f"n{r}-{i}"
@@ -126,7 +139,8 @@ class LoopbackFleet:
                 self.nodes.append(NodeProc(name, region, host, self.port,
                                            self.workdir / f"{name}.toml",
                                            self.workdir / f"{name}.log",
-                                           dict(self.node_env.get(name, {})), netns=netns))
+                                           dict(self.node_env.get(name, {})), netns=netns,
+                                           api_port=self.api_port))
         self.trainer: subprocess.Popen | None = None
         self.trainer_log = self.workdir / "trainer.log"
         self.ready: dict[str, Any] = {}
@@ -137,6 +151,23 @@ class LoopbackFleet:
     @property
     def trainer_addr(self) -> str:
         return f"{self.trainer_host}:{self.port}"
+
+    @property
+    def trainer_api_addr(self) -> str:
+        return f"{self.trainer_host}:{self.api_port or self.port}"
+
+    def _tls_sections(self, name: str, region: str, host: str, role: str = "node") -> str:
+        """``[tls]`` and ``[api]`` for one process: its certificate, issued now."""
+        if not self.tls:
+            return ""
+        from swarm.trust import ca
+
+        w = self.workdir
+        if not (w / "ca" / ca.CA_CERT).exists():
+            ca.init_ca(w / "ca", name="patchswarm demo fleet CA")
+        ca.issue(w / "ca", name, region=region, role=role, out_dir=w / "certs")
+        return (f'[tls]\nca = "ca/{ca.CA_CERT}"\ncert = "certs/{name}.crt"\n'
+                f'key = "certs/{name}.key"\n\n[api]\nlisten = "{host}:{self.api_port}"\n\n')
 
     def _write_configs(self) -> None:
         from swarm.trust.keys import generate_keypair
@@ -152,7 +183,9 @@ class LoopbackFleet:
             f'[store]\ndir = "trainer-store"\nfsync = false\n\n'
             f'[weights]\nbase = "base.safetensors"\nbase_version = 1\n\n'
             f'[publish]\nsigning_key = "trainer.key"\nchunk_size = {self.chunk_size}\n'
-            f'served_dtype = "bf16"\n\n[swarm]\n{knobs}'
+            f'served_dtype = "bf16"\n\n'
+            f'{self._tls_sections("trainer", "trainer", self.trainer_host, "origin")}'
+            f'[swarm]\n{knobs}'
         )
         for n in self.nodes:
             n.config.write_text(
@@ -161,6 +194,7 @@ class LoopbackFleet:
                 f'[trust]\ntrainer_keys = ["trainer.key.pub"]\n\n'
                 f'[store]\ndir = "{n.name}-store"\nfsync = false\n\n'
                 f'[weights]\nbase = "base.safetensors"\nbase_version = 1\ndevice = "cpu"\n\n'
+                f'{self._tls_sections(n.name, n.region, n.host)}'
                 f'[swarm]\n{knobs}'
             )
 
@@ -242,7 +276,7 @@ class LoopbackFleet:
                 if n.proc is not None and n.proc.poll() is not None:
                     raise FleetError(f"node {n.name} exited with {n.proc.returncode}: "
                                      f"{self._tail(n.log)}")
-                if self.http(n.addr, "/healthz") is not None:
+                if self.http(n.api_addr, "/healthz") is not None:
                     pending.remove(n)
             time.sleep(0.1)
         if pending:
@@ -258,10 +292,10 @@ class LoopbackFleet:
         return json.loads(body) if path == "/status" else body
 
     def status(self, n: NodeProc) -> dict[str, Any] | None:
-        return self.http(n.addr, "/status")
+        return self.http(n.api_addr, "/status")
 
     def trainer_status(self) -> dict[str, Any] | None:
-        return self.http(self.trainer_addr, "/status")
+        return self.http(self.trainer_api_addr, "/status")
 
     # ------------------------------------------------------------ versions
 

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import hmac
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -107,6 +108,8 @@ def health(driver: Driver) -> str | None:
     """Why the node is not healthy (one line), or None when it is."""
     if driver.draining:
         return "draining"
+    if driver.store_fault is not None:  # local: disk full, quota, fd limit
+        return f"store: cannot keep chunks: {driver.store_fault}"
     if driver.engine is None:
         return None
     st = driver.engine_state
@@ -195,10 +198,21 @@ class _Collector:
         yield c
 
 
-def add_routes(app: web.Application, driver: Driver, model: str) -> None:
-    """Mount /healthz, /status and /metrics on the driver's application."""
+def add_routes(app: web.Application, driver: Driver, model: str, *,
+               token: str | None = None) -> None:
+    """Mount /healthz, /status and /metrics. With ``token``, every path but /healthz
+    needs ``Authorization: Bearer <token>`` (/status names peers, regions and
+    versions: what an attacker would look for first)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector(driver, model))
+
+    def authorized(request: web.Request) -> None:
+        if token is None:
+            return
+        got = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
+            raise web.HTTPUnauthorized(text="a bearer token is required (api.token_file)\n",
+                                       headers={"WWW-Authenticate": "Bearer"})
 
     async def healthz(_: web.Request) -> web.Response:
         why = health(driver)
@@ -206,10 +220,12 @@ def add_routes(app: web.Application, driver: Driver, model: str) -> None:
             return web.Response(status=503, text=why.replace("\n", " ") + "\n")
         return web.Response(text="ok\n")
 
-    async def status(_: web.Request) -> web.Response:
+    async def status(request: web.Request) -> web.Response:
+        authorized(request)
         return web.json_response(status_dict(driver, model))
 
-    async def metrics(_: web.Request) -> web.Response:
+    async def metrics(request: web.Request) -> web.Response:
+        authorized(request)
         return web.Response(body=generate_latest(registry),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 

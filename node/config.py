@@ -40,8 +40,19 @@ _SECTIONS = {
     "swarm": None,  # checked against CoreConfig's fields
     "log": {"level", "format"},
     "engine": None,  # checked by node.engines.config.parse_engine
+    "tls": {"ca", "cert", "key"},
+    "api": {"listen", "token_file"},
 }
 MAX_CONFIG_BYTES = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """``[tls]``: the swarm CA certificate and this node's certificate and key."""
+
+    ca: Path
+    cert: Path
+    key: Path
 
 
 @dataclass(frozen=True)
@@ -74,6 +85,9 @@ class NodeConfig:
     swarm: dict[str, Any] = field(default_factory=dict)
     source: Path | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
+    tls: TlsFiles | None = None  # mutual TLS with the swarm CA on the swarm port
+    api_listen: tuple[str, int] | None = None  # own HTTP API address (None: the swarm port)
+    api_token: str | None = None  # bearer token for every API path but /healthz
 
     def core_config(self, active_version: int | None = None) -> CoreConfig:
         """The protocol core's knobs for this node; ``active_version`` defaults to the base."""
@@ -165,6 +179,55 @@ def _swarm_knobs(sec: dict) -> dict[str, Any]:
     return check_knobs(sec, "swarm")  # the one knob check, shared with simulation scenarios
 
 
+def _tls(sec: dict | None, base_dir: Path, node_id: str, region: str, role: str) -> TlsFiles | None:
+    """``[tls]``: check the files now, and that the certificate names this node."""
+    if sec is None:
+        return None
+    files = TlsFiles(*(_path(base_dir, _get(sec, "tls", k, str), f"tls.{k}")
+                       for k in ("ca", "cert", "key")))
+    from swarm.trust import ca
+
+    try:
+        ca.server_context(files.ca, files.cert, files.key)
+        ident = ca.identity_of_pem(files.cert.read_bytes())
+    except ConfigError as exc:
+        raise ConfigError(f"tls.cert: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"tls.cert: cannot read {files.cert}: {exc.strerror}") from None
+    if ident != ca.Identity(node_id, region, role):
+        raise ConfigError(f"tls.cert: {files.cert} is for {ident.node_id}/{ident.region}/"
+                          f"{ident.role}, this node is {node_id}/{region}/{role}")
+    return files
+
+
+def _api(sec: dict, base_dir: Path, tls: bool,
+         swarm: tuple[str, int]) -> tuple[tuple[str, int] | None, str | None]:
+    """``[api]``: its own address (required with TLS: peers and people differ), a token."""
+    listen = None
+    if "listen" in sec:
+        listen = parse_addr(_get(sec, "api", "listen", str), "api.listen")
+        if listen == swarm:
+            listen = None
+    elif tls:
+        raise ConfigError("api.listen: required with [tls] (the swarm port takes only peers "
+                          "with swarm certificates), e.g. \"127.0.0.1:7401\"")
+    token = None
+    if "token_file" in sec:
+        path = _path(base_dir, _get(sec, "api", "token_file", str), "api.token_file")
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(MAX_SECRET_FILE + 1)
+            token = raw.decode("ascii").strip()
+        except OSError as exc:
+            raise ConfigError(f"api.token_file: cannot read {path}: {exc.strerror}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"api.token_file: {path} is binary; expected a text token") from None
+        if not 16 <= len(token) <= MAX_SECRET_FILE or any(c.isspace() for c in token):
+            raise ConfigError(f"api.token_file: {path}: the token must be 16..4096 characters "
+                              "without spaces")
+    return listen, token
+
+
 # --------------------------------------------------------------------- load
 
 
@@ -250,7 +313,10 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = Non
     engine = parse_engine(data.get("engine"), base_dir, store_dir)
     if engine.external and role != "node":
         raise ConfigError("engine.kind: only a rollout node (node.role = \"node\") feeds an engine")
+    tls = _tls(data.get("tls"), base_dir, node_id, region, role)
+    api_listen, api_token = _api(data.get("api") or {}, base_dir, tls is not None, (host, port))
     cfg = NodeConfig(
+        tls=tls, api_listen=api_listen, api_token=api_token,
         node_id=node_id, region=region, model=model, role=role, listen_host=host,
         listen_port=port, advertise=advertise, bootstrap=tuple(bootstrap), swarm_secret=secret,
         trainer_keys=key_paths,

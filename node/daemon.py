@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from node.api import add_routes
 from node.config import NodeConfig
-from node.driver import Driver, Faults
+from node.driver import Driver, Faults, TlsContexts
 from node.engines import make_engine
 from node.engines.base import Engine
 from node.engines.inprocess import InProcessWeights
@@ -112,11 +112,16 @@ def build_node(cfg: NodeConfig, *, weights: InProcessWeights | None = None,
         store.close()
         raise
     host, port = cfg.listen_host, cfg.listen_port
+    tls = TlsContexts.from_files(cfg.tls.ca, cfg.tls.cert, cfg.tls.key) if cfg.tls else None
+    if tls is None:
+        log.warning("no [tls]: the swarm port speaks plain websockets, so peers' identities "
+                    "are not proven (see docs/security.md)")
     driver = Driver(core, store, trust, weights=weights, engine=engine, engine_cfg=cfg.engine,
                     host=host, port=port,
                     faults=faults if faults is not None else faults_from_env(),
-                    keep_versions=cfg.keep_versions)
-    add_routes(driver.app, driver, cfg.model)
+                    keep_versions=cfg.keep_versions, tls=tls, api_addr=cfg.api_listen)
+    add_routes(driver.api_app if driver.api_app is not None else driver.app, driver, cfg.model,
+               token=cfg.api_token)
     return Node(cfg, store, weights, engine, core, driver)
 
 

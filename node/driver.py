@@ -44,6 +44,7 @@ import contextlib
 import itertools
 import logging
 import os
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -105,6 +106,20 @@ class EngineState:
         return self.state == "ok"
 
 
+@dataclass(frozen=True)
+class TlsContexts:
+    """Mutual TLS for the swarm port (``swarm.trust.ca``): accept and dial."""
+
+    server: ssl.SSLContext
+    client: ssl.SSLContext
+
+    @classmethod
+    def from_files(cls, ca: Path, cert: Path, key: Path) -> TlsContexts:
+        from swarm.trust import ca as swarm_ca
+
+        return cls(swarm_ca.server_context(ca, cert, key), swarm_ca.client_context(ca, cert, key))
+
+
 @dataclass
 class Conn:
     """One websocket to a peer, with its ordered send queue."""
@@ -125,9 +140,15 @@ class Driver:
                  weights: InProcessWeights | None = None, engine: Engine | None = None,
                  engine_cfg: EngineConfig | None = None,
                  host: str, port: int, faults: Faults | None = None,
-                 keep_versions: int = 0) -> None:
+                 keep_versions: int = 0, tls: TlsContexts | None = None,
+                 api_addr: tuple[str, int] | None = None) -> None:
         self.core = core
         self.store = store
+        self.tls = tls
+        # the HTTP API on an address of its own (None: served on the swarm port)
+        self.api_addr = api_addr
+        self.api_app: web.Application | None = (
+            web.Application(client_max_size=64 * 1024) if api_addr is not None else None)
         self.trust = trust
         self.weights = weights  # the checkpoint-coordinate truth (InProcessWeights) or None
         self.engine = engine  # the node.engines.base.Engine it feeds, or None (origin)
@@ -156,6 +177,7 @@ class Driver:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.session: aiohttp.ClientSession | None = None
         self.runner: web.AppRunner | None = None
+        self.api_runner: web.AppRunner | None = None
         self.draining = False
         self.store_fault: str | None = None  # last local failure to keep a chunk (cleared on success)
         self.started_at = time.time()
@@ -176,8 +198,14 @@ class Driver:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S))
         self.runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, self.host, self.port, reuse_address=True)
+        server_ssl = self.tls.server if self.tls is not None else None
+        site = web.TCPSite(self.runner, self.host, self.port, reuse_address=True,
+                           ssl_context=server_ssl)
         await site.start()
+        if self.api_app is not None and self.api_addr is not None:
+            self.api_runner = web.AppRunner(self.api_app, access_log=None, handle_signals=False)
+            await self.api_runner.setup()
+            await web.TCPSite(self.api_runner, *self.api_addr, reuse_address=True).start()
         self._run(self.core.start(self.now()))
         if self.engine is not None and self.weights is not None and self.engine.kind != "inprocess":
             self._watch_task = self._spawn(self._watch_engine())
@@ -212,6 +240,8 @@ class Driver:
             await self.session.close()
         if self.runner is not None:
             await self.runner.cleanup()
+        if self.api_runner is not None:
+            await self.api_runner.cleanup()
 
     def now(self) -> float:
         assert self.loop is not None
@@ -320,21 +350,40 @@ class Driver:
 
     # ---------------------------------------------------------- connections
 
-    def _register(self, ws: Any, outbound: bool, addr: str) -> Conn:
+    def _register(self, ws: Any, outbound: bool, addr: str,
+                  identity: tuple[str, str, str] | None = None) -> Conn:
         c = Conn(next(self._ids), ws, outbound, addr)
         self.conns[c.id] = c
         c.writer = self._spawn(self._writer(c))
-        self.feed(ev.PeerConnected(self.now(), c.id, outbound, addr))
+        self.feed(ev.PeerConnected(self.now(), c.id, outbound, addr, identity))
         return c
+
+    def _tls_identity(self, ssl_object: Any, addr: str) -> tuple[str, str, str] | None:
+        """The peer's identity proven by mutual TLS; ``ProtocolError`` if there is none."""
+        if self.tls is None:
+            return None
+        from swarm.trust.ca import peer_identity
+
+        try:
+            ident = peer_identity(ssl_object)
+        except PatchswarmError as exc:
+            raise ProtocolError(f"peer {addr}: {exc}") from None
+        return (ident.node_id, ident.region, ident.role)
 
     async def _accept_ws(self, request: web.Request) -> web.StreamResponse:
         if self.draining:
             raise web.HTTPServiceUnavailable(text="draining")
-        ws = web.WebSocketResponse(max_msg_size=MAX_WS_MESSAGE, autoping=True, compress=False)
-        await ws.prepare(request)
         peer = request.transport.get_extra_info("peername") if request.transport else None
         addr = f"{peer[0]}:{peer[1]}" if peer else "?"
-        c = self._register(ws, False, addr)
+        try:
+            ssl_object = request.transport.get_extra_info("ssl_object") if request.transport else None
+            identity = self._tls_identity(ssl_object, addr)
+        except ProtocolError as exc:
+            log.warning("%s", exc)
+            raise web.HTTPForbidden(text="a swarm certificate is required\n") from None
+        ws = web.WebSocketResponse(max_msg_size=MAX_WS_MESSAGE, autoping=True, compress=False)
+        await ws.prepare(request)
+        c = self._register(ws, False, addr, identity)
         await self._reader(c)
         return ws
 
@@ -343,8 +392,10 @@ class Driver:
         try:
             # bounded as a whole: a listener that accepts but never upgrades must not
             # leave the core waiting forever on this dial
+            scheme, ctx = ("wss", self.tls.client) if self.tls is not None else ("http", None)
             ws = await asyncio.wait_for(self.session.ws_connect(
-                f"http://{addr}{SWARM_PATH}", max_msg_size=MAX_WS_MESSAGE, autoping=True,
+                f"{scheme}://{addr}{SWARM_PATH}", max_msg_size=MAX_WS_MESSAGE, autoping=True,
+                ssl=ctx if ctx is not None else True,
                 timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=2.0)),
                 CONNECT_TIMEOUT_S + 5.0)
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
@@ -354,7 +405,14 @@ class Driver:
         if self.draining:
             await ws.close()
             return
-        c = self._register(ws, True, addr)
+        try:
+            identity = self._tls_identity(ws.get_extra_info("ssl_object"), addr)
+        except ProtocolError as exc:
+            log.warning("%s", exc)
+            await ws.close()
+            self.feed(ev.ConnectFailed(self.now(), addr, str(exc)[:200]))
+            return
+        c = self._register(ws, True, addr, identity)
         await self._reader(c)
 
     async def _reader(self, c: Conn) -> None:

@@ -202,6 +202,18 @@ def identity_of(der: bytes) -> Identity:
     return ident
 
 
+def identity_of_pem(pem: bytes) -> Identity:
+    """The identity in a PEM certificate file (ours: checked against the config)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives.serialization import Encoding
+
+    try:
+        cert = x509.load_pem_x509_certificate(pem)
+    except ValueError as exc:
+        raise ConfigError(f"not a PEM certificate ({exc})") from None
+    return identity_of(cert.public_bytes(Encoding.DER))
+
+
 def peer_identity(ssl_object: ssl.SSLObject | ssl.SSLSocket | None) -> Identity:
     """The verified identity of the peer of a TLS connection."""
     der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
