@@ -32,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=120.0, metavar="S",
                         help="seconds to wait for each version to reach every node")
     parser.add_argument("--keep", action="store_true", help="keep the work directory and logs")
+    parser.add_argument("--tls", action=argparse.BooleanOptionalAction, default=True,
+                        help="mutual TLS between all processes, with certificates from a swarm "
+                             "CA made for the run (default: on)")
 
 
 def _sum_kind(statuses: dict[str, dict], direction: str, kinds: tuple[str, ...]) -> int:
@@ -104,13 +107,19 @@ def run(args: argparse.Namespace) -> int:
 
     if args.versions < 1:
         raise FleetError("--versions must be >= 1")
+    if not 1024 <= args.chunk_size <= 64 * 1024 * 1024:
+        raise FleetError(f"--chunk-size must be 1024..67108864 bytes, not {args.chunk_size}")
+    if not args.timeout > 0:
+        raise FleetError(f"--timeout must be a positive number of seconds, not {args.timeout}")
     t0 = time.monotonic()
     fleet = LoopbackFleet(args.regions, args.nodes_per_region, lr=args.lr,
-                          chunk_size=args.chunk_size, keep_workdir=args.keep)
+                          chunk_size=args.chunk_size, keep_workdir=args.keep, tls=args.tls)
     n = len(fleet.nodes)
     try:
         print(f"starting trainer and {n} nodes ({args.regions} regions x "
-              f"{args.nodes_per_region}) on loopback, port {fleet.port} ...", flush=True)
+              f"{args.nodes_per_region}) on loopback, port {fleet.port}"
+              f"{' (mutual TLS, API on port ' + str(fleet.api_port) + ')' if args.tls else ''}"
+              " ...", flush=True)
         fleet.start()
         src = fleet.ready["source"]
         if src != "minilm":
