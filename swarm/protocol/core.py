@@ -34,13 +34,15 @@ from swarm.errors import ProtocolError
 from swarm.protocol import events as ev
 from swarm.protocol import handshake as hs
 from swarm.protocol import wire
+from swarm.protocol.bans import BanList
 from swarm.protocol.config import CoreConfig
 from swarm.protocol.counters import Counters
 from swarm.protocol.exchange import ChunkExchange
 from swarm.protocol.haves import HaveBatch, have_frames
+from swarm.protocol.liveness import heartbeat
 from swarm.protocol.membership import AddressBook
 from swarm.protocol.peer import CROSS, ORIGIN, SAME, Peer
-from swarm.protocol.picker import iter_bits
+from swarm.protocol.readmodel import ReadModel
 from swarm.protocol.requests import PickPolicy, RarestFirst
 from swarm.protocol.roles import NodeRole, Role
 from swarm.protocol.seeding import OriginRole
@@ -49,7 +51,7 @@ from swarm.protocol.versions import ApplyState, VersionSet, VersionState
 READY = hs.READY
 
 
-class NodeCore:
+class NodeCore(ReadModel):
     """The protocol state machine of one node. See the module docstring."""
 
     #: tests set this to re-raise internal errors instead of logging them
@@ -78,8 +80,7 @@ class NodeCore:
         self.dialing: dict[str, float] = {}
         self.retry_at: dict[str, float] = {}
         # bans: corrupt chunks are counted per node id, so reconnecting does not reset them
-        self._bad_by_id: dict[str, int] = {}
-        self._banned: dict[str, float] = {}  # node id -> banned until
+        self.bans = BanList(config.ban_s)
         self.role: Role = OriginRole(self) if config.is_origin else NodeRole(self)
         self._role_timers = type(self.role).next_wakeup is not Role.next_wakeup
         self._frames: dict[type[wire.Frame], Callable[[Peer, Any], None]] = {
@@ -130,86 +131,10 @@ class NodeCore:
                 t = s
         return t
 
-    # ---- read model for drivers, status pages, the publisher and the simulator
-    @property
-    def uploading(self) -> int:
-        return len(self.uploads)
-
-    @property
-    def is_border(self) -> bool:
-        return self.role.is_border
-
-    @property
-    def manifests(self) -> dict[int, Any]:
-        """Verified manifests we hold, by version."""
-        return {v: st.manifest for v, st in self.versions.states.items()}
-
-    @property
-    def staged_versions(self) -> list[int]:
-        """Versions newer than the active one that we know of (being fetched or complete)."""
-        a = -1 if self.active_version is None else self.active_version
-        return sorted(v for v in self.versions.states if v > a)
-
-    def have(self, version: int) -> set[int]:
-        st = self.versions.get(version)
-        return set(iter_bits(st.have)) if st is not None else set()
-
-    def complete(self, version: int) -> bool:
-        st = self.versions.get(version)
-        return st is not None and st.complete
-
-    def peer_list(self) -> list[dict[str, Any]]:
-        return [
-            {"id": p.node_id, "region": p.region, "addr": p.listen_addr, "role": p.role,
-             "kind": str(p.kind), "border": p.border}
-            for p in self.peers.values() if p.state is READY
-        ]
-
-    def peer_region(self, conn: int) -> str | None:
-        """The region of the peer on ``conn`` (None: unknown connection or no handshake yet)."""
-        p = self.peers.get(conn)
-        return p.region if p is not None and p.region else None
-
-    def regions_seen(self) -> list[str]:
-        """Regions other than ours of the nodes we are linked to or heard of."""
-        seen = {p.region for p in self.peers.values() if p.region}
-        seen |= set(self.book.regions())
-        seen.discard(self.cfg.region)
-        return sorted(seen)
-
-    def region_chunks(self, version: int) -> dict[str, int]:
-        """Per other region, the chunks of ``version`` known to be there (bitsets).
-
-        Holdings that linked peers showed, plus (origin) what the seeding plan
-        saw enter each region.
-        """
-        union: dict[str, int] = {}
-        for p in self.peers.values():
-            if p.region and p.region != self.cfg.region:
-                union[p.region] = union.get(p.region, 0) | p.bits.get(version, 0)
-        for region, sent in self.role.region_sent(version).items():
-            union[region] = union.get(region, 0) | sent
-        return union
-
-    def status(self) -> dict[str, Any]:
-        return {
-            "node_id": self.cfg.node_id, "region": self.cfg.region, "role": self.cfg.role,
-            "active_version": self.active_version, "staged_versions": self.staged_versions,
-            "applying": self.apply.applying, "border": self.is_border, "peers": self.peer_list(),
-            "counters": self.counters.as_dict(),
-        }
-
     # ---- bans
     def banned(self, node_id: str) -> bool:
         """True while ``node_id`` is banned (it sent corrupt chunks, or the origin was told so)."""
-        until = self._banned.get(node_id)
-        if until is None:
-            return False
-        if until <= self.now:
-            del self._banned[node_id]
-            self._bad_by_id.pop(node_id, None)
-            return False
-        return True
+        return self.bans.banned(node_id, self.now)
 
     def ban(self, node_id: str, reason: str) -> None:
         """Refuse ``node_id`` for ``ban_s``: close its link, forget its address, never dial it.
@@ -219,8 +144,7 @@ class NodeCore:
         """
         if not node_id or node_id == self.cfg.node_id:
             return
-        first = not self.banned(node_id)
-        self._banned[node_id] = self.now + self.cfg.ban_s
+        first = self.bans.ban(node_id, self.now)
         self.book.remove(node_id)
         conn = self.by_id.get(node_id)
         if conn is not None:
@@ -270,9 +194,7 @@ class NodeCore:
 
     def strike(self, node_id: str) -> int:
         """One more corrupt chunk from ``node_id`` (counted across reconnects); the count."""
-        n = self._bad_by_id.get(node_id, 0) + 1
-        self._bad_by_id[node_id] = n
-        return n
+        return self.bans.strike(node_id, self.now)
 
     def _take(self) -> list[ev.Action]:
         out = self._out
@@ -586,47 +508,7 @@ class NodeCore:
         self.role.tick()
         if now >= self._next_hb:
             self._next_hb = now + self.cfg.heartbeat_s
-            self._heartbeat()
-
-    def _heartbeat(self) -> None:
-        c = self.cfg
-        now = self.now
-        ping = None
-        slow: list[Peer] = []
-        for p in list(self.peers.values()):
-            if p.state is not READY:
-                if now - p.since > c.handshake_timeout_s:
-                    self.close(p, "handshake timeout")
-                continue
-            if p.req:
-                expired = self.exchange.expire(p, now)
-                if expired:
-                    self.log("info", "request_timeout", peer=p.node_id, chunks=expired)
-                    if p.timeouts >= c.max_timeouts:
-                        self.close(p, f"{p.timeouts} request timeouts", "warning")
-                        continue
-            elif now - p.last_heard > c.peer_timeout_s:
-                self.close(p, "peer timeout (no heartbeat)")
-                continue
-            if self.role.heartbeat_drop(p):
-                continue
-            p.busy = False
-            if now - p.last_sent >= c.heartbeat_s:
-                if ping is None:
-                    ping = wire.Ping().encode()
-                self.send(p, ping)
-            if p.can_req and p.samples >= c.slow_min_samples:
-                slow.append(p)
-        # drop the slowest peer if it is a timing outlier and we can afford to lose it
-        out = self.exchange.slow_outlier(slow) if len(self.by_id) > c.mesh_low else None
-        if out is not None:
-            worst, median = out
-            self.close(worst, f"slow peer ({worst.ewma:.2f}s per chunk, median {median:.2f}s)")
-        self.role.after_heartbeat()
-        if self.retry_at:
-            self.retry_at = {a: t for a, t in self.retry_at.items() if t > now}
-        self.exchange.fill_all()
-
+            heartbeat(self)
 
 _HANDLERS: dict[type, Callable[[NodeCore, Any], None]] = {
     ev.Tick: NodeCore._on_tick,
