@@ -67,6 +67,14 @@ def status_dict(driver: Driver, model: str) -> dict[str, Any]:
         "uptime_s": round(time.time() - driver.started_at, 3),
         "draining": driver.draining,
         "engine": engine_dict(driver),
+        "transport": {
+            "tls": driver.tls is not None,
+            "connections": driver.guard.stats.open,
+            "refused": driver.guard.stats.refused,
+            "timed_out": driver.guard.stats.timed_out,
+            "local_faults": counters.get("local_faults", 0),
+            "store_fault": driver.store_fault,
+        },
     }
 
 
@@ -162,6 +170,20 @@ class _Collector:
                               labels=labels)
         g.add_metric(who, float(st["store_bytes"]))
         yield g
+        tr = st["transport"]
+        g = GaugeMetricFamily("patchswarm_connections", "Open connections on the swarm port",
+                              labels=labels)
+        g.add_metric(who, float(tr["connections"]))
+        yield g
+        for name, key, help_text in (
+                ("patchswarm_connections_refused", "refused", "Connections refused by the caps"),
+                ("patchswarm_connections_timed_out", "timed_out",
+                 "Connections cut off before their websocket upgrade"),
+                ("patchswarm_local_store_faults", "local_faults",
+                 "Chunks not kept for a local reason (disk full, ...)")):
+            c = CounterMetricFamily(name, help_text, labels=labels)
+            c.add_metric(who, float(tr[key]))
+            yield c
         yield from self._engine_metrics(labels, who)
 
     def _engine_metrics(self, labels: list[str], who: list[str]):  # type: ignore[no-untyped-def]

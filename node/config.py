@@ -32,7 +32,8 @@ from swarm.protocol.config import CoreConfig, check_knobs
 
 _SECTIONS = {
     "node": {"id", "region", "model", "role"},
-    "network": {"listen", "advertise", "bootstrap", "swarm_secret", "swarm_secret_file"},
+    "network": {"listen", "advertise", "bootstrap", "swarm_secret", "swarm_secret_file",
+                "max_connections", "max_connections_per_ip", "upgrade_timeout_s"},
     "trust": {"trainer_keys"},
     "store": {"dir", "quota_bytes", "keep_versions", "fsync"},
     "weights": {"base", "base_version", "device"},
@@ -88,6 +89,9 @@ class NodeConfig:
     tls: TlsFiles | None = None  # mutual TLS with the swarm CA on the swarm port
     api_listen: tuple[str, int] | None = None  # own HTTP API address (None: the swarm port)
     api_token: str | None = None  # bearer token for every API path but /healthz
+    max_connections: int = 1024  # open connections on the swarm port, all peers
+    max_connections_per_ip: int = 32  # from one address
+    upgrade_timeout_s: float = 10.0  # to finish TLS + the websocket upgrade
 
     def core_config(self, active_version: int | None = None) -> CoreConfig:
         """The protocol core's knobs for this node; ``active_version`` defaults to the base."""
@@ -177,6 +181,13 @@ def _secret(net: dict, base_dir: Path) -> bytes:
 
 def _swarm_knobs(sec: dict) -> dict[str, Any]:
     return check_knobs(sec, "swarm")  # the one knob check, shared with simulation scenarios
+
+
+def _int_in(net: dict, key: str, default: int, lo: int, hi: int) -> int:
+    value = _get(net, "network", key, int, default)
+    if not lo <= value <= hi:
+        raise ConfigError(f"network.{key}: must be in {lo}..{hi}, got {value}")
+    return value
 
 
 def _tls(sec: dict | None, base_dir: Path, node_id: str, region: str, role: str) -> TlsFiles | None:
@@ -313,10 +324,18 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = Non
     engine = parse_engine(data.get("engine"), base_dir, store_dir)
     if engine.external and role != "node":
         raise ConfigError("engine.kind: only a rollout node (node.role = \"node\") feeds an engine")
+    conn_caps = {
+        "max_connections": _int_in(net, "max_connections", 1024, 1, 1_000_000),
+        "max_connections_per_ip": _int_in(net, "max_connections_per_ip", 32, 1, 1_000_000),
+    }
+    upgrade = _get(net, "network", "upgrade_timeout_s", (int, float), 10.0)
+    if isinstance(upgrade, bool) or not 0.1 <= upgrade <= 600:
+        raise ConfigError(f"network.upgrade_timeout_s: must be a number in 0.1..600, got {upgrade!r}")
     tls = _tls(data.get("tls"), base_dir, node_id, region, role)
     api_listen, api_token = _api(data.get("api") or {}, base_dir, tls is not None, (host, port))
     cfg = NodeConfig(
-        tls=tls, api_listen=api_listen, api_token=api_token,
+        tls=tls, api_listen=api_listen, api_token=api_token, upgrade_timeout_s=float(upgrade),
+        **conn_caps,
         node_id=node_id, region=region, model=model, role=role, listen_host=host,
         listen_port=port, advertise=advertise, bootstrap=tuple(bootstrap), swarm_secret=secret,
         trainer_keys=key_paths,

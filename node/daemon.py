@@ -23,6 +23,7 @@ from node.driver import Driver, Faults, TlsContexts
 from node.engines import make_engine
 from node.engines.base import Engine
 from node.engines.inprocess import InProcessWeights
+from node.guard import ConnectionGuard
 from node.logs import setup_logging
 from node.store import ChunkStore
 from swarm.errors import ConfigError, PatchswarmError
@@ -119,7 +120,10 @@ def build_node(cfg: NodeConfig, *, weights: InProcessWeights | None = None,
     driver = Driver(core, store, trust, weights=weights, engine=engine, engine_cfg=cfg.engine,
                     host=host, port=port,
                     faults=faults if faults is not None else faults_from_env(),
-                    keep_versions=cfg.keep_versions, tls=tls, api_addr=cfg.api_listen)
+                    keep_versions=cfg.keep_versions, tls=tls, api_addr=cfg.api_listen,
+                    guard=ConnectionGuard(max_total=cfg.max_connections,
+                                          max_per_ip=cfg.max_connections_per_ip,
+                                          upgrade_timeout_s=cfg.upgrade_timeout_s))
     add_routes(driver.api_app if driver.api_app is not None else driver.app, driver, cfg.model,
                token=cfg.api_token)
     return Node(cfg, store, weights, engine, core, driver)

@@ -57,6 +57,7 @@ from aiohttp import web
 from node.engines.base import CommitStats, Engine, EngineError, WeightUpdate
 from node.engines.config import EngineConfig
 from node.engines.inprocess import InProcessWeights, merge_changes
+from node.guard import ConnectionGuard, GuardedSite
 from node.ports import StorePort, TrustPort
 from swarm.errors import ChunkError, PatchswarmError, ProtocolError, StoreError
 from swarm.protocol import events as ev
@@ -141,9 +142,11 @@ class Driver:
                  engine_cfg: EngineConfig | None = None,
                  host: str, port: int, faults: Faults | None = None,
                  keep_versions: int = 0, tls: TlsContexts | None = None,
-                 api_addr: tuple[str, int] | None = None) -> None:
+                 api_addr: tuple[str, int] | None = None,
+                 guard: ConnectionGuard | None = None) -> None:
         self.core = core
         self.store = store
+        self.guard = guard or ConnectionGuard(max_total=1024, max_per_ip=32, upgrade_timeout_s=10.0)
         self.tls = tls
         # the HTTP API on an address of its own (None: served on the swarm port)
         self.api_addr = api_addr
@@ -199,8 +202,8 @@ class Driver:
         self.runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
         await self.runner.setup()
         server_ssl = self.tls.server if self.tls is not None else None
-        site = web.TCPSite(self.runner, self.host, self.port, reuse_address=True,
-                           ssl_context=server_ssl)
+        site = GuardedSite(self.runner, self.host, self.port, reuse_address=True,
+                           ssl_context=server_ssl, guard=self.guard)
         await site.start()
         if self.api_app is not None and self.api_addr is not None:
             self.api_runner = web.AppRunner(self.api_app, access_log=None, handle_signals=False)
@@ -383,6 +386,7 @@ class Driver:
             raise web.HTTPForbidden(text="a swarm certificate is required\n") from None
         ws = web.WebSocketResponse(max_msg_size=MAX_WS_MESSAGE, autoping=True, compress=False)
         await ws.prepare(request)
+        self.guard.established(request.transport)
         c = self._register(ws, False, addr, identity)
         await self._reader(c)
         return ws

@@ -1,0 +1,106 @@
+"""Slowloris and connection floods against a real node (issue #10, attack 3): caps per
+address and in total, a deadline for the websocket upgrade, and the node keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from node.config import parse_config
+from node.daemon import build_node, serve
+from patchswarm.cli import main as cli
+
+
+def _config(tmp: Path, port: int, api_port: int) -> dict:
+    assert cli(["keygen", str(tmp / "t.key")]) == 0
+    save_file({"w": torch.zeros(8)}, str(tmp / "base.safetensors"))
+    return {
+        "node": {"id": "n1", "region": "r1", "model": "m"},
+        "network": {"listen": f"127.0.0.1:{port}", "swarm_secret": "ab" * 32,
+                    "max_connections": 40, "max_connections_per_ip": 8,
+                    "upgrade_timeout_s": 1.0},
+        "api": {"listen": f"127.0.0.1:{api_port}"},
+        "trust": {"trainer_keys": ["t.key.pub"]},
+        "store": {"dir": "store", "fsync": False},
+        "weights": {"base": "base.safetensors", "device": "cpu"},
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _status(api: str) -> dict:
+    with urllib.request.urlopen(f"http://{api}/status", timeout=5) as r:
+        return json.loads(r.read())
+
+
+def test_slowloris_and_per_ip_flood_are_cut_off(tmp_path: Path) -> None:
+    port, api_port = _free_port(), _free_port()
+    cfg = parse_config(_config(tmp_path, port, api_port), tmp_path)
+
+    async def scenario() -> dict:
+        node = build_node(cfg)
+        stop, ready = asyncio.Event(), asyncio.Event()
+        task = asyncio.create_task(serve(node, stop, ready))
+        await asyncio.wait_for(ready.wait(), 30)
+        loop = asyncio.get_running_loop()
+        try:
+            socks = []
+            for _ in range(20):  # 20 slowloris sockets from one address: 8 admitted
+                s = socket.create_connection(("127.0.0.1", port))
+                s.sendall(b"GET /swarm HTTP/1.1\r\nHost: x\r\n")  # and never the rest
+                s.setblocking(False)
+                socks.append(s)
+            await asyncio.sleep(0.3)
+            st = await loop.run_in_executor(None, _status, f"127.0.0.1:{api_port}")
+            assert st["transport"]["connections"] == 8
+            assert st["transport"]["refused"] == 12
+            t0 = time.monotonic()
+            await asyncio.sleep(1.6)  # past the upgrade deadline: all cut off
+            closed = 0
+            for s in socks:
+                try:
+                    closed += s.recv(1) == b""
+                except (ConnectionResetError, BlockingIOError) as exc:
+                    closed += isinstance(exc, ConnectionResetError)
+                s.close()
+            assert closed == 20, closed
+            st = await loop.run_in_executor(None, _status, f"127.0.0.1:{api_port}")
+            assert st["transport"]["timed_out"] == 8 and st["transport"]["connections"] == 0
+            assert time.monotonic() - t0 < 5
+            # the node still takes an honest websocket afterwards
+            import aiohttp
+
+            async with aiohttp.ClientSession() as session, session.ws_connect(
+                    f"http://127.0.0.1:{port}/swarm") as ws:
+                msg = await ws.receive(timeout=5)  # the node's HELLO
+                assert msg.type == aiohttp.WSMsgType.BINARY
+            return st
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 30)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(("key", "value"), [("max_connections", 0),
+                                            ("max_connections_per_ip", -1),
+                                            ("upgrade_timeout_s", float("inf"))])
+def test_caps_are_range_checked(tmp_path: Path, key: str, value: float) -> None:
+    from swarm.errors import ConfigError
+
+    doc = _config(tmp_path, 7400, 7401)
+    doc["network"][key] = value
+    with pytest.raises(ConfigError, match=f"network.{key}"):
+        parse_config(doc, tmp_path)
