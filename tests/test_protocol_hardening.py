@@ -110,3 +110,32 @@ def test_a_local_store_fault_blames_nobody_and_backs_off():
     acts = n.handle(ev.Tick(hold + 0.001))  # after the hold, requests resume
     assert any(isinstance(a, ev.SendFrame) and isinstance(wire.decode(a.frame), wire.Request)
                for a in acts)
+
+
+def test_redials_back_off_exponentially_with_jitter_and_reset_on_success():
+    n = _core(redial_s=1.0)
+    delays = []
+    for k in range(8):
+        n.now = float(k * 1000)
+        n.dial("x:1")
+        n.handle(ev.ConnectFailed(n.now, "x:1", "refused"))
+        delays.append(n.retry_at["x:1"] - n.now)
+    for k, d in enumerate(delays):
+        base = min(2.0**k, 60.0)
+        assert 0.5 * base <= d <= 1.5 * base, (k, d)
+    assert len(set(delays)) == len(delays)  # jittered
+    n.dial("x:1")
+    n.handle(ev.PeerConnected(n.now, 5, True, "x:1"))  # success resets the count
+    n.handle(ev.PeerDisconnected(n.now, 5, "bye"))
+    n.dial("x:1")
+    n.handle(ev.ConnectFailed(n.now, "x:1", "refused"))
+    assert n.retry_at["x:1"] - n.now <= 1.5
+
+
+def test_bootstrap_addresses_keep_redial_s_jittered():
+    n = _core(redial_s=2.0, bootstrap=("origin:1",))
+    for k in range(6):
+        n.now = float(k * 100)
+        n.dial("origin:1")
+        n.handle(ev.ConnectFailed(n.now, "origin:1", "refused"))
+        assert 1.0 <= n.retry_at["origin:1"] - n.now <= 3.0

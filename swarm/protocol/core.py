@@ -26,6 +26,7 @@ with a logged reason.
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Callable
 from typing import Any
@@ -49,6 +50,8 @@ from swarm.protocol.seeding import OriginRole
 from swarm.protocol.versions import ApplyState, VersionSet, VersionState
 
 READY = hs.READY
+REDIAL_MAX_S = 60.0  # redial back-off cap (or redial_s, if larger)
+MAX_DIAL_FAILURES = 4096  # addresses whose failures we remember
 
 
 class NodeCore(ReadModel):
@@ -79,6 +82,7 @@ class NodeCore(ReadModel):
         # dialling
         self.dialing: dict[str, float] = {}
         self.retry_at: dict[str, float] = {}
+        self._dial_failures: dict[str, int] = {}  # consecutive failed dials per address
         # bans: corrupt chunks are counted per node id, so reconnecting does not reset them
         self.bans = BanList(config.ban_s)
         self.role: Role = OriginRole(self) if config.is_origin else NodeRole(self)
@@ -208,6 +212,7 @@ class NodeCore(ReadModel):
             return
         if e.outbound:
             self.dialing.pop(e.addr, None)
+            self._dial_failures.pop(e.addr, None)
         p = Peer(e.conn, e.outbound, e.addr, self.now)
         p.identity = e.identity
         self.peers[e.conn] = p
@@ -220,7 +225,23 @@ class NodeCore(ReadModel):
     def _on_connect_failed(self, e: ev.ConnectFailed) -> None:
         self.log("debug", "connect_failed", addr=e.addr, reason=e.reason)
         self.dialing.pop(e.addr, None)
-        self.retry_at[e.addr] = self.now + self.cfg.redial_s
+        self.retry_at[e.addr] = self.now + self._backoff(e.addr)
+
+    def _backoff(self, addr: str) -> float:
+        """Back-off with jitter for redialling ``addr``: ``redial_s`` doubling per
+        consecutive failure up to ``REDIAL_MAX_S``, times 0.5..1.5. Bootstrap
+        addresses (the origin, our tracker: a restarted trainer must be found again
+        quickly) keep ``redial_s``, jittered so that a fleet does not redial in step.
+        The jitter is a hash of (our id, addr, failures), not a draw from ``rng``, so a
+        run's other random choices (and the simulator's reports) do not shift with it."""
+        n = self._dial_failures.pop(addr, 0) + 1
+        self._dial_failures[addr] = n
+        if len(self._dial_failures) > MAX_DIAL_FAILURES:  # bounded: the oldest goes first
+            del self._dial_failures[next(iter(self._dial_failures))]
+        grow = 0 if addr in self.cfg.bootstrap else min(n - 1, 20)
+        base = min(self.cfg.redial_s * 2.0**grow, max(self.cfg.redial_s, REDIAL_MAX_S))
+        h = hashlib.blake2b(f"{self.cfg.node_id}|{addr}|{n}".encode(), digest_size=8).digest()
+        return base * (0.5 + int.from_bytes(h, "little") / 2.0**64)
 
     def _on_disconnected(self, e: ev.PeerDisconnected) -> None:
         p = self.peers.get(e.conn)
@@ -288,7 +309,7 @@ class NodeCore(ReadModel):
                                 f"certificate {p.identity[0]!r}/{p.identity[1]!r}/{p.identity[2]!r}")
         if self.banned(f.node_id):
             if p.outbound:
-                self.retry_at[p.addr] = self.now + self.cfg.redial_s
+                self.retry_at[p.addr] = self.now + self._backoff(p.addr)
             self.close(p, "banned")
             return
         p.hello_in = raw
