@@ -117,7 +117,7 @@ def health(driver: Driver) -> str | None:
     if driver.draining:
         return "draining"
     if driver.store_fault is not None:  # local: disk full, quota, fd limit
-        return f"store: cannot keep chunks: {driver.store_fault}"
+        return f"store: {driver.store_fault}"
     if driver.engine is None:
         return None
     st = driver.engine_state

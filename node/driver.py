@@ -509,7 +509,7 @@ class Driver:
             return
         verdict = await asyncio.to_thread(self._check_and_store, v, i, payload)
         if isinstance(verdict, str):  # local fault: the core backs off, blames nobody
-            self.store_fault = verdict
+            self.store_fault = f"cannot keep chunks: {verdict}"
             self.feed(ev.ChunkNotStored(self.now(), c.id, v, i, verdict[:200]))
             return
         valid = verdict is None
@@ -689,7 +689,13 @@ class Driver:
         try:
             await asyncio.to_thread(self._record_active, version, self.weights.digest)
         except (PatchswarmError, OSError) as exc:
+            # Local: the node keeps serving and patching from the verified version; a
+            # restart rebuilds to the last recorded one and re-applies the rest from the store.
             log.error("cannot record active version %d: %s", version, exc)
+            self.store_fault = f"cannot record active version {version}: {exc}"
+        else:
+            if self.store_fault is not None and self.store_fault.startswith("cannot record"):
+                self.store_fault = None
 
     def _engine_ok(self, version: int, stats: CommitStats | None) -> None:
         st = self.engine_state
