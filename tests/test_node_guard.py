@@ -7,6 +7,7 @@ import asyncio
 import json
 import socket
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -104,3 +105,48 @@ def test_caps_are_range_checked(tmp_path: Path, key: str, value: float) -> None:
     doc["network"][key] = value
     with pytest.raises(ConfigError, match=f"network.{key}"):
         parse_config(doc, tmp_path)
+
+
+def test_api_token_guards_everything_but_healthz(tmp_path: Path) -> None:
+    """Attack 5: /status listed every peer, region and version to anyone."""
+    port, api_port = _free_port(), _free_port()
+    doc = _config(tmp_path, port, api_port)
+    (tmp_path / "api.token").write_text("s3cret-token-0123456789\n")
+    doc["api"]["token_file"] = "api.token"
+    cfg = parse_config(doc, tmp_path)
+
+    def get(path: str, token: str | None = None) -> int:
+        req = urllib.request.Request(f"http://127.0.0.1:{api_port}{path}")
+        if token:
+            req.add_header("Authorization", f"Bearer {token}")
+        try:
+            with urllib.request.urlopen(req, timeout=5) as r:
+                return r.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    async def scenario() -> None:
+        node = build_node(cfg)
+        stop, ready = asyncio.Event(), asyncio.Event()
+        task = asyncio.create_task(serve(node, stop, ready))
+        await asyncio.wait_for(ready.wait(), 30)
+        loop = asyncio.get_running_loop()
+        try:
+            codes = await loop.run_in_executor(None, lambda: (
+                get("/healthz"), get("/status"), get("/metrics"), get("/status", "wrong"),
+                get("/status", "s3cret-token-0123456789"),
+                get("/metrics", "s3cret-token-0123456789")))
+            assert codes == (200, 401, 401, 401, 200, 200), codes
+            # and the swarm port serves no API at all
+            def swarm_status() -> int:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=5) as r:
+                        return r.status
+                except urllib.error.HTTPError as exc:
+                    return exc.code
+            assert await loop.run_in_executor(None, swarm_status) == 404
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 30)
+
+    asyncio.run(scenario())
