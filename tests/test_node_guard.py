@@ -150,3 +150,79 @@ def test_api_token_guards_everything_but_healthz(tmp_path: Path) -> None:
             await asyncio.wait_for(task, 30)
 
     asyncio.run(scenario())
+
+
+def test_fd_exhaustion_is_survived(tmp_path: Path) -> None:
+    """A real node process under ``prlimit --nofile=96`` and a flood of 300 sockets from
+    many loopback addresses (the per-address cap alone would not save it): it refuses
+    what it cannot hold, stays up, and serves honest peers once the flood is gone."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("prlimit") is None:
+        pytest.skip("needs prlimit (util-linux)")
+    port, api_port = _free_port(), _free_port()
+    doc = _config(tmp_path, port, api_port)
+    doc["network"]["max_connections_per_ip"] = 4
+    doc["network"]["max_connections"] = 1024  # above the fd limit on purpose
+    doc["network"]["upgrade_timeout_s"] = 60.0  # let the flood hold its sockets
+    lines = []
+    for section, values in doc.items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+    (tmp_path / "node.toml").write_text("\n".join(lines) + "\n")
+    log = (tmp_path / "node.log").open("wb")
+    proc = subprocess.Popen(["prlimit", "--nofile=96:96", sys.executable, "-m", "patchswarm",
+                             "node", "--config", str(tmp_path / "node.toml")],
+                            stdout=log, stderr=subprocess.STDOUT)
+    socks: list[socket.socket] = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                _status(f"127.0.0.1:{api_port}")
+                break
+            except OSError:
+                time.sleep(0.3)
+        for i in range(300):  # 75 addresses x 4 = 300 > 96 fds
+            try:
+                s = socket.create_connection(("127.0.0.1", port), timeout=2,
+                                             source_address=(f"127.0.10.{1 + i // 4}", 0))
+                s.sendall(b"GET /swarm HTTP/1.1\r\n")
+                socks.append(s)
+            except OSError:
+                pass
+        time.sleep(1.0)
+        assert proc.poll() is None, "the node died under fd exhaustion"
+        pid = proc.pid
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        pid = int(kids[0]) if kids else pid  # prlimit execs the node (no child) or forks
+        held = len(list(Path(f"/proc/{pid}/fd").iterdir()))
+        assert len(socks) >= 200 and held >= 90, (
+            f"the flood did not reach the fd limit ({len(socks)} sockets, {held} fds open)")
+        for s in socks:
+            s.close()
+        socks.clear()
+        time.sleep(2.0)  # asyncio resumes accepting after an EMFILE pause
+
+        async def honest() -> bool:
+            import aiohttp
+
+            async with aiohttp.ClientSession() as session, session.ws_connect(
+                    f"http://127.0.0.1:{port}/swarm") as ws:
+                msg = await ws.receive(timeout=10)
+                return msg.type == aiohttp.WSMsgType.BINARY
+
+        assert asyncio.run(honest())
+        assert _status(f"127.0.0.1:{api_port}")["transport"]["connections"] <= 1
+        assert proc.poll() is None
+    finally:
+        for s in socks:
+            s.close()
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
