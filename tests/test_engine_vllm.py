@@ -310,7 +310,10 @@ def test_engine_venv_reuses_a_good_venv(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setattr(engine_venv.subprocess, "run",
                         lambda *a, **k: type("R", (), {"returncode": 1, "stdout": ""})())
     engine_venv.build(dest, "vllm==0.32.0")
-    assert pips and pips[0][:3] == ("install", "-c", str(engine_venv.ROOT / "constraints.txt"))
+    assert pips and pips[0][:3] == ("install", "-c", str(dest / "engine-constraints.txt"))
+    # the engine venv shares only the torch pin of the lock (vLLM pins its own transformers)
+    assert (dest / "engine-constraints.txt").read_text().startswith("torch==")
+    assert (dest / "engine-constraints.txt").read_text().count("\n") == 1
     assert "vllm==0.32.0" in pips[0] and "torchcodec==0.14.0" in pips[0]
     assert ("install", "--no-deps", "--no-build-isolation", "-e", str(engine_venv.ROOT)) in pips
     assert json.loads((dest / engine_venv.MARKER).read_text())["vllm"] == "vllm==0.32.0"
