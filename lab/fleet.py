@@ -177,6 +177,8 @@ class LoopbackFleet:
         (w / "swarm.secret").write_text(os.urandom(32).hex() + "\n")
         knobs = "".join(f"{k} = {json.dumps(v)}\n" for k, v in self.swarm.items())
         common = '[network]\nswarm_secret_file = "swarm.secret"\n'
+        if not self.tls and self.lab is not None:  # lab hosts are not loopback addresses
+            common += 'allow_plaintext = true\n'
         (w / "trainer.toml").write_text(
             f'[node]\nid = "trainer"\nregion = "trainer"\nmodel = "{MODEL}"\nrole = "origin"\n\n'
             f'{common}listen = "{self.trainer_addr}"\n\n'

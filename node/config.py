@@ -33,7 +33,8 @@ from swarm.protocol.config import CoreConfig, check_knobs
 _SECTIONS = {
     "node": {"id", "region", "model", "role"},
     "network": {"listen", "advertise", "bootstrap", "swarm_secret", "swarm_secret_file",
-                "max_connections", "max_connections_per_ip", "upgrade_timeout_s"},
+                "max_connections", "max_connections_per_ip", "upgrade_timeout_s",
+                "allow_plaintext"},
     "trust": {"trainer_keys"},
     "store": {"dir", "quota_bytes", "keep_versions", "fsync"},
     "weights": {"base", "base_version", "device"},
@@ -181,6 +182,10 @@ def _secret(net: dict, base_dir: Path) -> bytes:
 
 def _swarm_knobs(sec: dict) -> dict[str, Any]:
     return check_knobs(sec, "swarm")  # the one knob check, shared with simulation scenarios
+
+
+def _loopback(host: str) -> bool:
+    return host in ("localhost", "::1", "[::1]") or host.startswith("127.")
 
 
 def _int_in(net: dict, key: str, default: int, lo: int, hi: int) -> int:
@@ -332,6 +337,12 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = Non
     if isinstance(upgrade, bool) or not 0.1 <= upgrade <= 600:
         raise ConfigError(f"network.upgrade_timeout_s: must be a number in 0.1..600, got {upgrade!r}")
     tls = _tls(data.get("tls"), base_dir, node_id, region, role)
+    plaintext = _get(net, "network", "allow_plaintext", bool, False)
+    if tls is None and not plaintext and not _loopback(host):
+        raise ConfigError(
+            f"tls: a node listening on {host} needs [tls] (mutual TLS with certificates from "
+            "the swarm CA: `patchswarm ca`, docs/security.md); set network.allow_plaintext = "
+            "true to accept peers whose identity nobody proves")
     api_listen, api_token = _api(data.get("api") or {}, base_dir, tls is not None, (host, port))
     cfg = NodeConfig(
         tls=tls, api_listen=api_listen, api_token=api_token, upgrade_timeout_s=float(upgrade),

@@ -104,6 +104,14 @@ def test_knob_ranges_from_toml_literals(tmp_path: Path) -> None:
         parse_config(doc, tmp_path)
 
 
+def test_plaintext_on_a_public_address_needs_to_be_asked_for(tmp_path: Path) -> None:
+    doc = _doc(network={"listen": "0.0.0.0:7400"})
+    with pytest.raises(ConfigError, match=r"tls: a node listening on 0\.0\.0\.0 needs \[tls\]"):
+        parse_config(doc, tmp_path)
+    doc["network"]["allow_plaintext"] = True
+    assert parse_config(doc, tmp_path).tls is None
+
+
 def test_origin_needs_a_signing_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"publish\.signing_key"):
         parse_config(_doc(node={"role": "origin"}), tmp_path)
@@ -120,12 +128,20 @@ def test_file_errors(tmp_path: Path) -> None:
 
 def test_example_configs_parse(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parent.parent / "configs"
+    from swarm.trust import ca
+
+    ca.init_ca(tmp_path / "tls" / "ca")
+    (tmp_path / "tls" / "ca.crt").write_bytes((tmp_path / "tls" / "ca" / "ca.crt").read_bytes())
+    ca.issue(tmp_path / "tls" / "ca", "rollout-use1-a", region="us-east-1", out_dir=tmp_path / "tls")
+    ca.issue(tmp_path / "tls" / "ca", "trainer", region="trainer", role="origin",
+             out_dir=tmp_path / "tls")
     for name in ("node.toml", "trainer.toml"):
         (tmp_path / "swarm.secret").write_text(SECRET)
         text = (root / name).read_text()
         (tmp_path / name).write_text(text)
         cfg = load_config(tmp_path / name)
         assert cfg.model == "all-MiniLM-L6-v2"
+        assert cfg.tls is not None and cfg.api_listen == ("127.0.0.1", 7401)
 
 
 @settings(max_examples=60, deadline=None)
