@@ -158,6 +158,20 @@ class NetLab:
                 self._shape(ns, "eth0", self.host_mbit)
                 self._shape(g, f"h{h}", self.host_mbit)
 
+    def cut(self, region: int) -> None:
+        """Partition ``region`` from every other region (and the trainer): its uplink goes down."""
+        self._run("ip", "link", "set", "dev", "uplink", "down", ns=self.ns_region(region))
+        self._run("ip", "link", "set", "dev", f"r{region}", "down", ns=self.ns_core)
+
+    def heal(self, region: int) -> None:
+        """Undo ``cut``: the uplink comes back up with its routes (a link going down drops them)."""
+        self._run("ip", "link", "set", "dev", "uplink", "up", ns=self.ns_region(region))
+        self._run("ip", "link", "set", "dev", f"r{region}", "up", ns=self.ns_core)
+        self._run("ip", "route", "replace", "default", "via", f"10.214.{region}.2",
+                  ns=self.ns_region(region))
+        self._run("ip", "route", "replace", f"10.213.{region}.0/24", "via", f"10.214.{region}.1",
+                  ns=self.ns_core)
+
     def close(self) -> None:
         """Delete every namespace this lab made (their links go with them)."""
         for ns in reversed(self.namespaces):
