@@ -293,6 +293,17 @@ class LoopbackFleet:
             return None
         return json.loads(body) if path == "/status" else body
 
+    @staticmethod
+    def healthz(addr: str, timeout: float = 2.0) -> tuple[int, str]:
+        """``/healthz`` as (status code, body); (0, reason) when nothing answers."""
+        try:
+            with urllib.request.urlopen(f"http://{addr}/healthz", timeout=timeout) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+        except (urllib.error.URLError, OSError) as exc:
+            return 0, str(exc)
+
     def status(self, n: NodeProc) -> dict[str, Any] | None:
         return self.http(n.api_addr, "/status")
 

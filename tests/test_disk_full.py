@@ -7,22 +7,12 @@ from __future__ import annotations
 
 import subprocess
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
 from lab.fleet import LoopbackFleet
 
-
-def _healthz(addr: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://{addr}/healthz", timeout=2) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-    except OSError as exc:
-        return 0, str(exc)
+_healthz = LoopbackFleet.healthz
 
 
 def test_full_disk_is_local_and_recovers() -> None:

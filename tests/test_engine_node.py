@@ -52,14 +52,7 @@ class EngineFleet(LoopbackFleet):
             n.config.write_text(n.config.read_text() + "\n" + self.engine_section)
 
 
-def _healthz(addr: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://{addr}/healthz", timeout=2) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-    except (urllib.error.URLError, OSError) as exc:
-        return 0, str(exc)  # not listening (yet)
+_healthz = LoopbackFleet.healthz
 
 
 def _unhealthy(addr: str) -> str:

@@ -4,6 +4,7 @@ address and in total, a deadline for the websocket upgrade, and the node keeps s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import time
@@ -41,6 +42,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.asynccontextmanager
+async def _running(cfg):
+    """A real node (driver, guard, API) on this event loop, drained on exit."""
+    node = build_node(cfg)
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(serve(node, stop, ready))
+    await asyncio.wait_for(ready.wait(), 30)
+    try:
+        yield node
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+
 def _status(api: str) -> dict:
     with urllib.request.urlopen(f"http://{api}/status", timeout=5) as r:
         return json.loads(r.read())
@@ -51,12 +66,8 @@ def test_slowloris_and_per_ip_flood_are_cut_off(tmp_path: Path) -> None:
     cfg = parse_config(_config(tmp_path, port, api_port), tmp_path)
 
     async def scenario() -> dict:
-        node = build_node(cfg)
-        stop, ready = asyncio.Event(), asyncio.Event()
-        task = asyncio.create_task(serve(node, stop, ready))
-        await asyncio.wait_for(ready.wait(), 30)
-        loop = asyncio.get_running_loop()
-        try:
+        async with _running(cfg):
+            loop = asyncio.get_running_loop()
             socks = []
             for _ in range(20):  # 20 slowloris sockets from one address: 8 admitted
                 s = socket.create_connection(("127.0.0.1", port))
@@ -88,9 +99,6 @@ def test_slowloris_and_per_ip_flood_are_cut_off(tmp_path: Path) -> None:
                 msg = await ws.receive(timeout=5)  # the node's HELLO
                 assert msg.type == aiohttp.WSMsgType.BINARY
             return st
-        finally:
-            stop.set()
-            await asyncio.wait_for(task, 30)
 
     asyncio.run(scenario())
 
@@ -126,12 +134,8 @@ def test_api_token_guards_everything_but_healthz(tmp_path: Path) -> None:
             return exc.code
 
     async def scenario() -> None:
-        node = build_node(cfg)
-        stop, ready = asyncio.Event(), asyncio.Event()
-        task = asyncio.create_task(serve(node, stop, ready))
-        await asyncio.wait_for(ready.wait(), 30)
-        loop = asyncio.get_running_loop()
-        try:
+        async with _running(cfg):
+            loop = asyncio.get_running_loop()
             codes = await loop.run_in_executor(None, lambda: (
                 get("/healthz"), get("/status"), get("/metrics"), get("/status", "wrong"),
                 get("/status", "s3cret-token-0123456789"),
@@ -145,9 +149,6 @@ def test_api_token_guards_everything_but_healthz(tmp_path: Path) -> None:
                 except urllib.error.HTTPError as exc:
                     return exc.code
             assert await loop.run_in_executor(None, swarm_status) == 404
-        finally:
-            stop.set()
-            await asyncio.wait_for(task, 30)
 
     asyncio.run(scenario())
 
