@@ -139,3 +139,33 @@ def test_bootstrap_addresses_keep_redial_s_jittered():
         n.dial("origin:1")
         n.handle(ev.ConnectFailed(n.now, "origin:1", "refused"))
         assert 1.0 <= n.retry_at["origin:1"] - n.now <= 3.0
+
+
+def test_a_border_that_cannot_keep_a_pushed_chunk_steps_down_and_it_is_re_planned():
+    """The origin pushes each chunk into a region once and waits for the border's HAVE:
+    a border whose disk is full must let go of the link, so the origin hands the chunk
+    to another border at once instead of waiting for a HAVE that never comes."""
+    s = Signer()
+    o = _core("origin", "trainer", signer=s, role="origin", border_nodes=2)
+    a = Script(o, 1, node_id="a", region="r")
+    b = Script(o, 2, node_id="b", region="r")
+    a.handshake()
+    b.handshake()
+    acts = o.handle(ev.Publish(o.now, s.manifest(2, 4)))
+    pushed = {(x.conn, x.index) for x in acts if isinstance(x, ev.SendChunk)}
+    to_a = sorted(i for c, i in pushed if c == 1)
+    assert to_a, pushed
+    for conn, i in sorted(pushed):  # every push went out; a's never come back as HAVEs
+        o.handle(ev.ChunkSent(o.now, conn, 2, i))
+    # node a's side: the pushed chunk could not be stored -> it closes its origin link
+    n = _core("a", "r", signer=s, active_version=1)
+    n.handle(ev.LocalChunks(0.0, s.manifest(2, 4), ()))
+    origin = Script(n, 9, node_id="origin", region="trainer", role="origin", outbound=True)
+    origin.handshake()
+    acts = n.handle(ev.ChunkNotStored(n.now, 9, 2, to_a[0], "No space left on device"))
+    assert ev.Close(9, "local store fault: not taking pushed chunks") in acts
+    assert not n.banned("origin")
+    # the origin sees the border leave and re-plans its chunks to b without waiting
+    acts = o.handle(ev.PeerDisconnected(o.now, 1, "local store fault"))
+    again = {x.index for x in acts if isinstance(x, ev.SendChunk) and x.conn == 2}
+    assert set(to_a) <= again, (to_a, again)
