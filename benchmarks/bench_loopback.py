@@ -81,7 +81,8 @@ def run_fleet(args: argparse.Namespace, *, lab=None, relay: bool = True) -> tupl
     base = served_view(masters, "bf16")
     rows = []
     with LoopbackFleet(args.regions, args.nodes_per_region, chunk_size=args.chunk_size,
-                       swarm={"redial_s": 1.0, "relay": relay}, lab=lab) as fleet:
+                       swarm={"redial_s": 1.0, "relay": relay}, lab=lab,
+                       tls=getattr(args, "tls", False)) as fleet:
         t0 = time.monotonic()
         fleet.start_nodes_only(base, timeout=args.timeout)
         cfg = load_config(fleet.workdir / "trainer.toml")
@@ -151,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="emulated hosts in network namespaces with shaped uplinks (root)")
     ap.add_argument("--uplink-mbit", type=float, default=100.0, help="with --netlab")
     ap.add_argument("--trainer-uplink-mbit", type=float, default=None, help="with --netlab")
+    ap.add_argument("--tls", action="store_true",
+                    help="mutual TLS between every process (certificates from a swarm CA)")
     ap.add_argument("--inner-lab", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -165,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         for relay in (True, False):
             rows, setup_s = run_fleet(args, lab=lab, relay=relay)
             runs["relay" if relay else "per-region"] = {"setup_s": round(setup_s, 1), "versions": rows}
-        result = {"bench": "netlab", "regions": args.regions,
+        result = {"bench": "netlab", "tls": args.tls, "regions": args.regions,
                   "nodes_per_region": args.nodes_per_region, "params": args.params,
                   "chunk_size": args.chunk_size, "uplink_mbit": args.uplink_mbit,
                   "trainer_uplink_mbit": args.trainer_uplink_mbit or args.uplink_mbit,

@@ -64,6 +64,19 @@ class NodeProc:
         return f"{self.host}:{self.api_port or self.port}"
 
 
+def until(what: str, fn: Any, timeout: float = 60.0, poll_s: float = 0.1) -> Any:
+    """Poll ``fn`` until it returns something truthy; ``AssertionError`` naming ``what``
+    and the last value after ``timeout`` seconds (for tests and lab scripts)."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = fn()
+        if last:
+            return last
+        time.sleep(poll_s)
+    raise AssertionError(f"{what}: not within {timeout:.0f} s (last: {last!r})")
+
+
 def free_port(hosts: list[str], tries: int = 50) -> int:
     """A port free on every one of ``hosts``."""
     for _ in range(tries):

@@ -102,6 +102,8 @@ def build_node(cfg: NodeConfig, *, weights: InProcessWeights | None = None,
             weights = restore_weights(cfg, store)
         if engine is None and weights is not None:
             engine = make_engine(cfg.engine, weights)
+        if weights is not None and engine is not None and engine.kind == "inprocess":
+            weights.track_changes = False  # the truth itself serves: nothing to hand over
         active = weights.version if weights is not None else None
         if cfg.role == "origin":
             rec = store.active()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from lab.fleet import FleetError, LoopbackFleet, free_port
+from lab.fleet import until as _until
 from node.engines.testing.sglang_contract import spawn
 from swarm.codec import state_digest
 from trainer.served import served_view
@@ -72,15 +72,6 @@ def _post(url: str, body: dict) -> Any:
         return json.loads(r.read())
 
 
-def _until(what: str, fn: Any, timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(0.1)
-    raise AssertionError(f"{what}: not within {timeout:.0f} s (last: {last!r})")
 
 
 @pytest.mark.timeout(600)

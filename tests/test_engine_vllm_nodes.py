@@ -19,14 +19,13 @@ than three engines at once.
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from safetensors.torch import save_file
 
-from lab.fleet import LoopbackFleet
+from lab.fleet import LoopbackFleet, until
 from node.engines.vllm import VllmProcess
 from swarm.codec import state_digest
 from tests.engine_vllm_support import (
@@ -43,6 +42,10 @@ from tests.engine_vllm_support import (
 from trainer.served import served_view
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
+
+
+def until_slow(what: str, fn: Any, timeout: float) -> Any:
+    return until(what, fn, timeout, poll_s=0.5)
 BASE_VERSION = 1  # LoopbackFleet's configs start every node at version 1
 
 
@@ -69,15 +72,6 @@ class VllmFleet(LoopbackFleet):
                 f'commit_timeout_s = 300\npause_mode = "wait"\nprobe_s = 1\nretry_max_s = 5\n'))
 
 
-def _until(what: str, fn: Any, timeout: float) -> Any:
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(0.5)
-    raise AssertionError(f"{what}: not within {timeout:.0f} s (last: {last!r})")
 
 
 class Traffic:
@@ -134,7 +128,7 @@ def test_two_nodes_feed_real_vllm_engines_exactly(vllm_python: Path, tmp_path: P
                 return all(engine_status(n).get("served_version") == v for n in fleet.nodes)
 
             # started on the base checkpoint with no version: rebuilt to the node's version
-            _until("engines at the base version", lambda: serves(BASE_VERSION), 300)
+            until_slow("engines at the base version", lambda: serves(BASE_VERSION), 300)
             for v in range(BASE_VERSION + 1, BASE_VERSION + len(masters)):
                 path = tmp_path / f"masters-v{v}.safetensors"
                 save_file(masters[v - BASE_VERSION], str(path))
@@ -145,7 +139,7 @@ def test_two_nodes_feed_real_vllm_engines_exactly(vllm_python: Path, tmp_path: P
                     statuses = fleet.wait_version(v, timeout=240)
                     assert {s["active_digest"] for s in statuses.values()} == {
                         state_digest(views[v]).hex()}
-                    _until(f"both engines serve v{v}", lambda v=v: serves(v), 300)
+                    until_slow(f"both engines serve v{v}", lambda v=v: serves(v), 300)
                 # every request that was in flight around the commits finished whole
                 assert not traffic.errors, traffic.errors[:3]
                 assert traffic.done and set(traffic.done) == {32}, traffic.done

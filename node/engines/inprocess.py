@@ -91,6 +91,9 @@ class InProcessWeights(EngineAdapter):
         # What the last commit changed: name -> flat int64 indices, None (whole tensor)
         # or False (deleted); None as a whole after a full checkpoint (everything).
         self.last_changes: dict[str, object] | None = None
+        # Only an external engine needs the changed positions (they cost a pass over
+        # every changed element and, for dense records, an index array as large).
+        self.track_changes = True
 
     @classmethod
     def load(cls, path: Path, version: int, device: str = "auto") -> InProcessWeights:
@@ -124,10 +127,12 @@ class InProcessWeights(EngineAdapter):
                 raise PatchFormatError(f"version {version}: truncated patch (no complete header)")
             if header.base_digest is not None and header.base_digest != self.digest:
                 raise PatchApplyError(f"patch of version {version} has another base than ours")
-            changes: dict[str, object] = {}
-            for name, op, flat in applier.staged_changes():
-                changes[name] = False if op == "delete" else (
-                    None if flat is None else torch_from_numpy(flat))
+            changes: dict[str, object] | None = None
+            if self.track_changes:
+                changes = {}
+                for name, op, flat in applier.staged_changes():
+                    changes[name] = False if op == "delete" else (
+                        None if flat is None else torch_from_numpy(flat))
             self._staged = (version, kind, applier)
             self._staged_changes = changes
         elif kind == "full":
