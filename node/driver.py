@@ -46,6 +46,7 @@ import logging
 import os
 import ssl
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,9 +130,18 @@ class Conn:
     ws: web.WebSocketResponse | aiohttp.ClientWebSocketResponse
     outbound: bool
     addr: str
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    # Control frames go before the next block of a chunk (see _writer): they wait for
+    # one block on the wire, never for a whole chunk.
+    ctrl: deque = field(default_factory=deque)
+    data: deque = field(default_factory=deque)  # (version, index) chunks to send
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    blocks: wire.BlockAssembler = field(default_factory=wire.BlockAssembler)
+    heard_at: float = 0.0  # last Progress fed to the core (rate-limited)
     writer: asyncio.Task | None = None
     closing: bool = False
+
+    def queued(self) -> int:
+        return len(self.ctrl) + len(self.data)
 
 
 class Driver:
@@ -226,7 +236,7 @@ class Driver:
         if self._apply_task is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(self._apply_task), drain_s)
-        while any(not c.queue.empty() for c in self.conns.values()) and time.monotonic() < deadline:
+        while any(c.queued() for c in self.conns.values()) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         if self._timer is not None:
             self._timer.cancel()
@@ -336,14 +346,18 @@ class Driver:
             log.warning("unknown action %s", type(a).__name__)
 
     def _enqueue(self, c: Conn, item: tuple) -> None:
-        if c.queue.qsize() >= SEND_QUEUE_LIMIT:
+        if c.queued() >= SEND_QUEUE_LIMIT:
             log.warning("peer %s: send queue full, dropping it", c.addr)
             self.conns.pop(c.id, None)
             c.closing = True
             self._spawn(self._close_ws(c, "send queue full"))
             self.feed(ev.PeerDisconnected(self.now(), c.id, "send queue full"))
             return
-        c.queue.put_nowait(item)
+        if item[0] == "frame":
+            c.ctrl.append(item[1])
+        else:
+            c.data.append((item[1], item[2]))
+        c.wake.set()
 
     def _persist_manifest(self, version: int, raw: bytes, m: Manifest) -> None:
         try:  # the core verified it (verify_manifest): stored as it is
@@ -433,7 +447,9 @@ class Driver:
                 self.wire_bytes["received"] += len(data)
                 if c.id not in self.conns:
                     break
-                if wire.is_chunk_message(data):
+                if wire.is_block_message(data):
+                    await self._on_block(c, data)
+                elif wire.is_chunk_message(data):
                     await self._on_chunk(c, data)
                 else:
                     self.feed(ev.FrameReceived(self.now(), c.id, data))
@@ -456,26 +472,47 @@ class Driver:
             c.writer.cancel()
 
     async def _writer(self, c: Conn) -> None:
-        while not c.closing:
-            item = await c.queue.get()
-            if item[0] == "frame":
-                data = item[1]
-            else:
-                _, v, i = item
-                data = await self._chunk_bytes(v, i)
-                if data is None:
-                    self.feed(ev.ChunkSent(self.now(), c.id, v, i))
-                    continue
-            try:
-                await c.ws.send_bytes(data)
-            except (ConnectionError, RuntimeError, aiohttp.ClientError):
-                return  # the reader notices the closed socket and reports it
-            self.wire_bytes["sent"] += len(data)
-            if item[0] == "chunk":
-                self._note_sent(c, item[1], item[2])
-                self.feed(ev.ChunkSent(self.now(), c.id, item[1], item[2]))
+        """Send the link's control frames and chunks, in order within each.
 
-    async def _chunk_bytes(self, v: int, i: int) -> bytes | None:
+        A chunk goes as blocks of ``wire.BLOCK_BYTES``; before each block every
+        control frame queued meanwhile is sent, so a heartbeat, HAVE or REQUEST
+        waits for one block on the wire, not for a whole chunk.
+        """
+        sending: tuple[int, int, bytes] | None = None  # (version, index, payload)
+        offset = 0
+        try:
+            while not c.closing:
+                if c.ctrl:
+                    data = c.ctrl.popleft()
+                    await c.ws.send_bytes(data)
+                    self.wire_bytes["sent"] += len(data)
+                    continue
+                if sending is None:
+                    if not c.data:
+                        c.wake.clear()
+                        await c.wake.wait()
+                        continue
+                    v, i = c.data.popleft()
+                    payload = await self._chunk_bytes(v, i)
+                    if payload is None:
+                        self.feed(ev.ChunkSent(self.now(), c.id, v, i))
+                        continue
+                    sending, offset = (v, i, payload), 0
+                v, i, payload = sending
+                n = len(payload)
+                end = min(n, offset + wire.BLOCK_BYTES)
+                msg = wire.pack_block_header(v, i, n, offset) + payload[offset:end]
+                await c.ws.send_bytes(msg)
+                self.wire_bytes["sent"] += len(msg)
+                offset = end
+                if offset >= n:
+                    sending = None
+                    self._note_sent(c, v, i)
+                    self.feed(ev.ChunkSent(self.now(), c.id, v, i))
+        except (ConnectionError, RuntimeError, aiohttp.ClientError):
+            return  # the reader notices the closed socket and reports it
+
+    async def _chunk_bytes(self, v: int, i: int) -> memoryview | None:
         try:
             payload = await asyncio.to_thread(self.store.read_chunk, v, i)
         except (ChunkError, StoreError) as exc:
@@ -483,7 +520,7 @@ class Driver:
             return None
         if self.faults.corrupt_chunks and payload:
             payload = bytes([payload[0] ^ 0xFF]) + payload[1:]
-        return wire.pack_chunk(v, i, payload)
+        return memoryview(payload)
 
     def _note_sent(self, c: Conn, v: int, i: int) -> None:
         region = self.core.peer_region(c.id)
@@ -492,16 +529,33 @@ class Driver:
 
     # --------------------------------------------------------------- chunks
 
-    async def _on_chunk(self, c: Conn, data: bytes) -> None:
-        try:
-            v, i, payload = wire.unpack_chunk(data)
-        except ProtocolError as exc:
-            log.warning("peer %s: %s", c.addr, exc)
-            self.conns.pop(c.id, None)
-            c.closing = True
-            self.feed(ev.PeerDisconnected(self.now(), c.id, str(exc)))
-            await self._close_ws(c, str(exc))
+    async def _on_block(self, c: Conn, data: bytes) -> None:
+        """One block of a chunk: progress (liveness) for the core; the chunk once whole."""
+        if not self.core.authenticated(c.id):
+            await self._drop(c, "chunk before the handshake")
             return
+        try:
+            whole = c.blocks.feed(data)
+        except ProtocolError as exc:
+            await self._drop(c, str(exc))
+            return
+        if whole is None:
+            now = self.now()
+            if now - c.heard_at >= 0.25:  # the core needs to know the link is alive, not every block
+                c.heard_at = now
+                self.feed(ev.Progress(now, c.id))
+            return
+        await self._on_chunk(c, whole)
+
+    async def _on_chunk(self, c: Conn, data: bytes | tuple[int, int, memoryview]) -> None:
+        if isinstance(data, tuple):
+            v, i, payload = data
+        else:
+            try:
+                v, i, payload = wire.unpack_chunk(data)
+            except ProtocolError as exc:
+                await self._drop(c, str(exc))
+                return
         if not self.core.authenticated(c.id):
             # Nothing but the handshake is read from an unauthenticated peer: the chunk
             # is neither hashed nor stored, and nobody is blamed in a claimed name.

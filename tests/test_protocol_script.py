@@ -254,3 +254,32 @@ def test_handshake_table_is_the_whole_story() -> None:
                     hs.expect(state, frame)
             else:
                 assert hs.expect(state, frame) is want
+
+
+def test_a_relay_whose_target_vanishes_fails_loudly_to_the_origin() -> None:
+    n, o, _b = _border_holding((0, 1))
+    o.send(wire.Relay(2, 1, "b"))
+    acts = n.handle(ev.PeerDisconnected(n.now, 2, "reset"))
+    assert wire.RelayFail(2, 1, "b") in o.frames(acts)
+    # the chunk that then "leaves" on the dead link is not counted as a relay done
+    n.handle(ev.ChunkSent(n.now, 2, 2, 1))
+    assert n.uploading == 0
+
+
+def test_origin_cancels_relays_over_a_link_that_vanished_and_pushes_itself() -> None:
+    s = Signer()
+    o = _core("origin", "trainer", role="origin", signer=s, border_nodes=1)
+    a = Script(o, 1, node_id="a", region="r1")
+    a.handshake()
+    o.handle(ev.Publish(o.now, s.manifest(2, 1)))
+    o.handle(ev.ChunkSent(o.now, 1, 2, 0))
+    a.send(wire.Announce(s.manifest(2, 1)))
+    a.send(wire.Have(2, (0,)))
+    a.send(wire.Links(("b",)))
+    b = Script(o, 2, node_id="b", region="r2")
+    b.handshake()
+    assert wire.Relay(2, 0, "b") in a.frames(b.actions)
+    # a's link to b is gone (a says so in LINKS): no RELAY_FAIL needed, no 2 x timeout wait
+    a.send(wire.Links(()))
+    assert [x for x in a.actions if isinstance(x, ev.SendChunk)] == [ev.SendChunk(2, 2, 0, 1000)]
+    assert any(isinstance(x, ev.Log) and x.event == "relay_cancelled" for x in a.actions)

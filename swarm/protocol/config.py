@@ -38,6 +38,7 @@ KNOB_RANGES: dict[str, tuple[float, float]] = {
     "border_grace_s": (0.0, _DAY), "keep_versions": (1, 1 << 20), "apply_retries": (0, 1000),
     "apply_retry_s": (0.0, _DAY), "status_interval_s": (0.0, _DAY), "status_delay_s": (0.0, 3600.0),
     "fleet_max": (1, 10_000_000), "unavailable_s": (0.0, _DAY),
+    "relay_wait_s": (0.0, _DAY),
 }
 
 
@@ -84,6 +85,7 @@ class CoreConfig:
     push_slots: int = 24  # origin: chunks it pushes into regions at once (counted until sent)
     relay_slots: int = 1  # concurrent cross-region relays per border node
     border_grace_s: float = 5.0  # wait before re-sending what a departed border held
+    relay_wait_s: float = 5.0  # origin: push a chunk a linked region could relay only after relays into the region stalled this long
     # ---- versions
     active_version: int | None = 0  # version held at start (0 = the base checkpoint)
     keep_versions: int = 3  # versions kept announced/served behind the active one

@@ -259,8 +259,11 @@ class NodeCore(ReadModel):
             del self.by_id[p.node_id]
         if p.state is not READY:
             return
+        relays = [(v, i) for c, v, i in self.uploads.relays if c == p.conn]
         self.exchange.forget(p)
         self.role.on_leave(p)
+        if relays:
+            self.role.on_relays_lost(p, relays)
         self.exchange.fill_all()
 
     # ================================================================ frames
@@ -518,6 +521,11 @@ class NodeCore(ReadModel):
                 for p, frame in have_frames(v, idx, self.peers.values(), to_origin=border):
                     self.send(p, frame)
 
+    def _on_progress(self, e: ev.Progress) -> None:
+        p = self.peers.get(e.conn)
+        if p is not None and p.state is READY:
+            p.last_heard = self.now
+
     def _on_engine_served(self, e: ev.EngineServed) -> None:
         if e.version != self.served_version:
             self.served_version = e.version
@@ -587,4 +595,5 @@ _HANDLERS: dict[type, Callable[[NodeCore, Any], None]] = {
     ev.LocalChunks: NodeCore._on_local,
     ev.Applied: NodeCore._on_applied,
     ev.EngineServed: NodeCore._on_engine_served,
+    ev.Progress: NodeCore._on_progress,
 }

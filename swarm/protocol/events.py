@@ -151,6 +151,14 @@ class Applied(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class Progress(Event):
+    """Part of a chunk arrived on ``conn`` (the driver's blocks): the peer is alive,
+    even if no whole frame came for a while (liveness must not starve behind data)."""
+
+    conn: int
+
+
+@dataclass(frozen=True, slots=True)
 class EngineServed(Event):
     """The node's engine confirmed serving ``version`` (the fleet view reports it)."""
 

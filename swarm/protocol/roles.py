@@ -132,6 +132,9 @@ class Role:
     def on_versions_changed(self) -> None:
         """Our active or engine-served version changed."""
 
+    def on_relays_lost(self, p: Peer, relays: list[tuple[int, int]]) -> None:
+        """``p`` went away while we were relaying ``(version, index)`` chunks to it."""
+
     def fleet(self) -> list[FleetEntry]:
         """Origin: the last version report of every node; read model only."""
         return []
@@ -152,6 +155,16 @@ class NodeRole(Role):
 
     def frame_handlers(self) -> dict[type[wire.Frame], FrameHandler]:
         return {wire.Role: self._f_role, wire.Relay: self._f_relay}
+
+    def on_relays_lost(self, p: Peer, relays: list[tuple[int, int]]) -> None:
+        """Fail loudly: the origin re-plans what we could not deliver at once, instead
+        of waiting for a HAVE that will never come."""
+        o = self._origin_link()
+        if o is None:
+            return
+        for v, i in relays:
+            self.host.send(o, wire.RelayFail(v, i, p.node_id).encode())
+        self.host.log("info", "relays_lost", peer=p.node_id, chunks=len(relays))
 
     # ---- version reports (the origin's fleet view)
     def on_versions_changed(self) -> None:

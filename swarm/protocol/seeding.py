@@ -55,12 +55,13 @@ DIRECT, FLAT, REGIONS = SeedMode.DIRECT, SeedMode.FLAT, SeedMode.REGIONS
 class RegionPlan:
     """One version in one region: what entered it and what is on its way."""
 
-    __slots__ = ("infl", "inflight", "sent")
+    __slots__ = ("infl", "inflight", "relayed_at", "sent")
 
-    def __init__(self) -> None:
+    def __init__(self, now: float = 0.0) -> None:
         self.sent = 0
         self.infl = 0
-        self.inflight: dict[int, list] = {}  # index -> [source conn | -1, target conn, deadline | None]
+        self.inflight: dict[int, list] = {}  # index -> [source conn | -1, target conn, deadline | None, started]
+        self.relayed_at = now  # last relay into the region ordered or arrived (relay_wait_s)
 
 
 class OriginRole(Role):
@@ -84,6 +85,10 @@ class OriginRole(Role):
         self.replaced = 0  # border replacements dialled
         self.resend_now: set[int] = set()  # conns of borders banned: re-plan their chunks at once
         self.table = FleetTable(c.fleet_max)  # every node's last STATUS
+        # measured seconds from order to HAVE per chunk into each region (EWMA): by push
+        # from the origin, by relay from another region (``_direct_faster``)
+        self.push_s: dict[str, float] = {}
+        self.relay_s: dict[str, float] = {}
 
     # ------------------------------------------------------------------ role hooks
     def frame_handlers(self) -> dict[type[wire.Frame], FrameHandler]:
@@ -196,7 +201,7 @@ class OriginRole(Role):
             bs.remove(p)
         for v, plans in self.plans.items():
             for plan in plans.values():
-                for i, (src, dst, _d) in list(plan.inflight.items()):
+                for i, (src, dst, _d, _t0) in list(plan.inflight.items()):
                     if src == p.conn or dst == p.conn:
                         self._drop_inflight(plan, i)
             plan = plans.get(p.region)
@@ -239,7 +244,19 @@ class OriginRole(Role):
         self.tick()
 
     def on_links(self, p: Peer, ids: list[str]) -> None:
+        """``p``'s cross-region links changed: relays it was ordered to carry over a
+        link that is gone will not arrive; they are planned again now."""
         p.links = set(ids)
+        host = self.host
+        for plans in self.plans.values():
+            for plan in plans.values():
+                for i, (src, dst, _d, _t0) in list(plan.inflight.items()):
+                    if src != p.conn:
+                        continue
+                    t = host.peers.get(dst)
+                    if t is None or t.node_id not in p.links:
+                        host.log("info", "relay_cancelled", border=p.node_id, index=i)
+                        self._drop_inflight(plan, i)
         self.schedule()
 
     # ------------------------------------------------------------------ chunk flow
@@ -259,7 +276,15 @@ class OriginRole(Role):
         elif self.mode is REGIONS and p.border and gained:
             plan = self.plans.get(v, {}).get(p.region)
             if plan is not None:
+                now = self.host.now
                 for i in iter_bits(gained & plan.infl):
+                    src, _dst, _d, t0 = plan.inflight[i]
+                    # measured delivery time into the region, per path kind (routing)
+                    table = self.push_s if src == ORIGIN_SRC else self.relay_s
+                    old = table.get(p.region)
+                    table[p.region] = now - t0 if old is None else 0.7 * old + 0.3 * (now - t0)
+                    if src != ORIGIN_SRC:
+                        plan.relayed_at = now
                     self._drop_inflight(plan, i)
                 plan.sent |= gained
         self.schedule()
@@ -285,7 +310,7 @@ class OriginRole(Role):
         return True
 
     def _drop_inflight(self, plan: RegionPlan, i: int) -> None:
-        src, _dst, _d = plan.inflight.pop(i)
+        src, _dst, _d, _t0 = plan.inflight.pop(i)
         plan.infl &= ~(1 << i)
         if src != ORIGIN_SRC:
             s = self.host.peers.get(src)
@@ -311,7 +336,7 @@ class OriginRole(Role):
         changed = False
         for v, plans in self.plans.items():
             for r, plan in plans.items():
-                for i, (_s, _t, d) in list(plan.inflight.items()):
+                for i, (_s, _t, d, _t0) in list(plan.inflight.items()):
                     if d is not None and d <= now:
                         self.host.log("info", "region_transfer_timeout", version=v, region=r, index=i)
                         self._drop_inflight(plan, i)
@@ -400,7 +425,7 @@ class OriginRole(Role):
                     bits |= b.bits.get(v, 0)
                 plan = plans.get(r)
                 if plan is None and hs:
-                    plan = plans[r] = RegionPlan()
+                    plan = plans[r] = RegionPlan(now)
                 if plan is not None:
                     bits |= plan.sent | plan.infl
                 rbits[r] = bits
@@ -418,15 +443,66 @@ class OriginRole(Role):
                     missing = full & ~rbits[r]
                     if not missing:
                         break
-                    i = self._relay_one(v, r, bs, plan, load, missing, now)
+                    i = self._relay_one(v, r, bs, plan, load, missing, now, union)
                     if i < 0:
-                        # novel chunks first (no remote region has them): they can be relayed on
-                        i = self._push_one(v, r, bs, plan, load, missing & ~union or missing)
+                        # Novel chunks first (no remote region has them): they can be relayed
+                        # on. A second copy into the remote regions only once the origin's
+                        # own pushes into them have left (its uplink is often its site's
+                        # thin uplink, shared by every region: a second copy there delays
+                        # the first of others), and not of what a region linked to this
+                        # one holds and can relay now (unless relays into it stalled).
+                        cand = missing & ~union
+                        if not cand:
+                            relayable = self._relayable(v, r, rbits, plan, now)
+                            if self._direct_faster(r) or relayable is None:
+                                cand = missing  # no region can relay into r, or pushes are faster
+                            elif not self._pushing_remote():
+                                cand = missing & ~relayable
+                        i = self._push_one(v, r, bs, plan, load, cand) if cand else -1
                     if i < 0:
                         break
                     rbits[r] |= 1 << i
                     if r != c.region:
                         union |= 1 << i
+
+    def _direct_faster(self, r: str) -> bool:
+        """Whether a chunk has been reaching region ``r`` sooner pushed by the origin than
+        relayed from another region (measured; unknown counts as no)."""
+        push, relay = self.push_s.get(r), self.relay_s.get(r)
+        return push is not None and relay is not None and push < relay
+
+    def _pushing_remote(self) -> bool:
+        """Whether pushes into remote regions are still leaving the origin."""
+        home = self.cfg.region
+        return any(r and r != home for r in self.pushes.values())
+
+    def _relayable(self, v: int, r: str, rbits: dict[str, int], plan: RegionPlan,
+                   now: float) -> int | None:
+        """Chunks region ``r`` misses that another remote region, linked to ``r``'s
+        borders, holds: they go in by relay. Nothing while relays into ``r`` have
+        stalled for ``relay_wait_s`` (the origin then pushes them itself); None when
+        no other remote region is linked to ``r`` at all."""
+        c = self.cfg
+        if not c.relay or r == c.region:
+            return None
+        ids = {b.node_id for b in self.borders.get(r, [])}
+        held = 0
+        linked = False
+        for r2, lst in self.borders.items():
+            if r2 in (r, c.region):
+                continue
+            for b in lst:
+                if b.ready and b.links & ids:
+                    linked = True
+                    held |= b.bits.get(v, 0)
+        if not linked:
+            return None
+        held &= ~rbits.get(r, 0)
+        if not held:
+            plan.relayed_at = now  # nothing to relay yet: relays are not stalled
+        elif now - plan.relayed_at > c.relay_wait_s:
+            return 0
+        return held
 
     @staticmethod
     def _loads(plan: RegionPlan) -> dict[int, int]:
@@ -439,7 +515,7 @@ class OriginRole(Role):
         slot until the HAVE (the origin does not see it leave).
         """
         load: dict[int, int] = {}
-        for src, dst, d in plan.inflight.values():
+        for src, dst, d, _t0 in plan.inflight.values():
             if src != ORIGIN_SRC or d is None:
                 load[dst] = load.get(dst, 0) + 1
         return load
@@ -459,19 +535,24 @@ class OriginRole(Role):
         return best
 
     def _relay_one(self, v: int, r: str, bs: list[Peer], plan: RegionPlan, load: dict[int, int],
-                   missing: int, now: float) -> int:
+                   missing: int, now: float, union: int) -> int:
         home = self.cfg.region
         if not self.cfg.relay or r == home:
             return -1  # the origin's own region is fed locally, never across a border
-        # sources outside the origin's own region first: they spare its site uplink
+        # Sources outside the origin's own region first: they spare its site uplink. A
+        # border of the origin's own region sends through that same uplink, so it relays
+        # only what no remote region has (as the origin would push it).
         for r2 in sorted(self.borders, key=lambda x: x == home):
             lst = self.borders[r2]
             if r2 == r:
                 continue
+            mask = missing & ~union if r2 == home else missing
+            if not mask:
+                continue
             for b in lst:
                 if b.relay_busy >= self.cfg.relay_slots or not b.links:
                     continue
-                cand = b.bits.get(v, 0) & missing
+                cand = b.bits.get(v, 0) & mask
                 if not cand:
                     continue
                 t = self._target(bs, load, b.links)
@@ -480,8 +561,9 @@ class OriginRole(Role):
                 i = lowest(cand)
                 b.relay_busy += 1
                 load[t.conn] = load.get(t.conn, 0) + 1
-                plan.inflight[i] = [b.conn, t.conn, now + 2 * self.cfg.request_timeout_s]
+                plan.inflight[i] = [b.conn, t.conn, now + 2 * self.cfg.request_timeout_s, now]
                 plan.infl |= 1 << i
+                plan.relayed_at = now
                 self.host.send(b, wire.Relay(v, i, t.node_id).encode())
                 return i
         return -1
@@ -495,7 +577,7 @@ class OriginRole(Role):
             return -1
         i = lowest(cand)
         load[t.conn] = load.get(t.conn, 0) + 1
-        plan.inflight[i] = [ORIGIN_SRC, t.conn, None]
+        plan.inflight[i] = [ORIGIN_SRC, t.conn, None, self.host.now]
         plan.infl |= 1 << i
         self._push(t, v, i, r)
         return i
