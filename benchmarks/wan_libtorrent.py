@@ -26,6 +26,7 @@ import resource
 import select
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -60,8 +61,10 @@ def make(args: argparse.Namespace) -> int:
     import libtorrent as lt
 
     fs = lt.file_storage()
-    lt.add_files(fs, str(args.file))
-    ct = lt.create_torrent(fs, args.piece_kib * 1024, flags=lt.create_torrent.v1_only)
+    with warnings.catch_warnings():  # the file_storage path still works in 2.1
+        warnings.simplefilter("ignore", DeprecationWarning)
+        lt.add_files(fs, str(args.file))
+        ct = lt.create_torrent(fs, args.piece_kib * 1024, flags=lt.create_torrent.v1_only)
     lt.set_piece_hashes(ct, str(Path(args.file).resolve().parent))
     Path(args.torrent).write_bytes(lt.bencode(ct.generate()))
     return 0
@@ -88,6 +91,8 @@ def peer(args: argparse.Namespace, seeding: bool) -> int:
     atp.flags &= ~lt.torrent_flags.paused
     if seeding:
         atp.flags |= lt.torrent_flags.seed_mode  # the file is there: no hashing
+    if args.no_pex:
+        atp.flags |= lt.torrent_flags.disable_pex
     h = ses.add_torrent(atp)
     deadline = time.monotonic() + 30
     while not ses.is_listening() and time.monotonic() < deadline:
@@ -102,11 +107,22 @@ def peer(args: argparse.Namespace, seeding: bool) -> int:
             h.connect_peer((ip, int(port or PORT)))
     done = seeding
     deadline = t_go + args.timeout
+    # payload bytes per connection, polled: a connection between two finished peers closes
+    # and takes its counters with it
+    seen: dict[tuple[str, int], int] = {}
+
+    def account() -> None:
+        for pi in h.get_peer_info():
+            key = (pi.ip[0], pi.ip[1])
+            seen[key] = max(seen.get(key, 0), int(pi.total_download))
+
     while True:
         if not done:
+            account()
             st = h.status()
             if st.is_seeding:
                 done = True
+                account()
                 _emit({"event": "done", "t": time.monotonic(), "t_go": t_go})
             elif time.monotonic() > deadline:
                 _emit({"event": "timeout", "progress": st.progress})
@@ -116,9 +132,8 @@ def peer(args: argparse.Namespace, seeding: bool) -> int:
             if line == "" or line.strip() == "quit":
                 break
     got: dict[str, int] = {}
-    for pi in h.get_peer_info():
-        ip = pi.ip[0]
-        got[ip] = got.get(ip, 0) + int(pi.total_download)
+    for (ip, _), n in seen.items():
+        got[ip] = got.get(ip, 0) + n
     ru = resource.getrusage(resource.RUSAGE_SELF)
     _emit({"event": "stats", "from_peers": got, "cpu_s": round(ru.ru_utime + ru.ru_stime, 3)})
     ses.pause()
@@ -140,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--dir", type=Path, required=True, help="save path (the file's folder)")
         p.add_argument("--peers", default="", help="IP[:PORT],... to dial after go (fetch)")
         p.add_argument("--timeout", type=float, default=300.0)
+        p.add_argument("--no-pex", action="store_true", help="no peer exchange")
     args = ap.parse_args(argv)
     try:
         import libtorrent  # noqa: F401

@@ -17,7 +17,9 @@ machine's cores:
 - only the IPv4 header is copied to user space (``COPY_PACKET``, 20 bytes), for
   the packet's length (``NFQA_CAP_LEN``, else the header's total length);
 - ``NFQA_CFG_F_GSO``: GSO/GRO super-packets are queued whole, not segmented;
-- one thread, non-blocking receive of up to ``BATCH`` messages per wake-up.
+- one thread; while it holds packets it wakes once per tick (``min(0.5 ms,
+  delay / 10)``) and reads everything that arrived, up to ``BATCH`` messages per
+  receive call, instead of waking per packet.
 
 Memory is bounded: past ``--max-held`` packets (or ``--max-held-mib`` of
 packet bytes) a new packet is dropped and counted, and the kernel queue itself
@@ -75,11 +77,12 @@ class Holder:
     """One NFQUEUE queue bound in this network namespace; see the module docstring."""
 
     def __init__(self, queue: int, delay_s: float, max_held: int = 100_000,
-                 max_held_bytes: int = 256 << 20, tick_s: float = 0.0002) -> None:
+                 max_held_bytes: int = 256 << 20, tick_s: float | None = None) -> None:
         from fnfqueue import ffi, lib  # the wan extra; imported here so the lab imports without it
 
         self.ffi, self.lib = ffi, lib
-        self.queue, self.delay_s, self.tick_s = queue, delay_s, tick_s
+        self.queue, self.delay_s = queue, delay_s
+        self.tick_s = tick_s if tick_s is not None else min(0.0005, delay_s / 10)
         self.max_held, self.max_held_bytes = max_held, max_held_bytes
         self.held: collections.deque[tuple[float, int, int]] = collections.deque()
         self.held_bytes = 0
@@ -100,6 +103,7 @@ class Holder:
         self._arr = ffi.new("struct nfq_packet *[]", BATCH)
         for i in range(BATCH):
             self._arr[i] = self._pkts[i]
+        self._used = BATCH
         self._verdict = ffi.new("struct nfq_packet *")
         self._verdict.queue_id = queue
         self._seq = 0
@@ -128,11 +132,12 @@ class Holder:
         raise HolderError(f"queue {self.queue}: no answer from nfnetlink")
 
     def _receive(self) -> list[Any]:
-        for i in range(BATCH):
+        for i in range(self._used):  # only what the last receive filled
             p = self._pkts[i]
             p.buffer = self._bufs[i]
             p.len = PACKET_BUF
         n = self.lib.receive(self.conn, self._arr, BATCH)
+        self._used = BATCH if n == -1 else n
         if n == -1:
             e = self.ffi.errno
             if e in (errno.EAGAIN, errno.EWOULDBLOCK):
@@ -187,7 +192,7 @@ class Holder:
     def _release(self, now: float) -> None:
         last = None
         held = self.held
-        due = now + self.tick_s / 2
+        due = now + self.tick_s / 4
         while held and held[0][0] <= due:
             _, last, size = held.popleft()
             self.held_bytes -= size
@@ -196,19 +201,30 @@ class Holder:
             self.stats["verdict_batches"] += 1
 
     def run(self, stop: list[bool]) -> None:
-        fd = self.conn.fd
+        """Wake when a packet comes or the oldest is due, but at most once per ``tick_s``
+        while packets are held: a busy link then costs one wake-up per tick, not one per
+        packet. A packet read after such a pause is taken as ``tick_s / 2`` old, so its
+        delay is right within +-``tick_s / 2``."""
+        fd, held, tick = self.conn.fd, self.held, self.tick_s
+        last_wake = 0.0
         while not stop[0]:
             now = time.monotonic()
-            timeout = max(0.0, self.held[0][0] - now) if self.held else 0.5
-            if timeout > 0:
-                try:
-                    select.select([fd], [], [], max(timeout, self.tick_s) if self.held else timeout)
-                except InterruptedError:
-                    continue
-            self.stats["wakeups"] += 1
+            age = 0.0
+            if held and now - last_wake < tick:
+                time.sleep(tick - (now - last_wake))
+                age = tick / 2
+                now = time.monotonic()
+            timeout = max(0.0, held[0][0] - now) if held else 0.5
+            try:
+                ready = select.select([fd], [], [], timeout)[0] if timeout > 0 else True
+            except InterruptedError:
+                continue
             now = time.monotonic()
-            self._take(now)
-            self._release(time.monotonic())
+            last_wake = now
+            self.stats["wakeups"] += 1
+            if ready:
+                self._take(now - age)
+            self._release(now)
 
     def close(self) -> None:
         """Accept everything still held, unbind, close."""

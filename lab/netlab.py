@@ -107,6 +107,7 @@ class NetLab:
     trainer_in_region: int | None = None  # None: the trainer has a region of its own
     delay_ms: float = 0.0  # one way, between regions (NFQUEUE holder in the core)
     intra_delay_ms: float = 0.0  # one way, between hosts of one region (holder per region)
+    uplink_burst_bytes: int | None = None  # None: ~4 ms of data, >= 32 KiB
     holders: list[dict[str, Any]] = field(default_factory=list)
     tables: list[tuple[str, str]] = field(default_factory=list)  # (ns, "family name")
 
@@ -172,9 +173,10 @@ class NetLab:
         self.namespaces.append(name)
         self._run("ip", "link", "set", "dev", "lo", "up", ns=name)
 
-    def _shape(self, ns: str, dev: str, mbit: float | None) -> None:
+    def _shape(self, ns: str, dev: str, mbit: float | None, burst: int | None = None) -> None:
+        """tbf at ``mbit``; a burst under a GSO super-packet (64 KiB) makes tbf segment it."""
         if mbit:
-            burst = max(32 * 1024, int(mbit * 1e6 / 8 / 250))  # ~4 ms of data, >= 32 KiB
+            burst = burst or max(32 * 1024, int(mbit * 1e6 / 8 / 250))  # ~4 ms, >= 32 KiB
             self._run("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit",
                       "burst", str(burst), "latency", "100ms", ns=ns)
 
@@ -214,8 +216,8 @@ class NetLab:
             mbit = self.uplink_mbit
             if r == self.trainer_region and self.trainer_uplink_mbit:
                 mbit = self.trainer_uplink_mbit
-            self._shape(g, "uplink", mbit)
-            self._shape(core, f"r{r}", mbit)
+            self._shape(g, "uplink", mbit, self.uplink_burst_bytes)
+            self._shape(core, f"r{r}", mbit, self.uplink_burst_bytes)
             self._run("ip", "route", "add", "default", "via", f"10.214.{r}.2", ns=g)
             self._run("ip", "route", "add", f"10.213.{r}.0/24", "via", f"10.214.{r}.1", ns=core)
             hosts = 1 if r == self.n_region_ns - 1 and self.trainer_in_region is None \
@@ -309,7 +311,7 @@ class NetLab:
                 "uplink_mbit": self.uplink_mbit, "host_mbit": self.host_mbit, "tag": self.tag,
                 "trainer_in_region": self.trainer_in_region, "delay_ms": self.delay_ms,
                 "intra_delay_ms": self.intra_delay_ms,
-                "holders": [{k: h[k] for k in ("ns", "hook", "queue", "delay_ms", "pid")}
+                "uplink_burst_bytes": self.uplink_burst_bytes, "holders": [{k: h[k] for k in ("ns", "hook", "queue", "delay_ms", "pid")}
                             for h in self.holders]}
 
     @classmethod
