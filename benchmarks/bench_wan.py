@@ -108,8 +108,8 @@ class Meter:
         self.poll_into = self.poll_out = 0.0  # uplink bytes of one /status poll, per direction
 
     def snapshot(self) -> dict[str, Any]:
-        return {"uplinks": self.lab.uplink_bytes(), "holders": self.lab.delay_stats(),
-                "t": time.monotonic()}
+        return {"uplinks": self.lab.uplink_bytes(), "drops": self.lab.uplink_drops(),
+                "holders": self.lab.delay_stats(), "t": time.monotonic()}
 
     def diff(self, a: dict[str, Any], b: dict[str, Any], payload: int, polls: dict[int, int]
              ) -> dict[str, Any]:
@@ -123,7 +123,9 @@ class Meter:
             up[str(r)] = {"into_bytes": into, "out_bytes": out,
                           "into_copies": round((into - c_in) / payload, 4),
                           "out_copies": round((out - c_out) / payload, 4),
-                          "poll_bytes_subtracted": int(c_in + c_out)}
+                          "poll_bytes_subtracted": int(c_in + c_out),
+                          "tbf_drops_into": b["drops"][r]["into"] - a["drops"][r]["into"],
+                          "tbf_drops_out": b["drops"][r]["out"] - a["drops"][r]["out"]}
         hold = []
         for h0, h1 in zip(a["holders"], b["holders"], strict=True):
             hold.append({"ns": h1["ns"], "delay_ms": h1["delay_ms"],
@@ -496,7 +498,8 @@ def print_table(result: dict[str, Any]) -> None:
           f"{result['size_mib']} MiB, uplinks {result['uplink_mbit']} Mbit, "
           f"{result['delay_ms']} ms between regions")
     hdr = ("system", "run", "all s", "from hand-off s", "per region s", "copies into remote "
-           "(uplink)", "copies (app)", "CPU-s/GB", "holder CPU-s", "held pkts", "load", "ok")
+           "(uplink)", "copies (app)", "tbf drops into remote", "CPU-s/GB", "holder CPU-s",
+           "held pkts", "load", "ok")
     print(" | ".join(hdr))
     for row in result["runs"]:
         if "error" in row:
@@ -504,9 +507,11 @@ def print_table(result: dict[str, Any]) -> None:
             continue
         up = ",".join(str(u["into_copies"]) for r, u in row["uplinks"].items() if r != "0")
         app = ",".join(str(v) for _, v in sorted(row["cross_region_app_copies"].items()))
+        drops = ",".join(str(u["tbf_drops_into"]) for r, u in row["uplinks"].items() if r != "0")
         print(" | ".join(str(x) for x in (
             row["system"], row["run"], row["all_s"], row["all_from_handoff_s"],
-            ",".join(str(v) for v in row["regions_s"].values()), up, app, row["cpu_s_per_gb"],
+            ",".join(str(v) for v in row["regions_s"].values()), up, app, drops,
+            row["cpu_s_per_gb"],
             row["holders"]["cpu_s"], row["holders"]["packets"], row["load_avg_before"][0],
             row["converged"])))
     by: dict[str, list[float]] = {}

@@ -335,6 +335,17 @@ class NetLab:
             out[r] = {"into": int(st["rx"]["bytes"]), "out": int(st["tx"]["bytes"])}
         return out
 
+    def uplink_drops(self) -> dict[int, dict[str, int]]:
+        """Packets the uplink shapers dropped so far (``tc -s qdisc``): ``into`` a region
+        (the core's tbf toward it), ``out`` of it (the region's own tbf). A drop is a TCP
+        retransmission: bytes on the wire that no application counts."""
+        def drops(ns: str, dev: str) -> int:
+            rows = json.loads(self._run("tc", "-s", "-j", "qdisc", "show", "dev", dev, ns=ns))
+            return sum(int(q.get("drops", 0)) for q in rows)
+
+        return {r: {"into": drops(self.ns_core, f"r{r}"), "out": drops(self.ns_region(r), "uplink")}
+                for r in range(self.n_region_ns)}
+
     def tcp_rtt_ms(self, src_ns: str, dst_ip: str, tries: int = 5) -> float:
         """Smallest TCP connect round trip from ``src_ns`` to ``dst_ip`` in ms: a SYN to a
         closed port answered by a RST (no listener needed)."""
