@@ -562,35 +562,43 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--systems", default=",".join(SYSTEMS),
+    ap.add_argument("--systems", default=",".join(SYSTEMS), metavar="LIST",
                     help="comma-separated, of: " + ", ".join(SYSTEMS) + " (default: all)")
-    ap.add_argument("--runs", type=int, default=3, help="runs per system (default 3)")
-    ap.add_argument("--size-mib", type=int, default=64, help="payload in MiB (default 64)")
+    ap.add_argument("--runs", type=int, default=3, metavar="N", help="runs per system (default 3)")
+    ap.add_argument("--size-mib", type=int, default=64, metavar="MIB", help="payload in MiB (default 64)")
     ap.add_argument("--quick", action="store_true", help="16 MiB, 1 run: a smoke check")
-    ap.add_argument("--regions", type=int, default=3)
-    ap.add_argument("--hosts-per-region", type=int, default=4,
+    ap.add_argument("--regions", type=int, default=3, metavar="N", help="regions (default 3)")
+    ap.add_argument("--hosts-per-region", type=int, default=4, metavar="N",
                     help="hosts per region; region 0's last host is the trainer (default 4)")
-    ap.add_argument("--uplink-mbit", type=float, default=100.0, help="region uplinks (tbf)")
-    ap.add_argument("--host-mbit", type=float, default=1000.0, help="host links (tbf)")
-    ap.add_argument("--delay-ms", type=float, default=40.0, help="one way, between regions")
-    ap.add_argument("--intra-delay-ms", type=float, default=1.0,
-                    help="one way, inside a region (0: none, and no per-host holders)")
-    ap.add_argument("--chunk-size", type=int, default=4 * 1024 * 1024,
+    ap.add_argument("--uplink-mbit", type=float, default=100.0, metavar="MBIT",
+                    help="region uplinks, tbf both ways (default 100)")
+    ap.add_argument("--host-mbit", type=float, default=1000.0, metavar="MBIT",
+                    help="host links, tbf (default 1000)")
+    ap.add_argument("--delay-ms", type=float, default=40.0, metavar="MS",
+                    help="one way, between regions (default 40)")
+    ap.add_argument("--intra-delay-ms", type=float, default=1.0, metavar="MS",
+                    help="one way, inside a region (default 1; 0: none, and no per-host "
+                         "holders)")
+    ap.add_argument("--chunk-size", type=int, default=4 * 1024 * 1024, metavar="BYTES",
                     help="patchswarm chunk size (default: the shipped 4 MiB)")
     ap.add_argument("--no-tls", dest="tls", action="store_false",
                     help="patchswarm without mutual TLS (shipped default: TLS on)")
-    ap.add_argument("--lt-piece-kib", type=int, default=256, help="libtorrent piece size")
-    ap.add_argument("--lt-cross-peers", type=int, default=2,
+    ap.add_argument("--lt-piece-kib", type=int, default=256, metavar="KIB",
+                    help="libtorrent piece size (default 256)")
+    ap.add_argument("--lt-cross-peers", type=int, default=2, metavar="N",
                     help="hosts of other regions each libtorrent host dials (default 2)")
     ap.add_argument("--lt-no-pex", action="store_true",
                     help="libtorrent without peer exchange (hosts keep to the peers given)")
-    ap.add_argument("--uplink-burst-kib", type=float, default=96.0,
-                    help="tbf burst of the uplinks: above 64 KiB, GSO super-packets cross "
-                         "whole and the core's holder sees far fewer packets (default 96)")
-    ap.add_argument("--poll-s", type=float, default=0.5,
-                    help="seconds between /status polls (times come from the nodes' clocks)")
-    ap.add_argument("--timeout", type=float, default=300.0, help="per transfer")
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/wan.json)")
+    ap.add_argument("--uplink-burst-kib", type=float, default=96.0, metavar="KIB",
+                    help="tbf burst of the uplinks; under 64 KiB tbf splits GSO "
+                         "super-packets, so the router's holder sees more (default 96)")
+    ap.add_argument("--poll-s", type=float, default=0.5, metavar="S",
+                    help="seconds between /status polls; times come from the nodes' own "
+                         "clocks (default 0.5)")
+    ap.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                    help="give up on a transfer after this long (default 300)")
+    ap.add_argument("--out", default=None, metavar="FILE",
+                    help="JSON results (default benchmarks/results/wan.json)")
     ap.add_argument("--inner", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.quick:
