@@ -23,7 +23,9 @@ crosses regions, once (so a round trip between regions gains 2 x
 ``delay_ms``); an output rule in each host namespace holds what the host sends
 to its own region's subnet (this kernel cannot queue from a ``bridge`` chain,
 so the intra-region delay costs one holder per host). One holder process per
-namespace with a rule; their nft tables and processes go on ``close``.
+namespace with a rule; the rules (the xtables NFQUEUE target, in the ``ip
+filter`` nf_tables table that ``iptables-nft`` makes inside the lab's own
+namespaces) and the processes go on ``close``.
 ``uplink_bytes()`` reads the bytes through each region's uplink;
 ``delay_stats()`` what the holders cost.
 
@@ -35,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -106,7 +109,7 @@ class NetLab:
     namespaces: list[str] = field(default_factory=list)
     trainer_in_region: int | None = None  # None: the trainer has a region of its own
     delay_ms: float = 0.0  # one way, between regions (NFQUEUE holder in the core)
-    intra_delay_ms: float = 0.0  # one way, between hosts of one region (holder per region)
+    intra_delay_ms: float = 0.0  # one way, between hosts of one region (a holder per host)
     uplink_burst_bytes: int | None = None  # None: ~4 ms of data, >= 32 KiB
     holders: list[dict[str, Any]] = field(default_factory=list)
     tables: list[tuple[str, str]] = field(default_factory=list)  # (ns, "family name")
@@ -254,7 +257,8 @@ class NetLab:
         self.holders.append({"ns": ns, "hook": hook, "queue": queue, "delay_ms": delay_ms,
                              "pid": proc.pid, "proc": proc, "stats": stats})
         assert proc.stdout is not None
-        line = proc.stdout.readline().strip()  # "ready" once bound, "" if it died
+        ready = select.select([proc.stdout], [], [], 30)[0]
+        line = proc.stdout.readline().strip() if ready else ""  # "ready" once bound
         if line != "ready":
             err = proc.stderr.read() if proc.stderr else ""
             raise LabError(f"delay holder in {ns} did not start: {err.strip()[-500:]}")
