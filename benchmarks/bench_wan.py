@@ -40,6 +40,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -541,9 +542,18 @@ def outer(args: argparse.Namespace, argv: list[str]) -> int:
         Path(desc_file).write_text(json.dumps(lab.describe()))
         cmd = [*lab.exec_prefix(lab.ns_trainer), sys.executable, str(Path(__file__).resolve()),
                *argv, "--inner", desc_file]
-        rc = subprocess.run(cmd, check=False, cwd=ROOT).returncode
-    except KeyboardInterrupt:
-        rc = 130
+        child = subprocess.Popen(cmd, cwd=ROOT)
+        try:
+            rc = child.wait()
+        except KeyboardInterrupt:  # a terminal's ^C reached the run too; SIGTERM did not
+            if _TERMINATED:
+                child.send_signal(signal.SIGTERM)
+            try:
+                child.wait(60)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait(10)
+            rc = 130
     finally:
         lab.close()
         if desc_file:
@@ -558,8 +568,19 @@ def outer(args: argparse.Namespace, argv: list[str]) -> int:
     return rc
 
 
+_TERMINATED: list[bool] = []
+
+
+def _on_sigterm(*_: object) -> None:
+    """SIGTERM cleans up like ^C: the fleet, the lab's processes and namespaces."""
+    _TERMINATED.append(True)
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with ^C ignored
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--systems", default=",".join(SYSTEMS), metavar="LIST",
@@ -608,9 +629,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--systems: unknown {bad}; choose from {', '.join(SYSTEMS)}")
     if args.regions < 2 or args.hosts_per_region < 2:
         ap.error("need at least 2 regions and 2 hosts per region")
-    if args.inner:
-        return inner(args)
-    return outer(args, argv)
+    try:
+        return inner(args) if args.inner else outer(args, argv)
+    except KeyboardInterrupt:  # everything started was closed on the way out
+        print("bench_wan: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

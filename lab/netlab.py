@@ -43,6 +43,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -253,7 +254,8 @@ class NetLab:
             [*self.exec_prefix(ns), sys.executable, "-m", "lab.delay", "--queue", str(queue),
              "--delay-ms", str(delay_ms), "--stats", str(stats)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            cwd=Path(__file__).resolve().parent.parent)
+            cwd=Path(__file__).resolve().parent.parent,
+            start_new_session=True)  # a terminal's ^C stops the run, not the delay under it
         self.holders.append({"ns": ns, "hook": hook, "queue": queue, "delay_ms": delay_ms,
                              "pid": proc.pid, "proc": proc, "stats": stats})
         assert proc.stdout is not None
@@ -326,6 +328,29 @@ class NetLab:
         lab.holders = list(desc.get("holders", []))
         return lab
 
+    def _end_strays(self) -> None:
+        """Processes still inside this lab's namespaces (a run killed before it cleaned up
+        after itself): SIGTERM, then SIGKILL, each by PID. Only this lab made these
+        namespaces, so only its own runs can be in them."""
+        def pids() -> list[int]:
+            out: list[int] = []
+            for ns in self.namespaces:
+                res = subprocess.run(["ip", "netns", "pids", ns], capture_output=True,
+                                     text=True, timeout=20)
+                out += [int(x) for x in res.stdout.split() if x.isdigit()]
+            return [p for p in out if p != os.getpid()]
+
+        for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 2.0)):
+            left = pids()
+            if not left:
+                return
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, sig)
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and pids():
+                time.sleep(0.1)
+
     # ------------------------------------------------------------ measurement
 
     def uplink_bytes(self) -> dict[int, dict[str, int]]:
@@ -381,10 +406,12 @@ class NetLab:
                   ns=self.ns_core)
 
     def close(self) -> None:
-        """Stop the delay holders, delete the nft tables and every namespace this lab made
-        (their links go with them)."""
+        """Stop the delay holders and any process left in the lab, delete the nft tables
+        and every namespace this lab made (their links go with them)."""
         with contextlib.suppress(BaseException):
             self._stop_holders()
+        with contextlib.suppress(BaseException):
+            self._end_strays()
         for ns, table in self.tables:
             subprocess.run([*self.exec_prefix(ns), "nft", "delete", "table", *table.split()],
                            capture_output=True, timeout=20)
