@@ -36,6 +36,10 @@ def _netns_names() -> str:
     return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
 
 
+def _lab_netns() -> set[str]:
+    return {w for w in _netns_names().split() if w.startswith("psw")}
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -100,3 +104,38 @@ def test_a_failed_build_removes_what_it_made():
     with pytest.raises(Exception, match="trainer_in_region"):
         lab.build()
     assert not lab.namespaces and not lab.holders
+
+
+def test_stopping_the_bench_midway_leaves_nothing_behind(tmp_path):
+    """SIGTERM to ``bench_wan.py`` while its fleet starts: the fleet, the holders and the
+    namespaces all go (the bench turns SIGTERM into the ^C path)."""
+    import os
+    import signal
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    before = _lab_netns()
+    bench = subprocess.Popen(
+        [sys.executable, str(root / "benchmarks" / "bench_wan.py"), "--quick", "--systems",
+         "patchswarm", "--out", str(tmp_path / "wan.json")],
+        cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+    try:
+        assert bench.stdout is not None
+        line = bench.stdout.readline()  # "run 1/1 patchswarm: delay ok ..." once the lab is up
+        assert "delay ok" in line, line
+        time.sleep(3)
+        ours = _lab_netns() - before
+        assert ours
+        group = subprocess.run(["ps", "-o", "pid=", "-g", str(bench.pid)], capture_output=True,
+                               text=True).stdout.split()
+        os.kill(bench.pid, signal.SIGTERM)
+        out = bench.communicate(timeout=120)[0]
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait(10)
+    assert bench.returncode == 130, out[-2000:]
+    assert not (_lab_netns() & ours)
+    assert not any(_alive(int(p)) for p in group if int(p) != bench.pid)
+    assert not (tmp_path / "wan.json").exists()
