@@ -1,0 +1,640 @@
+"""patchswarm against libtorrent on an emulated WAN (issue #11).
+
+Builds (root; ``scripts/wan_setup.sh`` installs what it needs) a ``lab.netlab``
+WAN: ``--regions`` x ``--hosts-per-region`` hosts on 1 Gbit links, region
+uplinks shaped with tbf to ``--uplink-mbit``, ``--delay-ms`` one way between
+regions and ``--intra-delay-ms`` inside a region (NFQUEUE holders,
+``lab.delay``), the trainer on the last host of region 0. Before each run it
+checks the delay (TCP connect round trips). Then, per run and per system, with
+fresh stores, a dense patch of ``--size-mib`` (a BF16 base in which every
+value changes to a random finite BF16, so the patch barely compresses) goes
+from the trainer host to the other hosts:
+
+- ``patchswarm``: the long-running origin, ``trainer.publisher.Publisher`` in
+  this process (in the trainer's namespace), nodes as real ``patchswarm node``
+  processes (``lab.fleet.LoopbackFleet``), shipped defaults (4 MiB chunks,
+  mutual TLS unless ``--no-tls``);
+- ``oneshot``: the same fleet, ``patchswarm publish --config trainer.toml NEW``
+  launched with its defaults once the nodes are up;
+- ``libtorrent``: one ``benchmarks/wan_libtorrent.py`` process per host (seed
+  on the trainer host), tuned settings, no tracker/DHT: ``connect_peer`` to the
+  host's region, the seed and ``--lt-cross-peers`` hosts of other regions.
+
+Reported per run and system: time until every host holds/serves the new
+version (from the publish call or launch, and from the hand-off to the swarm),
+per-region completion, bytes into each remote region through its uplink
+(``ip -s link``, in copies of the payload; status polling is calibrated and
+subtracted) and as the applications count them, CPU-seconds per GB received of
+every node process, the delay holders' CPU and packets, the load average, and
+the flow bound (payload / uplink rate + one-way delay). Prints a table and
+writes ``benchmarks/results/wan.json``.
+
+    sudo .venv/bin/python benchmarks/bench_wan.py            # 64 MiB, 3 runs, all systems
+    sudo .venv/bin/python benchmarks/bench_wan.py --quick    # 16 MiB, 1 run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+SYSTEMS = ("patchswarm", "oneshot", "libtorrent")
+LT_SCRIPT = ROOT / "benchmarks" / "wan_libtorrent.py"
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of one process (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def region_of_ip(ip: str) -> int | None:
+    parts = ip.split(".")
+    return int(parts[2]) if len(parts) == 4 and parts[:2] == ["10", "213"] else None
+
+
+# ---------------------------------------------------------------- payloads
+
+
+def dense_pair(size_bytes: int, seed: int) -> tuple[dict, dict]:
+    """A BF16 base and a new view in which every value changed to a random finite BF16."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    n = size_bytes // 2
+    per = 4 * 1024 * 1024
+    base, new = {}, {}
+    for k in range(max(1, (n + per - 1) // per)):
+        m = min(per, n - k * per)
+        b = (torch.randn(m, generator=g) * 0.05).to(torch.bfloat16)
+        bits = torch.randint(-32768, 32768, (m,), generator=g, dtype=torch.int32).to(torch.int16)
+        exp_all_ones = (bits & 0x7F80) == 0x7F80
+        bits = torch.where(exp_all_ones, bits & ~0x0080, bits)  # no inf/NaN
+        nb = bits.view(torch.bfloat16)
+        same = nb.view(torch.int16) == b.view(torch.int16)
+        nb = torch.where(same, (b.float() * 2 + 1).to(torch.bfloat16), nb)  # every value moves
+        base[f"layer{k}.weight"] = b.reshape(-1, 1024) if m % 1024 == 0 else b
+        new[f"layer{k}.weight"] = nb.reshape(base[f"layer{k}.weight"].shape)
+    return base, new
+
+
+# ---------------------------------------------------------------- measurement helpers
+
+
+class Meter:
+    """Uplink bytes, holder costs and node CPU around one transfer."""
+
+    def __init__(self, lab: Any, args: argparse.Namespace) -> None:
+        self.lab, self.args = lab, args
+        self.poll_into = self.poll_out = 0.0  # uplink bytes of one /status poll, per direction
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"uplinks": self.lab.uplink_bytes(), "drops": self.lab.uplink_drops(),
+                "holders": self.lab.delay_stats(), "t": time.monotonic()}
+
+    def diff(self, a: dict[str, Any], b: dict[str, Any], payload: int, polls: dict[int, int]
+             ) -> dict[str, Any]:
+        lab = self.lab
+        up = {}
+        for r in range(lab.regions):
+            into = b["uplinks"][r]["into"] - a["uplinks"][r]["into"]
+            out = b["uplinks"][r]["out"] - a["uplinks"][r]["out"]
+            c_in = polls.get(r, 0) * self.poll_into
+            c_out = polls.get(r, 0) * self.poll_out
+            up[str(r)] = {"into_bytes": into, "out_bytes": out,
+                          "into_copies": round((into - c_in) / payload, 4),
+                          "out_copies": round((out - c_out) / payload, 4),
+                          "poll_bytes_subtracted": int(c_in + c_out),
+                          "tbf_drops_into": b["drops"][r]["into"] - a["drops"][r]["into"],
+                          "tbf_drops_out": b["drops"][r]["out"] - a["drops"][r]["out"]}
+        hold = []
+        for h0, h1 in zip(a["holders"], b["holders"], strict=True):
+            hold.append({"ns": h1["ns"], "delay_ms": h1["delay_ms"],
+                         "cpu_s": round((h1["cpu_s"] or 0) - (h0["cpu_s"] or 0), 3),
+                         "packets": (h1.get("packets") or 0) - (h0.get("packets") or 0),
+                         "kernel_dropped": (h1.get("kernel_dropped") or 0)
+                         - (h0.get("kernel_dropped") or 0)})
+        core = [h for h in hold if h["ns"] == lab.ns_core]
+        return {"uplinks": up, "holders": {
+            "cpu_s": round(sum(h["cpu_s"] for h in hold), 3),
+            "packets": sum(h["packets"] for h in hold),
+            "kernel_dropped": sum(h["kernel_dropped"] for h in hold),
+            "core_cpu_s": core[0]["cpu_s"] if core else 0.0,
+            "core_packets": core[0]["packets"] if core else 0,
+            "processes": len(hold)}}
+
+
+def verify_delay(lab: Any, args: argparse.Namespace) -> dict[str, float]:
+    """TCP connect round trips across regions and inside one, against the configuration."""
+    cross = lab.tcp_rtt_ms(lab.ns_trainer, lab.ip_host(1, 0))
+    intra = lab.tcp_rtt_ms(lab.ns_host(1, 0), lab.ip_host(1, 1))
+    want_cross = 2 * args.delay_ms  # the intra-region rule matches the host's own subnet only
+    want_intra = 2 * args.intra_delay_ms
+    ok = abs(cross - want_cross) <= max(3.0, 0.15 * want_cross) and \
+        intra <= want_intra + 3.0 and intra >= want_intra * 0.9
+    out = {"cross_rtt_ms": round(cross, 2), "intra_rtt_ms": round(intra, 2),
+           "expected_cross_ms": want_cross, "expected_intra_ms": want_intra, "ok": ok}
+    if not ok:
+        raise SystemExit(f"bench_wan: the lab's delay is off: {out}")
+    return out
+
+
+# ---------------------------------------------------------------- patchswarm
+
+
+def _fleet(lab: Any, args: argparse.Namespace, workdir: Path) -> Any:
+    from lab.fleet import LoopbackFleet
+
+    fleet = LoopbackFleet(lab.regions, lab.hosts_per_region, chunk_size=args.chunk_size,
+                          lab=lab, tls=args.tls, workdir=workdir)
+    # the trainer occupies the last host of region 0: no node there
+    fleet.nodes = [n for n in fleet.nodes
+                   if (n.host, n.netns) != (lab.ip_trainer, lab.ns_trainer)]
+    return fleet
+
+
+def _poll_until(fleet: Any, version: int, timeout: float, polls: dict[int, int],
+                poll_s: float) -> dict[str, dict[str, Any]]:
+    deadline = time.monotonic() + timeout
+    last: dict[str, dict[str, Any]] = {}
+    while True:
+        for n in fleet.nodes:
+            if (last.get(n.name) or {}).get("active_version") == version:
+                continue
+            st = fleet.status(n)
+            r = int(n.region.rsplit("-", 1)[1])
+            polls[r] = polls.get(r, 0) + 1
+            if st is not None:
+                last[n.name] = st
+        if all((last.get(n.name) or {}).get("active_version") == version for n in fleet.nodes):
+            return last
+        if time.monotonic() > deadline:
+            done = sum(1 for s in last.values() if s.get("active_version") == version)
+            raise RuntimeError(f"version {version}: {done}/{len(fleet.nodes)} nodes after "
+                               f"{timeout:.0f} s")
+        time.sleep(poll_s)
+
+
+def calibrate_polls(fleet: Any, lab: Any, meter: Meter, k: int = 10) -> None:
+    """Uplink bytes (into, out of its region) of one /status poll of one remote node, so
+    that the polling during a transfer can be subtracted from the uplink counters."""
+    remote = [n for n in fleet.nodes if n.region != "region-0"]
+    a = lab.uplink_bytes()
+    for _ in range(k):
+        for n in remote:
+            fleet.status(n)
+    b = lab.uplink_bytes()
+    polls = max(1, k * len(remote))
+    meter.poll_into = sum(b[r]["into"] - a[r]["into"] for r in range(1, lab.regions)) / polls
+    meter.poll_out = sum(b[r]["out"] - a[r]["out"] for r in range(1, lab.regions)) / polls
+
+
+def run_patchswarm(lab: Any, args: argparse.Namespace, meter: Meter, oneshot: bool,
+                   seed: int) -> dict[str, Any]:
+    import torch
+    from safetensors.torch import save_file
+
+    from node.config import load_config
+    from trainer.publisher import Publisher
+
+    torch.set_num_threads(1)
+    base, new = dense_pair(args.size_mib << 20, seed)
+    workdir = Path(tempfile.mkdtemp(prefix="patchswarm-wan-"))
+    fleet = _fleet(lab, args, workdir)
+    pub = None
+    try:
+        with fleet:
+            fleet.start_nodes_only(base, timeout=args.timeout)
+            calibrate_polls(fleet, lab, meter)
+            pids = {n.name: n.proc.pid for n in fleet.nodes if n.proc is not None}
+            polls: dict[int, int] = {}
+            cli = None
+            if oneshot:
+                new_path = workdir / "new.safetensors"
+                save_file(new, str(new_path))
+                time.sleep(2.0)
+                before = {n.name: fleet.status(n) for n in fleet.nodes}
+                cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
+                m0 = meter.snapshot()
+                t0 = time.time()
+                cli = subprocess.Popen(
+                    [*fleet.trainer_prefix, sys.executable, "-m", "patchswarm", "publish",
+                     "--config", str(workdir / "trainer.toml"), str(new_path)],
+                    cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                    env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                assert cli.stdout is not None
+                handoff, version, patch_bytes = None, None, None
+                deadline = time.monotonic() + args.timeout
+                for line in cli.stdout:  # "version N: patch of B bytes in C chunks, ..."
+                    if line.startswith("version ") and "patch of" in line:
+                        handoff = time.time()
+                        version = int(line.split()[1].rstrip(":"))
+                        patch_bytes = int(line.split("patch of ")[1].split()[0].replace(",", ""))
+                        break
+                    if time.monotonic() > deadline:
+                        break
+                if version is None:
+                    raise RuntimeError("patchswarm publish printed no version line")
+                # keep draining its output so it never blocks on a full pipe
+                threading.Thread(target=lambda: [None for _ in cli.stdout], daemon=True).start()
+            else:
+                cfg = load_config(workdir / "trainer.toml")
+                pub = Publisher(cfg, base=base, persist_view=False)
+                pub.start()
+                deadline = time.monotonic() + 60
+                while len(pub.regions()) < lab.regions and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                time.sleep(3.0)  # every node gets its region's peers from the tracker
+                before = {n.name: fleet.status(n) for n in fleet.nodes}
+                cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
+                m0 = meter.snapshot()
+                t0 = time.time()
+                r = pub.publish_served(new)
+                handoff, version, patch_bytes = r.published_at, r.version, r.patch_bytes
+            sts = _poll_until(fleet, version, args.timeout, polls, args.poll_s)
+            cpu1 = {k: cpu_seconds(p) for k, p in pids.items()}
+            m1 = meter.snapshot()
+            if cli is not None:
+                try:
+                    cli.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    cli.kill()
+                    cli.wait(5)
+    finally:
+        if pub is not None:
+            pub.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    per_node = {}
+    regions: dict[str, float] = {}
+    recv_total, cross_app = 0, {}
+    for n in fleet.nodes:
+        st = sts[n.name]
+        t_act = st["activated_at"][str(version)]
+        got = st["bytes"]["received"]
+        got0 = before[n.name]["bytes"]["received"]
+        recv = sum(got.values()) - sum(got0.values())
+        cross = (got["cross_region"] + got["from_trainer"]) - (got0["cross_region"]
+                                                                + got0["from_trainer"])
+        recv_total += recv
+        r = n.region.rsplit("-", 1)[1]
+        cross_app[r] = cross_app.get(r, 0) + cross
+        cpu = cpu1[n.name] - cpu0[n.name]
+        per_node[n.name] = {"s": round(t_act - t0, 3), "received": recv, "cpu_s": round(cpu, 2),
+                            "cpu_s_per_gb": round(cpu / (recv / 1e9), 2) if recv else None}
+        regions[r] = max(regions.get(r, 0.0), t_act - t0)
+    last = max(v["s"] for v in per_node.values())
+    digest_ok = len({st["active_digest"] for st in sts.values()}) == 1
+    out = {"payload_bytes": patch_bytes, "all_s": round(last, 3),
+           "all_from_handoff_s": round(last - (handoff - t0), 3),
+           "handoff_s": round(handoff - t0, 3),
+           "regions_s": {k: round(v, 3) for k, v in sorted(regions.items())},
+           "nodes": per_node, "converged": digest_ok,
+           "cross_region_app_copies": {r: round(b / patch_bytes, 4) for r, b in cross_app.items()
+                                       if r != "0"}}
+    out.update(meter.diff(m0, m1, patch_bytes, polls))
+    cpus = [v["cpu_s"] for v in per_node.values()]
+    out["node_cpu_s"] = round(sum(cpus), 2)
+    out["cpu_s_per_gb"] = round(sum(cpus) / (recv_total / 1e9), 2) if recv_total else None
+    out["cpu_s_per_gb_max_node"] = max(v["cpu_s_per_gb"] or 0 for v in per_node.values())
+    return out
+
+
+# ---------------------------------------------------------------- libtorrent
+
+
+def lt_peers(lab: Any, r: int, h: int, k_cross: int, rng: random.Random) -> list[str]:
+    """The host's region, the seed, and ``k_cross`` random hosts of other regions."""
+    mine = [lab.ip_host(r, i) for i in range(lab.hosts_per_region) if i != h]
+    others = [lab.ip_host(q, i) for q in range(lab.regions) if q != r
+              for i in range(lab.hosts_per_region)]
+    peers = set(mine) | {lab.ip_trainer} | set(rng.sample(others, min(k_cross, len(others))))
+    peers.discard(lab.ip_host(r, h))
+    return sorted(peers)
+
+
+def run_libtorrent(lab: Any, args: argparse.Namespace, meter: Meter, seed: int
+                   ) -> dict[str, Any]:
+    size = args.size_mib << 20
+    workdir = Path(tempfile.mkdtemp(prefix="patchswarm-wan-lt-"))
+    procs: dict[str, tuple[subprocess.Popen, int]] = {}
+    py = sys.executable
+    try:
+        (workdir / "seed").mkdir()
+        payload = workdir / "seed" / "payload.bin"
+        with payload.open("wb") as f:
+            rnd = random.Random(seed)
+            for _ in range(size // (1 << 20)):
+                f.write(rnd.randbytes(1 << 20))
+            f.write(rnd.randbytes(size % (1 << 20)))
+        torrent = workdir / "payload.torrent"
+        subprocess.run([py, str(LT_SCRIPT), "make", "--file", str(payload), "--torrent",
+                        str(torrent), "--piece-kib", str(args.lt_piece_kib)], check=True,
+                       timeout=300)
+        rng = random.Random(seed)
+
+        def spawn(name: str, ns: str, cmd: list[str], region: int) -> None:
+            p = subprocess.Popen([*lab.exec_prefix(ns), py, str(LT_SCRIPT), *cmd],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                 cwd=workdir)
+            procs[name] = (p, region)
+
+        spawn("seed", lab.ns_trainer, ["seed", "--ip", lab.ip_trainer, "--torrent",
+                                      str(torrent), "--dir", str(workdir / "seed"),
+                                      *(["--no-pex"] if args.lt_no_pex else [])], 0)
+        for r in range(lab.regions):
+            for h in range(lab.hosts_per_region):
+                if (r, h) == (lab.trainer_region, lab.trainer_host):
+                    continue
+                name = f"n{r}-{h}"
+                peers = ",".join(lt_peers(lab, r, h, args.lt_cross_peers, rng))
+                spawn(name, lab.ns_host(r, h),
+                      ["fetch", "--ip", lab.ip_host(r, h), "--torrent", str(torrent),
+                       "--dir", str(workdir / name), "--peers", peers,
+                       "--timeout", str(args.timeout), *(["--no-pex"] if args.lt_no_pex else [])],
+                      r)
+        for name, (p, _) in procs.items():
+            line = p.stdout.readline() if p.stdout else ""
+            if '"ready"' not in line:
+                raise RuntimeError(f"libtorrent {name} did not start: {line!r}")
+        time.sleep(1.0)
+        cpu0 = {k: cpu_seconds(p.pid) for k, (p, _) in procs.items()}
+        m0 = meter.snapshot()
+        t_go = time.monotonic()
+        for p, _ in procs.values():
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        done: dict[str, float] = {}
+        for name, (p, _) in procs.items():
+            if name == "seed":
+                continue
+            line = p.stdout.readline()
+            ev = json.loads(line) if line.strip() else {"event": "exit"}
+            if ev.get("event") != "done":
+                raise RuntimeError(f"libtorrent {name}: {ev}")
+            done[name] = ev["t"] - t_go
+        cpu1 = {k: cpu_seconds(p.pid) for k, (p, _) in procs.items()}
+        m1 = meter.snapshot()
+        stats = {}
+        for name, (p, _) in procs.items():
+            p.stdin.write("quit\n")
+            p.stdin.flush()
+            for line in p.stdout:
+                if '"stats"' in line:
+                    stats[name] = json.loads(line)
+                    break
+            p.wait(30)
+        ok = all((workdir / n / "payload.bin").read_bytes() == payload.read_bytes() for n in done)
+    finally:
+        for p, _ in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
+        shutil.rmtree(workdir, ignore_errors=True)
+    per_node, regions, cross_app = {}, {}, {}
+    for name, t in done.items():
+        r = procs[name][1]
+        got = stats.get(name, {}).get("from_peers", {})
+        recv = sum(got.values())
+        cross = sum(b for ip, b in got.items() if region_of_ip(ip) != r)
+        cross_app[str(r)] = cross_app.get(str(r), 0) + cross
+        cpu = cpu1[name] - cpu0[name]
+        per_node[name] = {"s": round(t, 3), "received": recv, "cpu_s": round(cpu, 2),
+                          "cpu_s_per_gb": round(cpu / (size / 1e9), 2)}
+        regions[str(r)] = max(regions.get(str(r), 0.0), t)
+    last = max(done.values())
+    out = {"payload_bytes": size, "all_s": round(last, 3), "all_from_handoff_s": round(last, 3),
+           "handoff_s": 0.0, "regions_s": {k: round(v, 3) for k, v in sorted(regions.items())},
+           "nodes": per_node, "converged": ok,
+           "cross_region_app_copies": {r: round(b / size, 4) for r, b in cross_app.items()
+                                       if r != "0"},
+           "seed_cpu_s": round(cpu1["seed"] - cpu0["seed"], 2)}
+    out.update(meter.diff(m0, m1, size, {}))
+    cpus = [v["cpu_s"] for v in per_node.values()]
+    out["node_cpu_s"] = round(sum(cpus), 2)
+    out["cpu_s_per_gb"] = round(sum(cpus) / (len(cpus) * size / 1e9), 2)
+    out["cpu_s_per_gb_max_node"] = max(v["cpu_s_per_gb"] for v in per_node.values())
+    return out
+
+
+# ---------------------------------------------------------------- driver
+
+
+def inner(args: argparse.Namespace) -> int:
+    from lab.netlab import NetLab
+
+    lab = NetLab.attach(json.loads(Path(args.inner).read_text()))
+    meter = Meter(lab, args)
+    size = args.size_mib << 20
+    bound = size * 8 / (args.uplink_mbit * 1e6) + args.delay_ms / 1e3
+    result: dict[str, Any] = {
+        "bench": "wan", "regions": lab.regions, "hosts_per_region": lab.hosts_per_region,
+        "receivers": lab.regions * lab.hosts_per_region - 1, "size_mib": args.size_mib,
+        "uplink_mbit": args.uplink_mbit, "host_mbit": args.host_mbit,
+        "delay_ms": args.delay_ms, "intra_delay_ms": args.intra_delay_ms,
+        "chunk_size": args.chunk_size, "tls": args.tls, "lt_piece_kib": args.lt_piece_kib,
+        "lt_cross_peers": args.lt_cross_peers, "lt_pex": not args.lt_no_pex,
+        "uplink_burst_kib": args.uplink_burst_kib, "flow_bound_s": round(bound, 3),
+        "cpus": os.cpu_count(), "runs": []}
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    for k in range(args.runs):
+        for system in systems:
+            check = verify_delay(lab, args)
+            load0 = os.getloadavg()
+            print(f"run {k + 1}/{args.runs} {system}: delay ok "
+                  f"(RTT {check['cross_rtt_ms']} / {check['intra_rtt_ms']} ms) ...", flush=True)
+            try:
+                if system == "libtorrent":
+                    row = run_libtorrent(lab, args, meter, seed=k + 1)
+                else:
+                    row = run_patchswarm(lab, args, meter, oneshot=system == "oneshot",
+                                         seed=k + 1)
+            except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+                row = {"error": str(exc)[-800:]}
+            row.update(system=system, run=k + 1, delay_check=check,
+                       load_avg_before=[round(x, 2) for x in load0],
+                       load_avg_after=[round(x, 2) for x in os.getloadavg()])
+            result["runs"].append(row)
+            print(summary_line(row), flush=True)
+    print_table(result)
+    out = Path(args.out or ROOT / "benchmarks" / "results" / "wan.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0 if all(r.get("converged") for r in result["runs"]) else 1
+
+
+def summary_line(row: dict[str, Any]) -> str:
+    if "error" in row:
+        return f"  {row['system']} run {row['run']}: ERROR {row['error']}"
+    up = row["uplinks"]
+    into = " ".join(f"r{r}={u['into_copies']}" for r, u in up.items() if r != "0")
+    return (f"  {row['system']} run {row['run']}: all {row['all_s']} s "
+            f"(from hand-off {row['all_from_handoff_s']} s), regions {row['regions_s']}, "
+            f"copies in {into}, {row['cpu_s_per_gb']} CPU-s/GB, "
+            f"holders {row['holders']['cpu_s']} CPU-s / {row['holders']['packets']} pkts")
+
+
+def print_table(result: dict[str, Any]) -> None:
+    print(f"\nflow bound {result['flow_bound_s']} s; {result['receivers']} receivers, "
+          f"{result['size_mib']} MiB, uplinks {result['uplink_mbit']} Mbit, "
+          f"{result['delay_ms']} ms between regions")
+    hdr = ("system", "run", "all s", "from hand-off s", "per region s", "copies into remote "
+           "(uplink)", "copies (app)", "tbf drops into remote", "CPU-s/GB", "holder CPU-s",
+           "held pkts", "load", "ok")
+    print(" | ".join(hdr))
+    for row in result["runs"]:
+        if "error" in row:
+            print(f"{row['system']} | {row['run']} | error: {row['error'][:200]}")
+            continue
+        up = ",".join(str(u["into_copies"]) for r, u in row["uplinks"].items() if r != "0")
+        app = ",".join(str(v) for _, v in sorted(row["cross_region_app_copies"].items()))
+        drops = ",".join(str(u["tbf_drops_into"]) for r, u in row["uplinks"].items() if r != "0")
+        print(" | ".join(str(x) for x in (
+            row["system"], row["run"], row["all_s"], row["all_from_handoff_s"],
+            ",".join(str(v) for v in row["regions_s"].values()), up, app, drops,
+            row["cpu_s_per_gb"],
+            row["holders"]["cpu_s"], row["holders"]["packets"], row["load_avg_before"][0],
+            row["converged"])))
+    by: dict[str, list[float]] = {}
+    for row in result["runs"]:
+        if "error" not in row:
+            by.setdefault(row["system"], []).append(row["all_s"])
+    for s, v in by.items():
+        print(f"{s}: median {statistics.median(v):.2f} s, range {min(v):.2f}-{max(v):.2f} s")
+
+
+def outer(args: argparse.Namespace, argv: list[str]) -> int:
+    from lab.netlab import NetLab, delay_available
+
+    why = delay_available()
+    if why:
+        print(f"bench_wan: {why}", file=sys.stderr)
+        return 2
+    lab = NetLab(args.regions, args.hosts_per_region, uplink_mbit=args.uplink_mbit,
+                 host_mbit=args.host_mbit, trainer_in_region=0, delay_ms=args.delay_ms,
+                 intra_delay_ms=args.intra_delay_ms,
+                 uplink_burst_bytes=int(args.uplink_burst_kib * 1024))
+    desc_file = None
+    try:
+        lab.build()
+        fd, desc_file = tempfile.mkstemp(prefix="patchswarm-wan-", suffix=".json")
+        os.close(fd)
+        Path(desc_file).write_text(json.dumps(lab.describe()))
+        cmd = [*lab.exec_prefix(lab.ns_trainer), sys.executable, str(Path(__file__).resolve()),
+               *argv, "--inner", desc_file]
+        child = subprocess.Popen(cmd, cwd=ROOT)
+        try:
+            rc = child.wait()
+        except KeyboardInterrupt:  # a terminal's ^C reached the run too; SIGTERM did not
+            if _TERMINATED:
+                child.send_signal(signal.SIGTERM)
+            try:
+                child.wait(60)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait(10)
+            rc = 130
+    finally:
+        lab.close()
+        if desc_file:
+            Path(desc_file).unlink(missing_ok=True)
+    totals = [h.get("final") for h in lab.holders if h.get("final")]
+    if totals:
+        print(f"delay holders over the whole bench: {len(totals)} processes, "
+              f"{sum(t['cpu_s'] for t in totals):.2f} CPU-s, "
+              f"{sum(t['packets'] for t in totals)} packets held, "
+              f"{sum(t['dropped_over_cap'] for t in totals)} dropped over the cap, "
+              f"largest hold {max(t['max_held'] for t in totals)} packets")
+    return rc
+
+
+_TERMINATED: list[bool] = []
+
+
+def _on_sigterm(*_: object) -> None:
+    """SIGTERM cleans up like ^C: the fleet, the lab's processes and namespaces."""
+    _TERMINATED.append(True)
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with ^C ignored
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--systems", default=",".join(SYSTEMS), metavar="LIST",
+                    help="comma-separated, of: " + ", ".join(SYSTEMS) + " (default: all)")
+    ap.add_argument("--runs", type=int, default=3, metavar="N", help="runs per system (default 3)")
+    ap.add_argument("--size-mib", type=int, default=64, metavar="MIB", help="payload in MiB (default 64)")
+    ap.add_argument("--quick", action="store_true", help="16 MiB, 1 run: a smoke check")
+    ap.add_argument("--regions", type=int, default=3, metavar="N", help="regions (default 3)")
+    ap.add_argument("--hosts-per-region", type=int, default=4, metavar="N",
+                    help="hosts per region; region 0's last host is the trainer (default 4)")
+    ap.add_argument("--uplink-mbit", type=float, default=100.0, metavar="MBIT",
+                    help="region uplinks, tbf both ways (default 100)")
+    ap.add_argument("--host-mbit", type=float, default=1000.0, metavar="MBIT",
+                    help="host links, tbf (default 1000)")
+    ap.add_argument("--delay-ms", type=float, default=40.0, metavar="MS",
+                    help="one way, between regions (default 40)")
+    ap.add_argument("--intra-delay-ms", type=float, default=1.0, metavar="MS",
+                    help="one way, inside a region (default 1; 0: none, and no per-host "
+                         "holders)")
+    ap.add_argument("--chunk-size", type=int, default=4 * 1024 * 1024, metavar="BYTES",
+                    help="patchswarm chunk size (default: the shipped 4 MiB)")
+    ap.add_argument("--no-tls", dest="tls", action="store_false",
+                    help="patchswarm without mutual TLS (shipped default: TLS on)")
+    ap.add_argument("--lt-piece-kib", type=int, default=256, metavar="KIB",
+                    help="libtorrent piece size (default 256)")
+    ap.add_argument("--lt-cross-peers", type=int, default=2, metavar="N",
+                    help="hosts of other regions each libtorrent host dials (default 2)")
+    ap.add_argument("--lt-no-pex", action="store_true",
+                    help="libtorrent without peer exchange (hosts keep to the peers given)")
+    ap.add_argument("--uplink-burst-kib", type=float, default=96.0, metavar="KIB",
+                    help="tbf burst of the uplinks; under 64 KiB tbf splits GSO "
+                         "super-packets, so the router's holder sees more (default 96)")
+    ap.add_argument("--poll-s", type=float, default=0.5, metavar="S",
+                    help="seconds between /status polls; times come from the nodes' own "
+                         "clocks (default 0.5)")
+    ap.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                    help="give up on a transfer after this long (default 300)")
+    ap.add_argument("--out", default=None, metavar="FILE",
+                    help="JSON results (default benchmarks/results/wan.json)")
+    ap.add_argument("--inner", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.size_mib, args.runs = 16, 1
+    bad = [s for s in args.systems.split(",") if s.strip() and s.strip() not in SYSTEMS]
+    if bad:
+        ap.error(f"--systems: unknown {bad}; choose from {', '.join(SYSTEMS)}")
+    if args.regions < 2 or args.hosts_per_region < 2:
+        ap.error("need at least 2 regions and 2 hosts per region")
+    try:
+        return inner(args) if args.inner else outer(args, argv)
+    except KeyboardInterrupt:  # everything started was closed on the way out
+        print("bench_wan: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
