@@ -1,0 +1,480 @@
+"""The version-pinned request gateway (node.gateway), on real aiohttp servers on loopback.
+
+Each test runs a real ``Driver`` (its apply and engine-sync paths, no core: the
+rig feeds it versions as ``ApplyVersion`` would) with a ``Gateway`` in front of
+its engine: the in-process engine over a tiny random Llama (answers computed
+by ``node.engines.tiny_lm``), or the SGLang contract server run on loopback,
+whose weight updates go through the real SGLang adapter and whose requests the
+gateway forwards. Pins that cannot be served get 409 with Retry-After, bad
+fields 400, every answer is stamped, and exact pins in flight hold a commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import torch
+from aiohttp import web
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lab.fleet import free_port
+from node.driver import Driver
+from node.engines import tiny_lm
+from node.engines.config import EngineConfig
+from node.engines.inprocess import InProcessEngine, InProcessWeights
+from node.engines.sglang import SGLangEngine
+from node.engines.testing.sglang_contract import ContractServer
+from node.gateway import END_HEADER, START_HEADER, Gateway, Pin, PinError, parse_pin
+from node.gateway_config import GatewayConfig
+from swarm.codec import encode_patch
+from trainer.served import served_view
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_vllm_support import llama_masters, rl_step, write_model
+
+SMALL = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+PROMPT = [1, 17, 230, 45, 99, 3]
+
+
+def _run(fn: Any) -> Any:
+    """Run an async test on a fresh event loop."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        asyncio.run(fn(*args, **kwargs))
+
+    return wrapper
+
+
+# ------------------------------------------------------------------ the version-field parser
+
+
+@given(st.integers(0, 2 ** 63 - 1), st.sampled_from(["min_version", "exact_version"]),
+       st.booleans())
+def test_pin_parser_accepts_non_negative_ints(v: int, name: str, as_header: bool) -> None:
+    header = {"min_version": "X-Patchswarm-Min-Version",
+              "exact_version": "X-Patchswarm-Exact-Version"}[name]
+    pin = parse_pin({}, {header: str(v)}) if as_header else parse_pin({name: v}, {})
+    assert pin == Pin(name.removesuffix("_version"), v)
+
+
+_bad_body = st.one_of(st.booleans(), st.floats(allow_nan=True), st.text(max_size=8),
+                      st.integers(max_value=-1), st.integers(min_value=2 ** 63),
+                      st.lists(st.integers(), max_size=2), st.dictionaries(st.text(max_size=2),
+                                                                           st.integers(), max_size=1))
+
+
+@given(_bad_body, st.sampled_from(["min_version", "exact_version"]))
+def test_pin_parser_refuses_every_bad_body_value(value: Any, name: str) -> None:
+    with pytest.raises(PinError) as e:
+        parse_pin({name: value}, {})
+    assert e.value.field == name and str(e.value).startswith(f"{name}: ")
+
+
+@given(st.text(max_size=24).filter(lambda t: not (t.strip().isascii() and t.strip().isdigit()
+                                                   and len(t.strip()) <= 19)))
+def test_pin_parser_refuses_bad_headers(text: str) -> None:
+    try:
+        pin = parse_pin({}, {"X-Patchswarm-Exact-Version": text})
+    except PinError as exc:
+        assert exc.field == "exact_version" and "X-Patchswarm-Exact-Version" in str(exc)
+    else:
+        raise AssertionError(f"accepted {text!r} as {pin}")
+
+
+def test_pin_parser_refuses_both_fields_and_twice_given() -> None:
+    with pytest.raises(PinError, match="not both"):
+        parse_pin({"min_version": 1, "exact_version": 2}, {})
+    with pytest.raises(PinError, match="not both"):
+        parse_pin({"min_version": 1}, {"X-Patchswarm-Exact-Version": "2"})
+    with pytest.raises(PinError, match="give it once"):
+        parse_pin({"min_version": 1}, {"X-Patchswarm-Min-Version": "1"})
+    assert parse_pin({"min_version": None}, {}) is None
+
+
+# ------------------------------------------------------------------ rigs
+
+
+@dataclass
+class _Manifest:
+    kind: str
+    parent_digest: bytes
+    target_digest: bytes
+
+
+class _Store:
+    """What the driver's apply path reads: manifests and payloads by version."""
+
+    def __init__(self) -> None:
+        self.m: dict[int, tuple[_Manifest, bytes]] = {}
+        self.recorded: list[int] = []
+
+    def manifest(self, v: int) -> _Manifest:
+        return self.m[v][0]
+
+    def payload(self, v: int) -> bytes:
+        return self.m[v][1]
+
+    def set_active(self, v: int, digest: bytes) -> None:
+        self.recorded.append(v)
+
+    def active(self) -> Any:
+        return None
+
+
+class Rig:
+    """A driver with a tiny Llama truth, an engine and a gateway in front of it."""
+
+    def __init__(self, tmp: Path, *, engine: str = "inprocess", pause_mode: str = "wait",
+                 hold_max_s: float = 5.0, weights: dict[str, torch.Tensor] | None = None,
+                 token_delay_s: float = 0.02) -> None:
+        self.tmp = tmp
+        self.masters = llama_masters(0, SMALL)
+        self.served = {1: weights if weights is not None else served_view(self.masters, "bf16")}
+        write_model(tmp / "model", self.served[1], SMALL)
+        self.kind, self.pause_mode, self.hold_max_s = engine, pause_mode, hold_max_s
+        self.token_delay_s = token_delay_s
+        self.store = _Store()
+        self.applied: list[tuple[int, bool]] = []
+        self.contract: ContractServer | None = None
+        self.runners: list[web.AppRunner] = []
+
+    async def __aenter__(self) -> Rig:
+        base = self.tmp / "model" / "model.safetensors"
+        self.truth = InProcessWeights.load(base, 1, "cpu")
+        if self.kind == "inprocess":
+            engine: Any = InProcessEngine(self.truth)
+            ecfg = EngineConfig(pause_mode=self.pause_mode)
+        else:
+            self.contract = ContractServer(base, weight_version="1",
+                                           token_delay_s=self.token_delay_s)
+            app = self.contract.app()
+            app.router.add_post("/v1/completions", self._slow_stream)
+            port = await self._serve(app)
+            self.engine_url = f"http://127.0.0.1:{port}"
+            ecfg = EngineConfig(kind="sglang", url=self.engine_url, pause_mode=self.pause_mode,
+                                timeout_s=5.0, commit_timeout_s=30.0,
+                                exchange_dir=self.tmp / "exchange")
+            engine = SGLangEngine(ecfg)
+        self.driver = Driver(None, self.store, None, weights=self.truth, engine=engine,  # type: ignore[arg-type]
+                             engine_cfg=ecfg, host="127.0.0.1", port=0)
+        self.driver.feed = lambda e: self.applied.append((e.version, e.ok))  # type: ignore[method-assign]
+        self.driver.loop = asyncio.get_running_loop()
+        if self.kind != "inprocess":
+            async with self.driver._engine_lock:
+                assert await self.driver._sync_engine()
+        self.port = free_port(["127.0.0.1"])
+        cfg = GatewayConfig("127.0.0.1", self.port, hold_max_s=self.hold_max_s,
+                            retry_after_s=3.0, upstream_timeout_s=30.0)
+        self.gw = Gateway(cfg, self.driver, model="tiny-llama",
+                          model_config=self.tmp / "model" / "config.json")
+        self.driver.commit_gate = self.gw.commit_hold
+        await self.gw.start()
+        self.http = aiohttp.ClientSession()
+        self.url = f"http://127.0.0.1:{self.port}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.http.close()
+        await self.gw.stop()
+        for r in self.runners:
+            await r.cleanup()
+
+    async def _serve(self, app: web.Application) -> int:
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        port = free_port(["127.0.0.1"])
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        self.runners.append(runner)
+        return port
+
+    async def _slow_stream(self, request: web.Request) -> web.StreamResponse:
+        """An OpenAI-style SSE stream from the contract engine: one event per token, each
+        naming the weight version that produced it; generation pauses while it is paused."""
+        cs = self.contract
+        assert cs is not None
+        body = await request.json()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await cs.lock.acquire_read()
+        try:
+            for i in range(int(body.get("max_tokens", 8))):
+                await cs._resume.wait()
+                event = {"choices": [{"index": 0, "text": f"t{i}", "finish_reason": None}],
+                         "weight_version": cs.weight_version}
+                await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                await asyncio.sleep(self.token_delay_s)
+        finally:
+            await cs.lock.release_read()
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    def publish(self) -> int:
+        """The next trainer step's served view, as a patch the driver can apply."""
+        v = max(self.served) + 1
+        self.masters = rl_step(self.masters, v)
+        self.served[v] = served_view(self.masters, "bf16")
+        enc = encode_patch(self.served[v - 1], self.served[v])
+        self.store.m[v] = (_Manifest("patch", enc.base_digest, enc.target_digest), enc.patch)
+        return v
+
+    def apply(self, v: int) -> asyncio.Task:
+        return asyncio.ensure_future(self.driver._apply(v))
+
+    async def post(self, path: str, body: dict[str, Any], headers: dict[str, str] | None = None
+                   ) -> tuple[int, dict[str, str], Any]:
+        async with self.http.post(self.url + path, json=body, headers=headers or {}) as r:
+            text = await r.text()
+            try:
+                data = json.loads(text)
+            except ValueError:
+                data = text
+            return r.status, dict(r.headers), data
+
+    def greedy(self, v: int, n: int, prompt: list[int] = PROMPT) -> list[int]:
+        shape = tiny_lm.shape_of(self.served[v], tiny_lm.read_config(
+            self.tmp / "model" / "config.json"))
+        return tiny_lm.greedy(shape, self.served[v], prompt, n)
+
+
+def _gen(n: int = 6, **pin: int) -> dict[str, Any]:
+    return {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": n}, **pin}
+
+
+# ------------------------------------------------------------------ in-process engine
+
+
+@_run
+async def test_inprocess_answers_are_stamped_and_computed_from_the_served_version(
+        tmp_path: Path) -> None:
+    async with Rig(tmp_path) as rig:
+        status, headers, out = await rig.post("/generate", _gen(6))
+        assert status == 200, out
+        assert out["output_ids"] == rig.greedy(1, 6)
+        assert out["patchswarm"] == {"version_start": 1, "version_end": 1}
+        assert headers[START_HEADER] == "1" and headers[END_HEADER] == "1"
+        assert out["meta_info"]["weight_version"] == "1"
+
+        v = rig.publish()
+        await rig.apply(v)
+        assert rig.applied == [(2, True)] and rig.driver.engine_state.served_version == 2
+        status, headers, out = await rig.post("/v1/completions",
+                                              {"prompt": PROMPT, "max_tokens": 5, "min_version": 2})
+        assert status == 200, out
+        assert out["choices"][0]["token_ids"] == rig.greedy(2, 5)
+        assert out["patchswarm"] == {"version_start": 2, "version_end": 2}
+        assert out["object"] == "text_completion" and out["model"] == "tiny-llama"
+        # a text prompt is its UTF-8 bytes as token ids
+        status, _, out = await rig.post("/generate", {"text": "hi!", "sampling_params": {
+            "max_new_tokens": 3}, "exact_version": 2})
+        assert status == 200 and out["output_ids"] == rig.greedy(2, 3, list(b"hi!"))
+
+
+@_run
+async def test_unsatisfiable_pins_get_409_with_retry_after(tmp_path: Path) -> None:
+    async with Rig(tmp_path) as rig:
+        await rig.apply(rig.publish())  # serves 2
+        cases = [({"min_version": 3}, "behind", 3),            # min ahead of the node
+                 ({"exact_version": 4}, "behind", 4),          # exact ahead of the node
+                 ({"exact_version": 1}, "ahead", 1)]           # exact behind: passed for good
+        for pin, reason, target in cases:
+            status, headers, out = await rig.post("/generate", _gen(2, **pin))
+            assert status == 409, out
+            assert out["target_version"] == target and out["served_version"] == 2
+            assert out["reason"] == reason and out["error"]
+            assert out["satisfiable_here"] is (reason != "ahead")
+            assert int(headers["Retry-After"]) >= 1
+        # the same through headers
+        status, headers, out = await rig.post("/v1/completions", {"prompt": PROMPT},
+                                              {"X-Patchswarm-Min-Version": "5"})
+        assert status == 409 and out["reason"] == "behind" and out["target_version"] == 5
+        # without commit history Retry-After is the configured default
+        assert headers["Retry-After"] == "3"
+        assert (await rig.post("/generate", _gen(2, min_version=2)))[0] == 200
+        assert (await rig.post("/generate", _gen(2, exact_version=2)))[0] == 200
+
+
+@pytest.mark.parametrize(("body", "headers", "field"), [
+    ({"min_version": True}, {}, "min_version"),
+    ({"exact_version": False}, {}, "exact_version"),
+    ({"min_version": 2.0}, {}, "min_version"),
+    ({"exact_version": 1.5}, {}, "exact_version"),
+    ({"min_version": "2"}, {}, "min_version"),
+    ({"exact_version": -1}, {}, "exact_version"),
+    ({"exact_version": [1]}, {}, "exact_version"),
+    ({"min_version": {"v": 1}}, {}, "min_version"),
+    ({"min_version": 2 ** 64}, {}, "min_version"),
+    ({"min_version": 1, "exact_version": 1}, {}, "exact_version"),
+    ({}, {"X-Patchswarm-Exact-Version": "two"}, "exact_version"),
+    ({}, {"X-Patchswarm-Min-Version": "-3"}, "min_version"),
+    ({}, {"X-Patchswarm-Min-Version": "1.0"}, "min_version"),
+    ({"min_version": 1}, {"X-Patchswarm-Exact-Version": "1"}, "exact_version"),
+])
+@_run
+async def test_malformed_version_fields_are_refused_with_400(
+        tmp_path: Path, body: dict, headers: dict, field: str) -> None:
+    async with Rig(tmp_path) as rig:
+        status, _, out = await rig.post("/generate", {**_gen(2), **body}, headers)
+        assert status == 400, out
+        assert out["field"] == field and out["error"].startswith(field)
+        assert rig.gw.stats.requests[("/generate", "400")] == 1
+
+
+@_run
+async def test_bad_bodies_and_unsupported_models(tmp_path: Path) -> None:
+    async with Rig(tmp_path) as rig:
+        async with rig.http.post(rig.url + "/generate", data=b"{not json") as r:
+            assert r.status == 400 and "not JSON" in (await r.json())["error"]
+        async with rig.http.post(rig.url + "/generate", data=b"x" * (2 * 1024 * 1024)) as r:
+            assert r.status == 413 and "max_body_bytes" in (await r.json())["error"]
+        status, _, out = await rig.post("/generate", {"input_ids": [5000]})
+        assert status == 400 and "outside the vocabulary" in out["error"]
+        status, _, out = await rig.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 0})
+        assert status == 400 and "max_tokens" in out["error"]
+        status, _, out = await rig.post("/v1/chat/completions", {"messages": []})
+        assert status == 501 and "chat" in out["error"]
+    # weights that are not a causal LM (an encoder): 501, but pins are still checked
+    g = torch.Generator().manual_seed(1)
+    enc = {"enc.weight": torch.randn(32, 32, generator=g).to(torch.bfloat16)}
+    sub = tmp_path / "enc"
+    sub.mkdir()
+    async with Rig(sub, weights=enc) as rig:
+        status, _, out = await rig.post("/generate", _gen(2))
+        assert status == 501 and "not a causal LM" in out["error"], out
+        status, headers, out = await rig.post("/generate", _gen(2, exact_version=7))
+        assert status == 409 and out["reason"] == "behind" and "Retry-After" in headers
+
+
+@_run
+async def test_inprocess_stream_ends_with_the_stamp_event(tmp_path: Path) -> None:
+    async with Rig(tmp_path) as rig:
+        async with rig.http.post(rig.url + "/v1/completions", json={
+                "prompt": PROMPT, "max_tokens": 4, "stream": True, "exact_version": 1}) as r:
+            assert r.status == 200 and r.headers[START_HEADER] == "1"
+            events = [e for e in (await r.text()).split("\n\n") if e]
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2].removeprefix("data: ")) == {
+            "patchswarm": {"version_start": 1, "version_end": 1}}
+        toks = [json.loads(e.removeprefix("data: "))["choices"][0]["token_ids"][0]
+                for e in events[:-2]]
+        assert toks == rig.greedy(1, 4)
+
+
+# ------------------------------------------------------------------ external engine (SGLang)
+
+
+@_run
+async def test_sglang_passthrough_is_stamped(tmp_path: Path) -> None:
+    async with Rig(tmp_path, engine="sglang") as rig:
+        status, headers, out = await rig.post("/generate", _gen(3, exact_version=1))
+        assert status == 200, out
+        assert out["meta_info"]["weight_version"] == "1" and len(out["output_ids"]) == 3
+        assert out["patchswarm"] == {"version_start": 1, "version_end": 1}
+        assert headers[START_HEADER] == headers[END_HEADER] == "1"
+        # the pin fields never reach the engine
+        assert "exact_version" not in json.dumps(rig.contract.calls)
+        # the engine's own 4xx passes through, stamped; the client's fault, not the engine's
+        status, headers, out = await rig.post("/generate", {"sampling_params": {}})
+        assert status == 400 and headers[START_HEADER] == "1"
+
+
+@_run
+async def test_request_spanning_a_commit_in_keep_mode_has_start_before_end(
+        tmp_path: Path) -> None:
+    async with Rig(tmp_path, engine="sglang", pause_mode="keep", token_delay_s=0.05) as rig:
+        v = rig.publish()
+
+        async def stream() -> tuple[aiohttp.ClientResponse, list[str]]:
+            async with rig.http.post(rig.url + "/v1/completions", json={
+                    "prompt": "x", "max_tokens": 30, "stream": True, "min_version": 1}) as r:
+                return r, [e for e in (await r.text()).split("\n\n") if e]
+
+        async def plain() -> tuple[int, dict[str, str], Any]:
+            return await rig.post("/generate", _gen(30, min_version=1))
+
+        s_task, p_task = asyncio.ensure_future(stream()), asyncio.ensure_future(plain())
+        await asyncio.sleep(0.4)
+        await rig.apply(v)
+        assert rig.driver.engine_state.served_version == 2
+        r, events = await s_task
+        assert r.status == 200 and r.headers[START_HEADER] == "1"
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2].removeprefix("data: ")) == {
+            "patchswarm": {"version_start": 1, "version_end": 2}}
+        produced = [json.loads(e.removeprefix("data: "))["weight_version"] for e in events[:-2]]
+        assert produced[0] == "1" and produced[-1] == "2"  # really spanned the commit
+        status, headers, out = await p_task
+        assert status == 200, out
+        assert out["patchswarm"] == {"version_start": 1, "version_end": 2}
+        assert headers[START_HEADER] == "1" and headers[END_HEADER] == "2"
+
+
+@_run
+async def test_exact_pin_in_flight_holds_the_commit(tmp_path: Path) -> None:
+    async with Rig(tmp_path, engine="sglang", pause_mode="keep", hold_max_s=10,
+                   token_delay_s=0.05) as rig:
+        v = rig.publish()
+        pinned = asyncio.ensure_future(rig.post("/generate", _gen(20, exact_version=1)))
+        await asyncio.sleep(0.2)
+        t0 = time.monotonic()
+        applying = rig.apply(v)
+        await asyncio.sleep(0.2)
+        assert rig.gw.pending == 2 and not applying.done()
+        # while the commit waits, new exact pins on version 1 are turned away ...
+        status, headers, out = await rig.post("/generate", _gen(2, exact_version=1))
+        assert status == 409 and out["reason"] == "commit_pending", out
+        assert out["served_version"] == 1 and int(headers["Retry-After"]) >= 1
+        # ... min pins and unpinned requests still run
+        assert (await rig.post("/generate", _gen(1, min_version=1)))[0] == 200
+        status, headers, out = await pinned
+        assert status == 200 and out["patchswarm"] == {"version_start": 1, "version_end": 1}
+        assert out["meta_info"]["weight_version"] == "1"
+        await applying
+        assert rig.driver.engine_state.served_version == 2
+        assert rig.gw.stats.holds == 1 and rig.gw.stats.hold_timeouts == 0
+        assert 0.5 < rig.gw.stats.hold_seconds < 5
+        assert time.monotonic() - t0 >= 0.5
+        # the commit cadence now drives Retry-After; an exact pin on 2 runs again
+        assert (await rig.post("/generate", _gen(1, exact_version=2)))[0] == 200
+
+
+@_run
+async def test_hold_is_released_after_hold_max_s(tmp_path: Path) -> None:
+    async with Rig(tmp_path, engine="sglang", pause_mode="keep", hold_max_s=0.3,
+                   token_delay_s=0.05) as rig:
+        v = rig.publish()
+        pinned = asyncio.ensure_future(rig.post("/generate", _gen(40, exact_version=1)))
+        await asyncio.sleep(0.2)
+        t0 = time.monotonic()
+        await rig.apply(v)
+        took = time.monotonic() - t0
+        assert rig.driver.engine_state.served_version == 2
+        assert not pinned.done() and 0.25 < took < 1.8
+        assert rig.gw.stats.hold_timeouts == 1
+        status, _, out = await pinned
+        # it ran on past the commit (keep mode): the stamps say so
+        assert status == 200 and out["patchswarm"] == {"version_start": 1, "version_end": 2}
+
+
+@_run
+async def test_engine_down_is_a_502_not_the_clients_fault(tmp_path: Path) -> None:
+    async with Rig(tmp_path, engine="sglang") as rig:
+        for r in rig.runners:
+            await r.cleanup()
+        rig.runners.clear()
+        status, _, out = await rig.post("/generate", _gen(2))
+        assert status == 502 and "unreachable" in out["error"] and out["upstream"]
+        assert rig.gw.stats.requests[("/generate", "502")] == 1
+        text = "\n".join(map(str, rig.gw.metric_families(["node"], ["n"])))
+        assert "patchswarm_gateway_requests" in text
