@@ -16,6 +16,8 @@ import functools
 import json
 import sys
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,8 +28,9 @@ import torch
 from aiohttp import web
 from hypothesis import given
 from hypothesis import strategies as st
+from safetensors.torch import save_file
 
-from lab.fleet import free_port
+from lab.fleet import LoopbackFleet, free_port
 from node.driver import Driver
 from node.engines import tiny_lm
 from node.engines.config import EngineConfig
@@ -478,3 +481,68 @@ async def test_engine_down_is_a_502_not_the_clients_fault(tmp_path: Path) -> Non
         assert rig.gw.stats.requests[("/generate", "502")] == 1
         text = "\n".join(map(str, rig.gw.metric_families(["node"], ["n"])))
         assert "patchswarm_gateway_requests" in text
+
+
+# ------------------------------------------------------------------ a real node process
+
+
+def _post_sync(url: str, body: dict[str, Any]) -> tuple[int, dict[str, str], Any]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, dict(r.headers), json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), json.loads(exc.read())
+
+
+@pytest.mark.timeout(300)
+def test_node_process_serves_a_tiny_llama_through_the_gateway(tmp_path: Path) -> None:
+    masters = llama_masters(0, SMALL)
+    write_model(tmp_path / "m", served_view(masters, "bf16"), SMALL)
+    cfg = tiny_lm.read_config(tmp_path / "m" / "config.json")
+
+    def expect(m: dict[str, torch.Tensor], n: int) -> list[int]:
+        w = served_view(m, "bf16")
+        return tiny_lm.greedy(tiny_lm.shape_of(w, cfg), w, PROMPT, n)
+
+    fleet = LoopbackFleet(1, 1, chunk_size=16 * 1024, swarm={"redial_s": 1.0})
+    node = fleet.nodes[0]
+    gport = free_port([node.host])
+    section = f'\n[gateway]\nlisten = "{node.host}:{gport}"\nretry_after_s = 2\n'
+    orig = fleet._write_configs
+
+    def write_configs() -> None:
+        orig()
+        node.config.write_text(node.config.read_text() + section)
+        (fleet.workdir / "config.json").write_text((tmp_path / "m" / "config.json").read_text())
+
+    fleet._write_configs = write_configs  # type: ignore[method-assign]
+    url = f"http://{node.host}:{gport}"
+    with fleet:
+        fleet.start_nodes_only(served_view(masters, "bf16"))
+        # version 2 is not there yet: 409 with the served version and Retry-After
+        status, headers, out = _post_sync(url + "/generate", _gen(8, exact_version=2))
+        assert status == 409 and out["reason"] == "behind", out
+        assert out["served_version"] == 1 and headers["Retry-After"] == "2"
+        status, headers, out = _post_sync(url + "/generate", _gen(8))
+        assert status == 200 and out["output_ids"] == expect(masters, 8), out
+        assert out["patchswarm"] == {"version_start": 1, "version_end": 1}
+
+        masters = rl_step(masters, 1)
+        ckpt = tmp_path / "step1.safetensors"
+        save_file(masters, str(ckpt))
+        r = fleet.publish_cli(ckpt, "--wait-peers", "30", "--linger", "2", "--timeout", "120",
+                              "--regions", "1")
+        assert r.returncode == 0, fleet.trainer_log.read_text()[-2000:]
+        fleet.wait_version(2, timeout=90)
+        status, headers, out = _post_sync(url + "/v1/completions", {
+            "prompt": PROMPT, "max_tokens": 8, "exact_version": 2})
+        assert status == 200, out
+        assert out["choices"][0]["token_ids"] == expect(masters, 8)
+        assert out["patchswarm"] == {"version_start": 2, "version_end": 2}
+        assert headers[START_HEADER] == headers[END_HEADER] == "2"
+        metrics = urllib.request.urlopen(f"http://{node.api_addr}/metrics", timeout=5).read()
+        text = metrics.decode()
+        assert 'route="/generate"' in text and 'outcome="409"' in text
+        assert "patchswarm_gateway_served_version" in text
