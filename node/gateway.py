@@ -738,7 +738,7 @@ class LocalRunner:
                 item = first
                 while item is not None:
                     await resp.write(b"data: " + json.dumps(
-                        self._chunk(request.path, rid, [item[0]])).encode() + b"\n\n")
+                        self._chunk(request.path, rid, *item)).encode() + b"\n\n")
                     item = await self._next(queue, fut)
                 adm.end = dec.versions[-1] if dec.versions else adm.start
                 await resp.write(gw.stamp_event(adm) + b"data: [DONE]\n\n")
@@ -784,11 +784,14 @@ class LocalRunner:
                 return getter.result()
             getter.cancel()
 
-    def _chunk(self, route: str, rid: str, toks: list[int]) -> dict[str, Any]:
+    def _chunk(self, route: str, rid: str, tok: int, version: int) -> dict[str, Any]:
+        """One streamed token; ``/generate`` names the version that produced it."""
         from node.engines import tiny_lm
 
+        toks = [tok]
         if route == "/generate":
-            return {"text": tiny_lm.ids_text(toks), "output_ids": toks, "meta_info": {"id": rid}}
+            return {"text": tiny_lm.ids_text(toks), "output_ids": toks,
+                    "meta_info": {"id": rid, "weight_version": str(version)}}
         return {"id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()),
                 "model": self.gw.model, "choices": [{"index": 0, "text": tiny_lm.ids_text(toks),
                                                      "token_ids": toks, "logprobs": None,

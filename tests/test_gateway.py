@@ -12,6 +12,7 @@ fields 400, every answer is stamped, and exact pins in flight hold a commit.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import sys
@@ -546,3 +547,93 @@ def test_node_process_serves_a_tiny_llama_through_the_gateway(tmp_path: Path) ->
         text = metrics.decode()
         assert 'route="/generate"' in text and 'outcome="409"' in text
         assert "patchswarm_gateway_served_version" in text
+
+
+# ------------------------------------------------------------------ config, auth, keep in-process
+
+
+def _node_doc(**gateway: Any) -> dict[str, Any]:
+    return {"node": {"id": "n1", "region": "r1", "model": "m"},
+            "network": {"listen": "127.0.0.1:7400", "swarm_secret": "ab" * 32},
+            "trust": {"trainer_keys": ["trainer.pub"]}, "store": {"dir": "store"},
+            "weights": {"base": "base.safetensors"}, "api": {"listen": "127.0.0.1:7401"},
+            "gateway": gateway}
+
+
+@pytest.mark.parametrize(("gateway", "key"), [
+    ({}, "gateway.listen"),
+    ({"listen": "nowhere"}, "gateway.listen"),
+    ({"listen": "127.0.0.1:7401"}, "gateway.listen"),  # the API's address
+    ({"listen": "127.0.0.1:7402", "hold_max_s": -1}, "gateway.hold_max_s"),
+    ({"listen": "127.0.0.1:7402", "hold_max_s": True}, "gateway.hold_max_s"),
+    ({"listen": "127.0.0.1:7402", "retry_after_s": 0}, "gateway.retry_after_s"),
+    ({"listen": "127.0.0.1:7402", "max_body_bytes": 10}, "gateway.max_body_bytes"),
+    ({"listen": "127.0.0.1:7402", "upstream_timeout_s": "5"}, "gateway.upstream_timeout_s"),
+    ({"listen": "127.0.0.1:7402", "token_file": "missing.token"}, "gateway.token_file"),
+    ({"listen": "127.0.0.1:7402", "model_config": 3}, "gateway.model_config"),
+    ({"listen": "127.0.0.1:7402", "hold": 3}, "gateway.hold"),
+])
+def test_gateway_config_errors_name_the_key(tmp_path: Path, gateway: dict, key: str) -> None:
+    from node.config import parse_config
+    from swarm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"^{key}: "):
+        parse_config(_node_doc(**gateway), tmp_path)
+
+
+def test_gateway_config_defaults_and_absent(tmp_path: Path) -> None:
+    from node.config import parse_config
+
+    (tmp_path / "gw.token").write_text("t" * 32 + "\n")
+    cfg = parse_config(_node_doc(listen="127.0.0.1:7402", token_file="gw.token",
+                                 hold_max_s=2.5), tmp_path).gateway
+    assert cfg is not None and (cfg.host, cfg.port) == ("127.0.0.1", 7402)
+    assert cfg.hold_max_s == 2.5 and cfg.retry_after_s == 2.0 and cfg.token == "t" * 32
+    doc = _node_doc()
+    del doc["gateway"]
+    assert parse_config(doc, tmp_path).gateway is None
+
+
+@_run
+async def test_gateway_token(tmp_path: Path) -> None:
+    async with Rig(tmp_path) as rig:
+        rig.gw.cfg = dataclasses.replace(rig.gw.cfg, token="s" * 20)
+        status, headers, out = await rig.post("/generate", _gen(2))
+        assert status == 401 and "gateway.token_file" in out["error"]
+        assert headers["WWW-Authenticate"] == "Bearer"
+        status, _, out = await rig.post("/generate", _gen(2),
+                                        {"Authorization": "Bearer " + "s" * 20})
+        assert status == 200, out
+
+
+@_run
+async def test_inprocess_keep_mode_commits_between_tokens(tmp_path: Path) -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: one thread is ~40x faster on a busy machine
+    try:
+        await _keep_mode_span(tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+
+
+async def _keep_mode_span(tmp_path: Path) -> None:
+    async with Rig(tmp_path, pause_mode="keep") as rig:
+        v = rig.publish()
+        async with rig.http.post(rig.url + "/generate", json={
+                **_gen(600), "stream": True, "min_version": 1}) as r:
+            assert r.status == 200 and r.headers[START_HEADER] == "1"
+            first = await r.content.readuntil(b"\n\n")  # the first token is out: now commit
+            await rig.apply(v)
+            rest = await r.content.read()
+            events = [e for e in (first + rest).decode().split("\n\n") if e]
+        assert rig.driver.engine_state.served_version == 2
+        stamp = json.loads(events[-2].removeprefix("data: "))
+        assert stamp == {"patchswarm": {"version_start": 1, "version_end": 2}}
+        chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+        toks = [c["output_ids"][0] for c in chunks]
+        versions = [c["meta_info"]["weight_version"] for c in chunks]
+        k = versions.index("2")
+        assert 0 < k < len(toks) == 600 and set(versions[k:]) == {"2"}
+        # before the commit: version 1's greedy tokens; after it: version 2's continuation
+        assert toks[:k] == rig.greedy(1, k)
+        assert toks[k:k + 20] == rig.greedy(2, 20, PROMPT + toks[:k])
