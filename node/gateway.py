@@ -257,6 +257,8 @@ class Gateway:
                           + (f": {st.reason}" if st.reason else ""))
         if st.uncertain:
             return None, f"the {st.kind} engine's weights are uncertain until rebuilt: {st.reason}"
+        if st.state == "behind":  # it reported another version than it confirmed (restarted?)
+            return None, f"the {st.kind} engine is being brought back: {st.reason}"
         return st.served_version, ""
 
     def _cadence(self) -> float | None:

@@ -637,3 +637,20 @@ async def _keep_mode_span(tmp_path: Path) -> None:
         # before the commit: version 1's greedy tokens; after it: version 2's continuation
         assert toks[:k] == rig.greedy(1, k)
         assert toks[k:k + 20] == rig.greedy(2, 20, PROMPT + toks[:k])
+
+
+@_run
+async def test_engine_in_an_unknown_state_is_503_not_a_wrong_stamp(tmp_path: Path) -> None:
+    async with Rig(tmp_path, engine="sglang") as rig:
+        rig.contract.faults = {"fail_load": "out of memory"}
+        await rig.apply(rig.publish())
+        st = rig.driver.engine_state
+        assert st.state == "unhealthy" and st.uncertain  # a failed load may leave a mix
+        status, headers, out = await rig.post("/generate", _gen(2))
+        assert status == 503 and "uncertain" in out["error"] and out["served_version"] is None
+        assert headers["Retry-After"] == "3"
+        rig.contract.faults = {}
+        async with rig.driver._engine_lock:
+            assert await rig.driver._sync_engine()  # what the watch task does on its next probe
+        status, _, out = await rig.post("/generate", _gen(2, exact_version=2))
+        assert status == 200 and out["patchswarm"] == {"version_start": 2, "version_end": 2}

@@ -223,8 +223,8 @@ def _rope(x: torch.Tensor, pos0: int, theta: float) -> torch.Tensor:
     import torch
 
     n, _, d = x.shape
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-    ang = torch.outer(torch.arange(pos0, pos0 + n, dtype=torch.float32), inv)
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
+    ang = torch.outer(torch.arange(pos0, pos0 + n, dtype=torch.float32, device=x.device), inv)
     emb = torch.cat([ang, ang], dim=-1)
     cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
     half = d // 2
