@@ -70,6 +70,7 @@ MAX_RESPONSE_BYTES = 64 * 1024 * 1024  # a non-streamed engine answer larger tha
 MAX_NEW_TOKENS = 4096
 MAX_PROMPT_TOKENS = 32768
 CADENCE_COMMITS = 8  # recent commits the Retry-After estimate looks at
+SHUTDOWN_S = 5.0
 
 
 # ------------------------------------------------------------------ pins
@@ -229,7 +230,9 @@ class Gateway:
         self._settled = asyncio.Event()
         self._settled.set()
         await self.upstream.start()
-        self.runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+        # on stop, requests in flight get a few seconds to finish (like the driver's drain)
+        self.runner = web.AppRunner(self.app(), access_log=None, handle_signals=False,
+                                    shutdown_timeout=SHUTDOWN_S)
         await self.runner.setup()
         await web.TCPSite(self.runner, self.cfg.host, self.cfg.port, reuse_address=True).start()
         log.info("gateway listening on %s:%d (%s upstream)", self.cfg.host, self.cfg.port,

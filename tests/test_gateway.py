@@ -142,13 +142,15 @@ class Rig:
 
     def __init__(self, tmp: Path, *, engine: str = "inprocess", pause_mode: str = "wait",
                  hold_max_s: float = 5.0, weights: dict[str, torch.Tensor] | None = None,
-                 token_delay_s: float = 0.02) -> None:
+                 token_delay_s: float = 0.02, retry_after_s: float = 3.0,
+                 upstream_timeout_s: float = 30.0) -> None:
         self.tmp = tmp
         self.masters = llama_masters(0, SMALL)
         self.served = {1: weights if weights is not None else served_view(self.masters, "bf16")}
         write_model(tmp / "model", self.served[1], SMALL)
         self.kind, self.pause_mode, self.hold_max_s = engine, pause_mode, hold_max_s
         self.token_delay_s = token_delay_s
+        self.retry_after_s, self.upstream_timeout_s = retry_after_s, upstream_timeout_s
         self.store = _Store()
         self.applied: list[tuple[int, bool]] = []
         self.contract: ContractServer | None = None
@@ -180,7 +182,8 @@ class Rig:
                 assert await self.driver._sync_engine()
         self.port = free_port(["127.0.0.1"])
         cfg = GatewayConfig("127.0.0.1", self.port, hold_max_s=self.hold_max_s,
-                            retry_after_s=3.0, upstream_timeout_s=30.0)
+                            retry_after_s=self.retry_after_s,
+                            upstream_timeout_s=self.upstream_timeout_s)
         self.gw = Gateway(cfg, self.driver, model="tiny-llama",
                           model_config=self.tmp / "model" / "config.json")
         self.driver.commit_gate = self.gw.commit_hold
@@ -654,3 +657,26 @@ async def test_engine_in_an_unknown_state_is_503_not_a_wrong_stamp(tmp_path: Pat
             assert await rig.driver._sync_engine()  # what the watch task does on its next probe
         status, _, out = await rig.post("/generate", _gen(2, exact_version=2))
         assert status == 200 and out["patchswarm"] == {"version_start": 2, "version_end": 2}
+
+
+@_run
+async def test_retry_after_follows_the_commit_cadence(tmp_path: Path) -> None:
+    async with Rig(tmp_path, retry_after_s=7) as rig:
+        status, headers, _ = await rig.post("/generate", _gen(1, min_version=2))
+        assert status == 409 and headers["Retry-After"] == "7"  # no cadence known yet
+        await rig.apply(rig.publish())
+        await asyncio.sleep(0.6)
+        await rig.apply(rig.publish())  # serves 3; a commit every ~0.6-0.9 s
+        status, headers, out = await rig.post("/generate", _gen(1, min_version=6))
+        assert status == 409 and out["served_version"] == 3
+        assert 1 <= int(headers["Retry-After"]) <= 3  # three commits away
+        status, headers, out = await rig.post("/generate", _gen(1, exact_version=2))
+        assert out["reason"] == "ahead" and headers["Retry-After"] == "7"
+
+
+@_run
+async def test_engine_too_slow_is_a_504(tmp_path: Path) -> None:
+    async with Rig(tmp_path, engine="sglang", token_delay_s=0.05, upstream_timeout_s=0.3) as rig:
+        status, _, out = await rig.post("/generate", _gen(40))
+        assert status == 504 and "upstream_timeout_s" in out["error"], out
+        assert rig.gw.stats.requests[("/generate", "504")] == 1
