@@ -143,7 +143,7 @@ class Rig:
     def __init__(self, tmp: Path, *, engine: str = "inprocess", pause_mode: str = "wait",
                  hold_max_s: float = 5.0, weights: dict[str, torch.Tensor] | None = None,
                  token_delay_s: float = 0.02, retry_after_s: float = 3.0,
-                 upstream_timeout_s: float = 30.0) -> None:
+                 upstream_timeout_s: float = 30.0, api_key: str | None = None) -> None:
         self.tmp = tmp
         self.masters = llama_masters(0, SMALL)
         self.served = {1: weights if weights is not None else served_view(self.masters, "bf16")}
@@ -151,6 +151,7 @@ class Rig:
         self.kind, self.pause_mode, self.hold_max_s = engine, pause_mode, hold_max_s
         self.token_delay_s = token_delay_s
         self.retry_after_s, self.upstream_timeout_s = retry_after_s, upstream_timeout_s
+        self.api_key = api_key
         self.store = _Store()
         self.applied: list[tuple[int, bool]] = []
         self.contract: ContractServer | None = None
@@ -163,14 +164,14 @@ class Rig:
             engine: Any = InProcessEngine(self.truth)
             ecfg = EngineConfig(pause_mode=self.pause_mode)
         else:
-            self.contract = ContractServer(base, weight_version="1",
+            self.contract = ContractServer(base, weight_version="1", api_key=self.api_key,
                                            token_delay_s=self.token_delay_s)
             app = self.contract.app()
             app.router.add_post("/v1/completions", self._slow_stream)
             port = await self._serve(app)
             self.engine_url = f"http://127.0.0.1:{port}"
             ecfg = EngineConfig(kind="sglang", url=self.engine_url, pause_mode=self.pause_mode,
-                                timeout_s=5.0, commit_timeout_s=30.0,
+                                timeout_s=5.0, commit_timeout_s=30.0, api_key=self.api_key,
                                 exchange_dir=self.tmp / "exchange")
             engine = SGLangEngine(ecfg)
         self.driver = Driver(None, self.store, None, weights=self.truth, engine=engine,  # type: ignore[arg-type]
@@ -680,3 +681,14 @@ async def test_engine_too_slow_is_a_504(tmp_path: Path) -> None:
         status, _, out = await rig.post("/generate", _gen(40))
         assert status == 504 and "upstream_timeout_s" in out["error"], out
         assert rig.gw.stats.requests[("/generate", "504")] == 1
+
+
+@_run
+async def test_the_engine_key_goes_to_the_engine_the_clients_header_does_not(
+        tmp_path: Path) -> None:
+    async with Rig(tmp_path, engine="sglang", api_key="engine-key-0123456789") as rig:
+        status, _, out = await rig.post("/generate", _gen(2),
+                                        {"Authorization": "Bearer someone-elses"})
+        assert status == 200 and out["patchswarm"]["version_end"] == 1, out
+        async with rig.http.post(rig.engine_url + "/generate", json=_gen(2)) as r:
+            assert r.status == 401  # the engine does want its key
