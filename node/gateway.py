@@ -297,11 +297,11 @@ class Gateway:
         """Check the pin against what is served now; ``Refused`` (409/503) if it cannot run."""
         if self.driver.draining:
             raise Refused(503, {"error": "the node is draining", "served_version": None},
-                          {"Retry-After": str(int(self.cfg.retry_after_s))})
+                          {"Retry-After": str(math.ceil(self.cfg.retry_after_s))})
         served, why = self.served()
         if served is None:
             raise Refused(503, {"error": why, "served_version": None},
-                          {"Retry-After": str(int(self.cfg.retry_after_s))})
+                          {"Retry-After": str(math.ceil(self.cfg.retry_after_s))})
         if pin is not None:
             if pin.version > served:
                 raise self._conflict(pin, served, "behind")
