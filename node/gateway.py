@@ -642,8 +642,10 @@ class LocalRunner:
         if self._cfg is None:
             raise Refused(501, {"error": f"generation is not available: {self._cfg_error}"})
         try:
-            with self.truth.lock:
-                return tiny_lm.shape_of(self.truth.weights, self._cfg)
+            # Names and shapes only, without the truth's lock: a generation may hold it for
+            # long, and this runs on the event loop. A commit never changes names or shapes
+            # but a full checkpoint may: it is checked again by the forward pass itself.
+            return tiny_lm.shape_of(dict(self.truth.weights), self._cfg)
         except tiny_lm.Unsupported as exc:
             raise Refused(501, {"error": f"the served weights are not a causal LM the in-process "
                                          f"runner supports: {exc}"}) from None

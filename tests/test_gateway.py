@@ -699,3 +699,31 @@ async def test_the_engine_key_goes_to_the_engine_the_clients_header_does_not(
         assert status == 200 and out["patchswarm"]["version_end"] == 1, out
         async with rig.http.post(rig.engine_url + "/generate", json=_gen(2)) as r:
             assert r.status == 401  # the engine does want its key
+
+
+@_run
+async def test_inprocess_wait_mode_commit_waits_for_the_generation(tmp_path: Path) -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        async with Rig(tmp_path, pause_mode="wait") as rig:
+            v = rig.publish()
+            long = asyncio.ensure_future(rig.post("/generate", _gen(400)))
+            await _until(lambda: rig.gw.inflight == 1)
+            await asyncio.sleep(0.1)
+            applying = rig.apply(v)
+            await _until(lambda: rig.gw.committing)  # the commit waits for the weights' lock
+            assert not long.done()
+            # the event loop stays free while the generation holds the weights
+            t0 = time.monotonic()
+            async with rig.http.get(rig.url + "/gateway/version") as r:
+                info = await r.json()
+            assert time.monotonic() - t0 < 1.0 and info["in_flight"] == 1
+            assert info["committing"] and info["served_version"] == 1
+            status, _, out = await long
+            assert status == 200 and out["patchswarm"] == {"version_start": 1, "version_end": 1}
+            assert out["output_ids"][:50] == rig.greedy(1, 50)
+            await applying
+            assert rig.truth.version == 2
+    finally:
+        torch.set_num_threads(threads)
