@@ -8,6 +8,8 @@
   split into same-region, cross-region and from-trainer, plus per region pair;
   ``engine``: kind, state, reason, served version, the last commit (path,
   bytes, pause and commit seconds).
+  With a request gateway (``node.gateway``), ``/metrics`` also has its
+  ``patchswarm_gateway_*`` families.
 - ``GET /metrics``: Prometheus text format (``prometheus_client``), computed
   from the same state at scrape time, so the two never disagree.
 """
@@ -139,9 +141,10 @@ def _active_record(driver: Driver) -> Any:
 class _Collector:
     """Prometheus collector reading the driver's state at scrape time."""
 
-    def __init__(self, driver: Driver, model: str) -> None:
+    def __init__(self, driver: Driver, model: str, gateway: Any = None) -> None:
         self.driver = driver
         self.model = model
+        self.gateway = gateway  # node.gateway.Gateway or None
 
     def collect(self):  # type: ignore[no-untyped-def]
         st = status_dict(self.driver, self.model)
@@ -185,6 +188,8 @@ class _Collector:
             c.add_metric(who, float(tr[key]))
             yield c
         yield from self._engine_metrics(labels, who)
+        if self.gateway is not None:
+            yield from self.gateway.metric_families(labels, who)
 
     def _engine_metrics(self, labels: list[str], who: list[str]):  # type: ignore[no-untyped-def]
         d = self.driver
@@ -221,12 +226,12 @@ class _Collector:
 
 
 def add_routes(app: web.Application, driver: Driver, model: str, *,
-               token: str | None = None) -> None:
+               token: str | None = None, gateway: Any = None) -> None:
     """Mount /healthz, /status and /metrics. With ``token``, every path but /healthz
     needs ``Authorization: Bearer <token>`` (/status names peers, regions and
     versions: what an attacker would look for first)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(driver, model))
+    registry.register(_Collector(driver, model, gateway))
 
     def authorized(request: web.Request) -> None:
         if token is None:

@@ -17,6 +17,7 @@ Layout (see configs/node.toml for a commented example)::
     [swarm]    any ``CoreConfig`` policy knob, e.g. mesh_degree = 6
     [engine]   kind ("inprocess" | "vllm" | "sglang"), url, timeouts, pause_mode, ...
                (see ``node.engines.config``)
+    [gateway]  listen, hold_max_s, retry_after_s, ... (see ``node.gateway_config``)
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from node.engines.config import EngineConfig, parse_engine
+from node.gateway_config import GatewayConfig, parse_gateway
 from swarm.errors import ConfigError
 from swarm.protocol.config import CoreConfig, check_knobs
 
@@ -44,6 +46,7 @@ _SECTIONS = {
     "engine": None,  # checked by node.engines.config.parse_engine
     "tls": {"ca", "cert", "key"},
     "api": {"listen", "token_file"},
+    "gateway": None,  # checked by node.gateway_config.parse_gateway
 }
 MAX_CONFIG_BYTES = 1024 * 1024
 
@@ -93,6 +96,7 @@ class NodeConfig:
     max_connections: int = 1024  # open connections on the swarm port, all peers
     max_connections_per_ip: int = 32  # from one address
     upgrade_timeout_s: float = 10.0  # to finish TLS + the websocket upgrade
+    gateway: GatewayConfig | None = None  # the version-pinned request gateway (None: off)
 
     def core_config(self, active_version: int | None = None) -> CoreConfig:
         """The protocol core's knobs for this node; ``active_version`` defaults to the base."""
@@ -344,8 +348,12 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = Non
             "the swarm CA: `patchswarm ca`, docs/security.md); set network.allow_plaintext = "
             "true to accept peers whose identity nobody proves")
     api_listen, api_token = _api(data.get("api") or {}, base_dir, tls is not None, (host, port))
+    gateway = parse_gateway(data.get("gateway"), base_dir, ((host, port), api_listen))
+    if gateway is not None and role != "node":
+        raise ConfigError("gateway: only a rollout node (node.role = \"node\") serves requests")
     cfg = NodeConfig(
         tls=tls, api_listen=api_listen, api_token=api_token, upgrade_timeout_s=float(upgrade),
+        gateway=gateway,
         **conn_caps,
         node_id=node_id, region=region, model=model, role=role, listen_host=host,
         listen_port=port, advertise=advertise, bootstrap=tuple(bootstrap), swarm_secret=secret,

@@ -1,4 +1,4 @@
-"""Assemble and run one node: trust, store, weights, protocol core, driver, API.
+"""Assemble and run one node: trust, store, weights, protocol core, driver, API, gateway.
 
 Start-up order matters for crash recovery: the store is opened (it re-verifies
 manifests and drops torn chunk files), the weights are rebuilt to the active
@@ -23,6 +23,7 @@ from node.driver import Driver, Faults, TlsContexts
 from node.engines import make_engine
 from node.engines.base import Engine
 from node.engines.inprocess import InProcessWeights
+from node.gateway import Gateway
 from node.guard import ConnectionGuard
 from node.logs import setup_logging
 from node.store import ChunkStore
@@ -85,6 +86,7 @@ class Node:
     engine: Engine | None  # what serves it ([engine] kind)
     core: NodeCore
     driver: Driver
+    gateway: Gateway | None = None  # the version-pinned request gateway ([gateway])
 
 
 def build_node(cfg: NodeConfig, *, weights: InProcessWeights | None = None,
@@ -126,9 +128,16 @@ def build_node(cfg: NodeConfig, *, weights: InProcessWeights | None = None,
                     guard=ConnectionGuard(max_total=cfg.max_connections,
                                           max_per_ip=cfg.max_connections_per_ip,
                                           upgrade_timeout_s=cfg.upgrade_timeout_s))
+    gateway = None
+    if cfg.gateway is not None and engine is not None:
+        model_config = cfg.gateway.model_config
+        if model_config is None and cfg.base is not None:
+            model_config = cfg.base.parent / "config.json"
+        gateway = Gateway(cfg.gateway, driver, model=cfg.model, model_config=model_config)
+        driver.commit_gate = gateway.commit_hold
     add_routes(driver.api_app if driver.api_app is not None else driver.app, driver, cfg.model,
-               token=cfg.api_token)
-    return Node(cfg, store, weights, engine, core, driver)
+               token=cfg.api_token, gateway=gateway)
+    return Node(cfg, store, weights, engine, core, driver, gateway)
 
 
 async def serve(node: Node, stop: asyncio.Event, ready: asyncio.Event | None = None) -> None:
@@ -139,6 +148,13 @@ async def serve(node: Node, stop: asyncio.Event, ready: asyncio.Event | None = N
         raise ConfigError(f"network.listen: cannot listen on {node.cfg.listen_host}:"
                           f"{node.cfg.listen_port}: {exc.strerror or exc}") from None
     node.driver.resume_from_store()
+    if node.gateway is not None:
+        try:
+            await node.gateway.start()
+        except OSError as exc:
+            await node.driver.stop(drain_s=0)
+            raise ConfigError(f"gateway.listen: cannot listen on {node.gateway.cfg.host}:"
+                              f"{node.gateway.cfg.port}: {exc.strerror or exc}") from None
     log.info("node %s (%s, region %s) listening on %s:%d, active version %s",
              node.cfg.node_id, node.cfg.role, node.cfg.region, node.cfg.listen_host,
              node.cfg.listen_port, node.core.active_version)
@@ -150,6 +166,8 @@ async def serve(node: Node, stop: asyncio.Event, ready: asyncio.Event | None = N
         ready.set()
     await stop.wait()
     log.info("draining")
+    if node.gateway is not None:
+        await node.gateway.stop()
     await node.driver.stop()
     node.store.close()
     if node.engine is not None:

@@ -48,6 +48,7 @@ import ssl
 import time
 from collections import deque
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -179,6 +180,10 @@ class Driver:
         root = getattr(store, "root", None)
         self._commit_mark = Path(root) / "engine-commit" if root is not None else None
         self._watch_task: asyncio.Task | None = None
+        # Optional hold before each engine commit (the request gateway, node.gateway): entered
+        # right before the engine (or the in-process truth) takes a new version, left once the
+        # commit is done or failed; it may delay the commit a bounded time.
+        self.commit_gate: Callable[[int], AbstractAsyncContextManager[None]] | None = None
         self.host, self.port = host, port
         self.faults = faults or Faults()
         self.keep_versions = keep_versions
@@ -607,7 +612,9 @@ class Driver:
             try:
                 if self.weights is None:
                     raise StoreError("this node has no weights to apply versions to")
-                digest = await asyncio.to_thread(self._apply_truth, version)
+                async with self._gated(version, self.engine is not None
+                                       and self.engine.kind == "inprocess"):
+                    digest = await asyncio.to_thread(self._apply_truth, version)
             except (PatchswarmError, OSError, RuntimeError, ValueError) as exc:
                 log.error("apply of version %d failed: %s", version, exc)
                 self.feed(ev.Applied(self.now(), version, False, str(exc)[:200]))
@@ -709,8 +716,11 @@ class Driver:
                 st.uncertain = True
             update = await asyncio.to_thread(self._engine_update, target, served)
             await asyncio.to_thread(self.engine.stage, update)
-            await asyncio.to_thread(self._mark, target)
-            stats = await asyncio.to_thread(self.engine.commit, update)
+            async with self._gated(target):
+                await asyncio.to_thread(self._mark, target)
+                stats = await asyncio.to_thread(self.engine.commit, update)
+                await asyncio.to_thread(self._mark, None)
+                self._engine_ok(target, stats)
         except EngineError as exc:
             if not exc.uncertain and not st.uncertain:
                 await asyncio.to_thread(self._mark, None)
@@ -720,10 +730,14 @@ class Driver:
             log.exception("%s engine adapter failed", st.kind)
             self._engine_failed(target, f"{type(exc).__name__}: {exc}", True)
             return False
-        await asyncio.to_thread(self._mark, None)
-        self._engine_ok(target, stats)
         await self._record_served(target)
         return True
+
+    def _gated(self, version: int, when: bool = True) -> AbstractAsyncContextManager[None]:
+        """``commit_gate(version)`` around an engine commit, when one is set."""
+        if self.commit_gate is None or not when:
+            return contextlib.nullcontext()
+        return self.commit_gate(version)
 
     def _mark(self, version: int | None) -> None:
         """Write (``version``) or remove (``None``) the commit-in-progress mark, durably."""
