@@ -72,7 +72,7 @@ from swarm.errors import ConfigError, ManifestError, PatchswarmError
 from swarm.protocol import events as ev
 from swarm.trust.chunks import split_payload
 from swarm.trust.keys import TrustStore, key_id, load_private_key
-from swarm.trust.manifest import Manifest, build_manifest, sign_manifest
+from swarm.trust.manifest import build_manifest, sign_manifest
 from trainer.fleet import FleetView, StalenessTimeout
 
 if TYPE_CHECKING:
@@ -102,14 +102,14 @@ class PublishResult:
 
 @dataclass(frozen=True)
 class Prepared:
-    """A version encoded and signed, not yet stored nor handed to the swarm."""
+    """A version encoded, not yet signed, stored nor handed to the swarm (``commit``)."""
 
     version: int
     parent: int
     kind: str
     payload: bytes
-    manifest: Manifest
-    raw: bytes
+    parent_digest: bytes | None
+    target_digest: bytes
     served: dict
     changed: int
     elements: int
@@ -326,10 +326,13 @@ class Publisher:
         return self.publish_async(served, served_dtype=None, full=True).result()
 
     def publish_async(self, weights: dict[str, torch.Tensor], *, full: bool = False,
-                      served_dtype: str | None = "config") -> PublishHandle:
+                      served_dtype: str | None = "config",
+                      gate: Callable[[], None] | None = None) -> PublishHandle:
         """Queue a publish and return at once; publishes run in order on one worker
-        thread (encode, ``max_lag`` wait, store, hand-off). ``served_dtype=None``: the
-        tensors already are the served view; ``"config"``: ``publish.served_dtype``.
+        thread (encode, ``gate()``, ``max_lag`` wait, store, hand-off). ``served_dtype=None``:
+        the tensors already are the served view; ``"config"``: ``publish.served_dtype``.
+        ``gate``: called after the encode, before anything is stored (``patchswarm
+        publish`` waits for peers there); what it raises fails the publish.
         A training loop keeps stepping meanwhile; the weights are copied to the CPU
         here, so the caller may change its tensors after this returns."""
         from trainer.served import served_view
@@ -346,17 +349,20 @@ class Publisher:
                 self._planned_full = version + (1 if anchor else 0)
             if self._worker is None:
                 self._worker = ThreadPoolExecutor(1, thread_name_prefix="patchswarm-publish")
-            future = self._worker.submit(self._run_publish, served, version, gen, full, anchor)
+            future = self._worker.submit(self._run_publish, served, version, gen, full, anchor,
+                                         gate)
         return PublishHandle(version, future)
 
     def _run_publish(self, served: dict[str, torch.Tensor], version: int, gen: int,
-                     full: bool, anchor: bool) -> PublishResult:
+                     full: bool, anchor: bool, gate: Callable[[], None] | None) -> PublishResult:
         try:
             if gen != self._generation or version != self.version + 1:
                 raise PatchswarmError(f"version {version} not published: an earlier publish "
                                       "queued before it failed")
             prepared = self.prepare_full(served) if full else self.prepare_served(served)
-            waited = self._honour_max_lag(version)
+            if gate is not None:
+                gate()
+            waited = self.honour_max_lag(version)
             result = self.commit(prepared, lag_wait_s=waited)
             if anchor:
                 a = self.commit(self.prepare_full(served))
@@ -373,7 +379,7 @@ class Publisher:
                     self._planned_full = self.store.newest_full() or self.cfg.base_version
             raise
 
-    def _honour_max_lag(self, version: int) -> float:
+    def honour_max_lag(self, version: int) -> float:
         """``[publish] max_lag``: wait until enough of the fleet serves ``version - max_lag``."""
         k = self.cfg.max_lag
         need = version - k
@@ -398,14 +404,8 @@ class Publisher:
 
         served = {k: v.detach().cpu().contiguous() for k, v in served.items()}
         enc = encode_patch(self.view, served, context=self.cfg.codec_context)
-        parent, version = self.version, self.version + 1
-        m = build_manifest(
-            enc.patch, model=self.cfg.model, version=version, kind="patch",
-            parent_version=parent, parent_digest=enc.base_digest,
-            target_digest=enc.target_digest, chunk_size=self.cfg.chunk_size, key_id=self.key_id,
-        )
-        return Prepared(version, parent, "patch", enc.patch, m, sign_manifest(m, self.key),
-                        served, enc.changed, enc.elements, enc.encode_s)
+        return Prepared(self.version + 1, self.version, "patch", enc.patch, enc.base_digest,
+                        enc.target_digest, served, enc.changed, enc.elements, enc.encode_s)
 
     def prepare_full(self, served: dict[str, torch.Tensor]) -> Prepared:
         """The full checkpoint (safetensors bytes, what ``node.engines`` loads for a
@@ -418,23 +418,23 @@ class Publisher:
         served = {k: v.detach().cpu().contiguous() for k, v in served.items()}
         payload = save_bytes(served)
         digest = state_digest(served)
-        version = self.version + 1
-        m = build_manifest(
-            payload, model=self.cfg.model, version=version, kind="full", parent_version=None,
-            parent_digest=None, target_digest=digest, chunk_size=self.cfg.chunk_size,
-            key_id=self.key_id,
-        )
         elements = sum(t.numel() for t in served.values())
-        return Prepared(version, self.version, "full", payload, m, sign_manifest(m, self.key),
-                        served, elements, elements, time.perf_counter() - t0)
+        return Prepared(self.version + 1, self.version, "full", payload, None, digest, served,
+                        elements, elements, time.perf_counter() - t0)
 
     def commit(self, p: Prepared, *, lag_wait_s: float = 0.0) -> PublishResult:
-        """Store ``p`` (the transaction of the module docstring), hand it to the swarm
-        and collect the store. ``p`` must be the next version."""
+        """Sign ``p``'s manifest, store it (the transaction of the module docstring),
+        hand it to the swarm and collect the store. ``p`` must be the next version."""
         if p.version != self.version + 1:
             raise PatchswarmError(f"version {p.version} was prepared for another state "
                                   f"(the last published version is {self.version})")
-        version, parent, m, raw = p.version, p.parent, p.manifest, p.raw
+        version, parent = p.version, p.parent
+        m = build_manifest(
+            p.payload, model=self.cfg.model, version=version, kind=p.kind,
+            parent_version=parent if p.kind == "patch" else None, parent_digest=p.parent_digest,
+            target_digest=p.target_digest, chunk_size=self.cfg.chunk_size, key_id=self.key_id,
+        )
+        raw = sign_manifest(m, self.key)
         # The transaction of the module docstring; the active record is the commit point.
         try:
             if self.persist_view:
