@@ -127,56 +127,66 @@ def _load(path: str) -> dict:
 
 
 def _wait_for_peers(args: argparse.Namespace, pub: Any, clock: _Clock, bound: float,
-                    expected: set[str]) -> None:
+                    expected: set[str], expected_nodes: set[str]) -> None:
     """Block (on the publish worker, after the encode) until the peers we expect are here."""
     deadline = clock.t0 + bound
     want_regions = args.regions
     want_nodes = args.nodes
-    told = want_regions is not None or want_nodes is not None or bool(expected)
-    if told:
-        log.info("waiting up to %.1f s for peers: %s", max(0.0, deadline - time.monotonic()),
-                 ", ".join(filter(None, [
+    told = want_regions is not None or want_nodes is not None
+    if not told and (expected or expected_nodes):
+        log.info("waiting up to %.1f s for the %d region(s) and %d node(s) the last run met",
+                 max(0.0, deadline - time.monotonic()), len(expected), len(expected_nodes))
+    elif told:
+        log.info("waiting up to %.1f s for %s", max(0.0, deadline - time.monotonic()),
+                 " and ".join(filter(None, [
                      f"{want_regions} region(s)" if want_regions is not None else "",
-                     f"{want_nodes} node(s)" if want_nodes is not None else "",
-                     f"regions met last time {sorted(expected)}" if expected else ""])))
+                     f"{want_nodes} node(s)" if want_nodes is not None else ""])))
     else:
-        log.info("no --regions/--nodes and no regions remembered: letting nodes find the "
-                 "origin for %.1f s (their redial time)", max(0.0, deadline - time.monotonic()))
+        log.info("no --regions/--nodes and nothing remembered: letting nodes find the origin "
+                 "for %.1f s (their redial time)", max(0.0, deadline - time.monotonic()))
     regions: list[str] = []
     nodes: dict[str, str] = {}
+    ok = False
     while True:
         regions, nodes = pub.regions(), pub.nodes()
-        ok = told and ((want_regions is None or len(regions) >= want_regions)
-                       and (want_nodes is None or len(nodes) >= want_nodes)
-                       and expected <= set(regions))
+        if told:
+            ok = ((want_regions is None or len(regions) >= want_regions)
+                  and (want_nodes is None or len(nodes) >= want_nodes))
+        elif expected or expected_nodes:
+            ok = expected <= set(regions) and expected_nodes <= set(nodes)
         if ok or time.monotonic() >= deadline:
             break
         time.sleep(0.1)
     t = clock.mark("peers_s")
-    if told and not ok:
-        log.warning("peers: after %.1f s only %d region(s) %s and %d node(s) connected; "
-                    "handing the version over anyway (late nodes fetch it when they find the "
-                    "origin)", t, len(regions), regions, len(nodes))
-    elif not regions:
+    if not regions:
         log.warning("peers: no node connected within %.1f s; handing the version over into "
-                    "an empty swarm", t)
+                    "an empty swarm (nodes fetch it when they find the origin)", t)
+    elif (told or expected or expected_nodes) and not ok:
+        missing = sorted(expected - set(regions)) + sorted(expected_nodes - set(nodes))[:20]
+        log.warning("peers: after %.1f s, %d region(s) %s and %d node(s) connected, not all "
+                    "expected%s; handing the version over anyway", t, len(regions), regions,
+                    len(nodes), f" (missing {missing})" if missing else "")
     else:
         log.info("peers: %d region(s) %s, %d node(s) after %.2f s", len(regions), regions,
                  len(nodes), t)
 
 
-def _region_done(pub: Any, versions: list[tuple[int, int]], region: str, fleet: Any) -> int:
-    """Chunks of ``versions`` known to be in ``region``; the total when every node of the
-    region that reports to the origin serves the last of them."""
-    total = sum(c for _, c in versions)
-    nodes = fleet.nodes(region)
+def _region_state(pub: Any, versions: list[tuple[int, int]], region: str,
+                  fleet: Any) -> tuple[int, int, bool]:
+    """(done, total, complete) for ``region``: chunks of ``versions`` known to be there,
+    plus its reporting nodes that serve the last of them. Complete when every node of
+    it that reports to the origin serves that version (or, none reporting, when the
+    region holds every chunk)."""
+    chunks = sum(c for _, c in versions)
+    held = sum(min(c, pub.progress(v).get(region, 0)) for v, c in versions)
     last = versions[-1][0]
-    if nodes and fleet.served_fraction(last, region) >= 1.0:
-        return total
-    got = 0
-    for v, chunks in versions:
-        got += min(chunks, pub.progress(v).get(region, 0))
-    return got
+    nodes = fleet.nodes(region)
+    serving = sum(1 for e in nodes if ((e.served if e.served is not None else e.active)
+                                       or -1) >= last)
+    if nodes and serving == len(nodes):
+        held = chunks  # a region whose nodes all serve it holds it, whatever we saw
+    complete = serving == len(nodes) if nodes else held >= chunks
+    return held + serving, chunks + len(nodes), complete
 
 
 def _publish(args: argparse.Namespace, pub: Any, new: dict, clock: _Clock,
@@ -185,10 +195,11 @@ def _publish(args: argparse.Namespace, pub: Any, new: dict, clock: _Clock,
     from tqdm import tqdm
 
     expected = set(pub.remembered_regions())
+    expected_nodes = set(pub.remembered_nodes())
     fp32 = any(t.dtype == torch.float32 and not k.endswith(".scale") for k, t in new.items())
     handle = pub.publish_async(new, full=args.full, served_dtype="config" if fp32 else None,
                                gate=lambda: _wait_for_peers(args, pub, clock, wait_peers,
-                                                            expected))
+                                                            expected, expected_nodes))
     r = handle.result()
     handoff = clock.mark("handoff_s")
     log.info("version %d (%s) handed to the swarm at %.2f s: %d bytes in %d chunks, encoded "
@@ -203,25 +214,28 @@ def _publish(args: argparse.Namespace, pub: Any, new: dict, clock: _Clock,
         versions.append((r.anchor.version, r.anchor.chunks))
         say(f"version {r.anchor.version}: anchor (full checkpoint of version {r.version}) of "
             f"{r.anchor.patch_bytes:,} bytes in {r.anchor.chunks} chunks")
-    total = sum(c for _, c in versions)
     want = set(expected) | set(pub.regions())
     bars: dict[str, Any] = {}
     done_at: dict[str, float] = {}
     deadline = time.monotonic() + args.timeout
+    complete = False
     while True:
         fleet = pub.fleet()
         want |= set(pub.regions())
         for region in sorted(want):
-            n = _region_done(pub, versions, region, fleet)
+            n, total, finished = _region_state(pub, versions, region, fleet)
             if not args.no_progress:
                 bar = bars.get(region)
                 if bar is None:
-                    bar = bars[region] = tqdm(total=total, desc=region, unit="chunk",
+                    bar = bars[region] = tqdm(total=total, desc=region, unit="step",
                                               position=len(bars), file=sys.stderr, leave=True)
-                bar.update(min(n, total) - bar.n)
-            if n >= total and region not in done_at:
+                if bar.total != total:
+                    bar.total = total
+                bar.n = min(n, total)
+                bar.refresh()
+            if finished and region not in done_at:
                 done_at[region] = clock.now()
-                log.info("region %s holds version %d after %.2f s (%.2f s after the hand-off)",
+                log.info("region %s: version %d there after %.2f s (%.2f s after the hand-off)",
                          region, versions[-1][0], done_at[region], done_at[region] - handoff)
         need = max(1, args.regions or 0)
         complete = len(done_at) >= need and want <= set(done_at)

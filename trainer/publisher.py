@@ -81,7 +81,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("patchswarm.trainer")
 PUBLISHED_VIEW = "published.safetensors"  # before 0.2: one view file, no version in its name
 VIEW_PATTERN = "published-{version}.safetensors"
-REGIONS_FILE = "regions.json"  # regions met by the last run: a one-shot publish waits for them
+REGIONS_FILE = "regions.json"  # regions and nodes met by the last run: a one-shot publish
+MAX_REMEMBERED = 10_000          # waits for them (bounded by its --wait-peers-s)
 
 
 @dataclass(frozen=True)
@@ -585,21 +586,37 @@ class Publisher:
 
     def remembered_regions(self) -> list[str]:
         """Regions the previous run of this origin met (empty if unknown or unreadable)."""
+        return sorted(self._remembered()[0])
+
+    def remembered_nodes(self) -> dict[str, str]:
+        """Node id -> region of the nodes the previous run met (at most ``MAX_REMEMBERED``)."""
+        return self._remembered()[1]
+
+    def _remembered(self) -> tuple[set[str], dict[str, str]]:
         try:
             data = json.loads((self.cfg.store_dir / REGIONS_FILE).read_text())
         except (OSError, ValueError):
-            return []
-        if not isinstance(data, list) or not all(isinstance(r, str) for r in data):
-            log.warning("%s: not a list of region names; ignored", REGIONS_FILE)
-            return []
-        return data[:10_000]
+            return set(), {}
+        if isinstance(data, list):  # before 0.3: a list of region names
+            data = {"regions": data, "nodes": {}}
+        regions = data.get("regions") if isinstance(data, dict) else None
+        nodes = data.get("nodes", {}) if isinstance(data, dict) else None
+        if (not isinstance(regions, list) or not all(isinstance(r, str) for r in regions)
+                or not isinstance(nodes, dict)
+                or not all(isinstance(k, str) and isinstance(v, str) for k, v in nodes.items())):
+            log.warning("%s: not the regions and nodes met; ignored", REGIONS_FILE)
+            return set(), {}
+        return set(regions[:MAX_REMEMBERED]), dict(list(nodes.items())[:MAX_REMEMBERED])
 
     def _remember_regions(self, regions: list[str]) -> None:
-        if not regions:
+        nodes = self.nodes()
+        if not regions and not nodes:
             return
+        data = {"regions": sorted(regions),
+                "nodes": dict(sorted(nodes.items())[:MAX_REMEMBERED])}
         dest = self.cfg.store_dir / REGIONS_FILE
         tmp = dest.with_suffix(".tmp")
-        tmp.write_text(json.dumps(sorted(regions)))
+        tmp.write_text(json.dumps(data))
         os.replace(tmp, dest)
 
     @property
