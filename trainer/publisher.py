@@ -298,6 +298,8 @@ class Publisher:
         if self._loop is not None and self._stop is not None and self._thread is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
             self._thread.join(timeout)
+        elif self._thread is None:
+            self.store.close()  # never started: the origin node's drain did not close it
         self._thread = None
 
     def __enter__(self) -> Publisher:
