@@ -192,7 +192,7 @@ def _region_state(pub: Any, versions: list[tuple[int, int]], region: str,
 def _publish(args: argparse.Namespace, pub: Any, new: dict, clock: _Clock,
              wait_peers: float) -> int:
     import torch
-    from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
 
     expected = set(pub.remembered_regions())
     expected_nodes = set(pub.remembered_nodes())
@@ -200,6 +200,14 @@ def _publish(args: argparse.Namespace, pub: Any, new: dict, clock: _Clock,
     handle = pub.publish_async(new, full=args.full, served_dtype="config" if fp32 else None,
                                gate=lambda: _wait_for_peers(args, pub, clock, wait_peers,
                                                             expected, expected_nodes))
+    with logging_redirect_tqdm():  # log lines above the bars, not through them
+        return _seed(args, pub, handle, clock, expected)
+
+
+def _seed(args: argparse.Namespace, pub: Any, handle: Any, clock: _Clock,
+          expected: set[str]) -> int:
+    from tqdm import tqdm
+
     r = handle.result()
     handoff = clock.mark("handoff_s")
     log.info("version %d (%s) handed to the swarm at %.2f s: %d bytes in %d chunks, encoded "
@@ -228,7 +236,8 @@ def _publish(args: argparse.Namespace, pub: Any, new: dict, clock: _Clock,
                 bar = bars.get(region)
                 if bar is None:
                     bar = bars[region] = tqdm(total=total, desc=region, unit="step",
-                                              position=len(bars), file=sys.stderr, leave=True)
+                                              position=len(bars), file=sys.stderr, leave=True,
+                                              disable=None)  # none when stderr is no tty
                 if bar.total != total:
                     bar.total = total
                 bar.n = min(n, total)
