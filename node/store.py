@@ -437,11 +437,12 @@ class ChunkStore:
                              "in the store")
         return list(range(first, version + 1))
 
-    def gc(self, keep_last: int) -> list[int]:
+    def gc(self, keep_last: int, also_keep: set[int] | frozenset[int] = frozenset()) -> list[int]:
         """Delete what no node needs: keep the newest ``keep_last`` versions, the active
-        one, and for every kept version the chain back to the full checkpoint (anchor)
-        that rebuilds it, so the chain from the newest anchor to the latest version is
-        always kept (``retained``). Returns the versions removed."""
+        one, ``also_keep`` (e.g. what a running core still serves), and for every kept
+        version the chain back to the full checkpoint (anchor) that rebuilds it, so the
+        chain from the newest anchor to the latest version is always kept
+        (``retained``). Returns the versions removed."""
         if keep_last < 1:
             raise StoreError("gc must keep at least one version")
         with self._mutex:
@@ -451,6 +452,9 @@ class ChunkStore:
                 rec = None
             links = {v: _link(m) for v, m in self._manifests.items()}
             keep = retained(links, keep_last, None if rec is None else rec.version)
+            for v in also_keep:
+                if v in links:
+                    keep |= chain_back(links, v)
             removed = [v for v in sorted(links) if v not in keep]
             for v in removed:
                 self.remove_version(v)

@@ -11,10 +11,12 @@ fetched are compared with what the whole chain of patches would have cost.
 from __future__ import annotations
 
 import json
+import signal
 
+import pytest
 import torch
 
-from lab.fleet import LoopbackFleet, until
+from lab.fleet import LoopbackFleet, NodeProc, until
 from node.config import load_config
 from swarm.codec import state_digest
 from trainer.publisher import Publisher
@@ -37,7 +39,9 @@ def received(st: dict) -> int:
     return sum(st["bytes"]["received"].values())
 
 
-def test_fresh_joiner_takes_the_newest_anchor(capsys) -> None:
+@pytest.mark.parametrize("restart", [
+    False, pytest.param(True, marks=pytest.mark.slow, id="and-a-collected-node-restarts")])
+def test_fresh_joiner_takes_the_newest_anchor(capsys, restart: bool) -> None:
     m = masters(0)
     with LoopbackFleet(1, 3, chunk_size=8 * 1024, swarm={"redial_s": 1.0, "keep_versions": 3},
                        trainer_sections={"publish": {"anchor_every": 3},
@@ -58,7 +62,12 @@ def test_fresh_joiner_takes_the_newest_anchor(capsys) -> None:
                              7: "patch"}
             assert latest == 7
             fleet.wait_version(latest, timeout=60, nodes=first)
-            assert pub.store.versions() == [5, 6, 7]  # gc: the chain from the newest anchor
+            # a running origin keeps what its core published; a restarted one collects
+            assert pub.store.versions() == [2, 3, 4, 5, 6, 7]
+            pub.close()
+            pub = Publisher(load_config(fleet.workdir / "trainer.toml"))
+            assert pub.store.versions() == [5, 6, 7]  # the chain from the newest anchor
+            pub.start()
             fleet.start_node(joiner)
             statuses = fleet.wait_version(latest, timeout=90, nodes=[joiner])
             want = state_digest(served_view(m, "bf16")).hex()
@@ -75,5 +84,31 @@ def test_fresh_joiner_takes_the_newest_anchor(capsys) -> None:
                 print("\njoiner bytes:", json.dumps(report))
             # it fetched the anchor and the patches after it, not the collected chain
             assert anchor.patch_bytes <= got <= 1.5 * (anchor.patch_bytes + after) + 64 * 1024
+
+            if restart:
+                _collect_and_restart(fleet, pub, first[0], m)
         finally:
             pub.close()
+
+
+def _collect_and_restart(fleet: LoopbackFleet, pub: Publisher, node: NodeProc,
+                         m: dict[str, torch.Tensor]) -> None:
+    # a node with keep_versions = 1 keeps only the newest anchor's chain, and
+    # restarts to it from its own store, fetching nothing
+    fleet.kill(node, signal.SIGTERM)
+    text = node.config.read_text()
+    node.config.write_text(text.replace("[store]\n", "[store]\nkeep_versions = 1\n", 1))
+    fleet.start_node(node)
+    fleet.wait_healthy(60, [node])
+    m = step(m, 99)
+    r = pub.publish(m)
+    assert r.version == 8 and r.anchor is not None and r.anchor.version == 9
+    fleet.wait_version(9, timeout=60, nodes=[node])
+    store = fleet.workdir / f"{node.name}-store" / "versions"
+    until("node gc", lambda: sorted(int(d.name) for d in store.iterdir()) == [9],
+          timeout=10)
+    fleet.kill(node, signal.SIGTERM)
+    fleet.start_node(node)
+    st = fleet.wait_version(9, timeout=60, nodes=[node])[node.name]
+    assert st["active_digest"] == state_digest(served_view(m, "bf16")).hex()
+    assert received(st) == 0

@@ -9,6 +9,7 @@ anchor the same way. With no node at all it says so and fails within its bounds.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -35,10 +36,8 @@ def logs(path: Path) -> list[dict]:
     out = []
     for line in path.read_text(errors="replace").splitlines():
         if line.startswith("{"):
-            try:
+            with contextlib.suppress(ValueError):
                 out.append(json.loads(line))
-            except ValueError:
-                pass
     return out
 
 

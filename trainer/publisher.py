@@ -170,6 +170,7 @@ class Publisher:
         self._generation = 0  # bumped by a failed publish: the ones queued behind it fail
         self._next = self.version + 1
         self._planned_full = self.store.newest_full() or self.cfg.base_version
+        self._collect()  # before the origin's core starts: it never learns of what goes
 
     # ------------------------------------------------------------ state
 
@@ -473,13 +474,19 @@ class Publisher:
 
     def _collect(self) -> None:
         """``[store] keep_versions``: drop what no node needs (never the chain from the
-        newest anchor, nor what the core still announces)."""
+        newest anchor, nor what the core still announces). While the origin runs, its
+        core keeps every version it published or loaded and may still push their
+        chunks, so those stay until the next start (the core has no event to forget
+        a version); at start, before the core runs, the rule alone applies."""
         keep = self.cfg.keep_versions
         if not keep:
             return
-        announced = self.node.core.cfg.keep_versions
+        core = self.node.core
+        in_core: set[int] = set()
+        if self._loop is not None:
+            in_core = set(self.node.driver.call(lambda: list(core.manifests)))
         try:
-            removed = self.store.gc(max(keep, announced))
+            removed = self.store.gc(max(keep, core.cfg.keep_versions), in_core)
         except PatchswarmError as exc:
             log.warning("store gc failed: %s", exc)
             return
