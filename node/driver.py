@@ -580,11 +580,16 @@ class Driver:
     def _apply_truth(self, version: int) -> bytes:
         """Stage + commit ``version`` on the checkpoint-coordinate truth (worker thread)."""
         m = self.store.manifest(version)
-        payload = self.store.payload(version)
         w = self.weights
-        w.stage(version, m.kind, payload, m.parent_digest)
         t0 = time.perf_counter()
-        digest = w.commit(version, m.target_digest)
+        if m.kind == "full" and m.target_digest == w.digest:
+            # an anchor of the weights we hold (the core did not fetch it): take its number
+            digest = w.adopt(version, m.target_digest)
+        else:
+            payload = self.store.payload(version)
+            w.stage(version, m.kind, payload, m.parent_digest)
+            t0 = time.perf_counter()
+            digest = w.commit(version, m.target_digest)
         self._truth_commit_s = time.perf_counter() - t0
         st = self.engine_state
         nothing_owed = st.served_version is not None and not st.uncertain and self._owed == {}
@@ -700,6 +705,8 @@ class Driver:
     def _engine_ok(self, version: int, stats: CommitStats | None) -> None:
         st = self.engine_state
         was = st.state
+        if self.core is not None and version != self.core.served_version:
+            self.feed(ev.EngineServed(self.now(), version))  # the origin's fleet view
         st.served_version = version
         st.uncertain = False
         self._owed = {}

@@ -164,6 +164,18 @@ class InProcessWeights(EngineAdapter):
             self._staged_changes = None
         return digest
 
+    def adopt(self, version: int, target_digest: bytes) -> bytes:
+        """Take ``version``, an anchor (full checkpoint) of exactly the weights held now,
+        without its payload: nothing changes but the version number."""
+        with self.lock:
+            if version <= self.version:
+                raise PatchApplyError(f"version {version} is not newer than active {self.version}")
+            if target_digest != self.digest:
+                raise PatchApplyError(f"version {version} holds other weights than ours")
+            self.version = version
+            self.last_changes = {}
+        return self.digest
+
     def weight_update(self, version: int, base_version: int | None,
                       changes: dict[str, object] | None, *,
                       sparse_max_fraction: float = 1.0) -> WeightUpdate:

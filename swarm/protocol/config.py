@@ -36,7 +36,8 @@ KNOB_RANGES: dict[str, tuple[float, float]] = {
     "max_bad_chunks": (1, 1 << 20), "ban_s": (0.0, 365 * _DAY), "max_timeouts": (1, 1 << 20),
     "border_inflight": (1, 4096), "push_slots": (1, 65_536), "relay_slots": (1, 4096),
     "border_grace_s": (0.0, _DAY), "keep_versions": (1, 1 << 20), "apply_retries": (0, 1000),
-    "apply_retry_s": (0.0, _DAY),
+    "apply_retry_s": (0.0, _DAY), "status_interval_s": (0.0, _DAY), "status_delay_s": (0.0, 3600.0),
+    "fleet_max": (1, 10_000_000), "unavailable_s": (0.0, _DAY),
 }
 
 
@@ -88,6 +89,11 @@ class CoreConfig:
     keep_versions: int = 3  # versions kept announced/served behind the active one
     apply_retries: int = 3
     apply_retry_s: float = 5.0
+    unavailable_s: float = 15.0  # a wanted version nobody linked shows this long is skipped (anchor fallback)
+    # ---- fleet view (see swarm.protocol.fleet)
+    status_interval_s: float = 30.0  # re-report versions to the origin this often (0: on change only)
+    status_delay_s: float = 0.25  # spread reports after a change over this long (per node id)
+    fleet_max: int = 1_000_000  # origin: nodes it keeps a report of
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -72,6 +72,7 @@ class NodeCore(ReadModel):
         self.book = AddressBook(config.max_known_peers * (8 if config.is_origin else 1), rng)
         self.counters = Counters()
         self.active_version: int | None = config.active_version
+        self.served_version: int | None = None  # what our engine confirmed (EngineServed)
         self.versions = VersionSet()
         self.exchange = ChunkExchange(self, config, self.versions, policy or RarestFirst(rng))
         self.requests = self.exchange.requests
@@ -79,6 +80,7 @@ class NodeCore(ReadModel):
         self.apply = ApplyState()
         self.haves = HaveBatch(config.have_batch_s)
         self._next_hb = now + config.heartbeat_s
+        self._unseen: dict[int, tuple[float, int]] = {}  # wanted, nobody shows: (since, have then)
         # dialling
         self.dialing: dict[str, float] = {}
         self.retry_at: dict[str, float] = {}
@@ -336,7 +338,7 @@ class NodeCore(ReadModel):
         if not self.role.admit(p):
             return
         # tell the peer what we hold: manifests first, then bitfields
-        lo = -1 if self.active_version is None else self.active_version - c.keep_versions + 1
+        lo = self.versions.retained_from(self.active_version, c.keep_versions)
         for v in sorted(self.versions.states):
             if v >= lo:
                 st = self.versions.states[v]
@@ -452,7 +454,8 @@ class NodeCore(ReadModel):
         self.apply.applying = None
         self.active_version = e.version
         self.log("info", "version_active", version=e.version)
-        lo = e.version - self.cfg.keep_versions + 1
+        self.role.on_versions_changed()
+        lo = self.versions.retained_from(e.version, self.cfg.keep_versions)
         for v in [v for v in self.versions.states if v < lo]:
             self.versions.drop(v)
             for p in self.peers.values():
@@ -515,6 +518,45 @@ class NodeCore(ReadModel):
                 for p, frame in have_frames(v, idx, self.peers.values(), to_origin=border):
                     self.send(p, frame)
 
+    def _on_engine_served(self, e: ev.EngineServed) -> None:
+        if e.version != self.served_version:
+            self.served_version = e.version
+            self.role.on_versions_changed()
+
+    def check_available(self) -> None:
+        """Availability fallback (at each heartbeat): a wanted version of which no linked
+        peer holds a chunk we miss, and of which nothing arrived, for ``unavailable_s``
+        is skipped, so the chain goes through an anchor instead of stalling; it is
+        taken back when a peer shows it again (``_f_announce``, ``_holdings``)."""
+        if self.cfg.is_origin:
+            return
+        now = self.now
+        ready = [p for p in self.peers.values() if p.state is READY]
+        changed = False
+        for v in self.versions.wanted:
+            st = self.versions.states[v]
+            missing = st.full & ~st.have
+            if any(p.bits.get(v, 0) & missing for p in ready):
+                self._unseen.pop(v, None)
+                continue
+            since, had = self._unseen.get(v, (now, st.have))
+            if had != st.have:  # chunks still arrive (pushed or relayed)
+                since, had = now, st.have
+            self._unseen[v] = (since, had)
+            if now - since >= self.cfg.unavailable_s:
+                self.versions.unavailable.add(v)
+                del self._unseen[v]
+                self.log("warning", "version_unavailable", version=v, seconds=round(now - since, 1))
+                changed = True
+        if changed:
+            self._replan()
+
+    def shown(self, v: int) -> None:
+        """A peer showed chunks of ``v``: if we had given up on it, take it back."""
+        if v in self.versions.unavailable:
+            self.versions.unavailable.discard(v)
+            self._replan()
+
     # ================================================================ timers
     def _on_tick(self, e: ev.Tick) -> None:
         now = self.now
@@ -530,6 +572,7 @@ class NodeCore(ReadModel):
         if now >= self._next_hb:
             self._next_hb = now + self.cfg.heartbeat_s
             heartbeat(self)
+            self.check_available()
 
 _HANDLERS: dict[type, Callable[[NodeCore, Any], None]] = {
     ev.Tick: NodeCore._on_tick,
@@ -543,4 +586,5 @@ _HANDLERS: dict[type, Callable[[NodeCore, Any], None]] = {
     ev.Publish: NodeCore._on_publish,
     ev.LocalChunks: NodeCore._on_local,
     ev.Applied: NodeCore._on_applied,
+    ev.EngineServed: NodeCore._on_engine_served,
 }

@@ -151,6 +151,13 @@ class Applied(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class EngineServed(Event):
+    """The node's engine confirmed serving ``version`` (the fleet view reports it)."""
+
+    version: int | None
+
+
+@dataclass(frozen=True, slots=True)
 class Action:
     pass
 

@@ -41,6 +41,7 @@ class ExchangeHost(Protocol):
     def catch_up(self, p: Peer, v: int) -> None: ...
     def queue_have(self, v: int, i: int) -> None: ...
     def check_apply(self) -> None: ...
+    def shown(self, v: int) -> None: ...
 
 
 class ChunkExchange:
@@ -109,6 +110,8 @@ class ChunkExchange:
         gained = add & ~old
         p.bits[v] = old | add
         p.busy = False
+        if gained and v in self.versions.unavailable:
+            self.host.shown(v)
         if self.host.role.on_holdings(p, v, gained):
             return
         av = st.avail if st is not None else None

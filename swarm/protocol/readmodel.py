@@ -11,6 +11,7 @@ from swarm.protocol.picker import iter_bits
 if TYPE_CHECKING:
     from swarm.protocol.config import CoreConfig
     from swarm.protocol.counters import Counters
+    from swarm.protocol.fleet import FleetEntry
     from swarm.protocol.membership import AddressBook
     from swarm.protocol.peer import Peer
     from swarm.protocol.roles import Role
@@ -88,6 +89,10 @@ class ReadModel:
         for region, sent in self.role.region_sent(version).items():
             union[region] = union.get(region, 0) | sent
         return union
+
+    def fleet(self) -> list[FleetEntry]:
+        """Origin: the last version report (STATUS) of every node; ``[]`` on a node."""
+        return self.role.fleet()
 
     def status(self) -> dict[str, Any]:
         return {

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from swarm.errors import ProtocolError
 from swarm.protocol import wire
 from swarm.protocol.config import CoreConfig
+from swarm.protocol.fleet import FleetEntry, StatusReporter
 from swarm.protocol.membership import AddressBook
 from swarm.protocol.peer import CROSS, SAME, Peer
 from swarm.protocol.versions import VersionState
@@ -32,6 +33,8 @@ class Host(Protocol):
     book: AddressBook
     dialing: dict[str, float]  # addr -> dialled at
     retry_at: dict[str, float]  # addr -> not before
+    active_version: int | None
+    served_version: int | None  # what our engine confirmed serving (EngineServed)
 
     def send(self, p: Peer, frame: bytes) -> None: ...
     def send_chunk(self, conn: int, v: int, i: int) -> None: ...
@@ -126,6 +129,13 @@ class Role:
     def after_heartbeat(self) -> None:
         pass
 
+    def on_versions_changed(self) -> None:
+        """Our active or engine-served version changed."""
+
+    def fleet(self) -> list[FleetEntry]:
+        """Origin: the last version report of every node; read model only."""
+        return []
+
 
 class NodeRole(Role):
     """A rollout node: region mesh, border links when the origin grants them, ban reports."""
@@ -137,9 +147,27 @@ class NodeRole(Role):
         self._reports: list[str] = []  # bans not yet reported to the origin
         self._want_origin = False  # lost a kept origin link: redial the bootstrap list
         self._origin_dial_at = float("-inf")
+        self.status = StatusReporter(host)
+        self.status.changed()  # the first report goes at our first origin link
 
     def frame_handlers(self) -> dict[type[wire.Frame], FrameHandler]:
         return {wire.Role: self._f_role, wire.Relay: self._f_relay}
+
+    # ---- version reports (the origin's fleet view)
+    def on_versions_changed(self) -> None:
+        self.status.changed()
+
+    def _origin_link(self) -> Peer | None:
+        for p in self.host.peers.values():
+            if p.ready and p.is_origin:
+                return p
+        return None
+
+    def next_wakeup(self) -> float | None:
+        return self.status.next_wakeup()
+
+    def tick(self) -> None:
+        self.status.tick(self._origin_link(), lambda: self._dial_origin(report=True))
 
     @property
     def is_border(self) -> bool:
@@ -165,6 +193,8 @@ class NodeRole(Role):
         c, host = self.cfg, self.host
         if p.is_origin:
             self._flush_reports()
+            if self.status.pending:
+                self.status.send(p)
         if not p.is_origin and (p.kind == SAME or not c.region_aware):
             region = c.region if c.region_aware else None
             sample = tuple(x for x in host.book.sample(region, c.tracker_sample) if x[0] != p.node_id)
@@ -211,10 +241,12 @@ class NodeRole(Role):
                 return
         self._dial_origin()
 
-    def _dial_origin(self) -> None:
-        """Dial the bootstrap list (the origin is the tracker), at most once per ``redial_s``."""
+    def _dial_origin(self, *, report: bool = False) -> None:
+        """Dial the bootstrap list (the origin is the tracker), at most once per ``redial_s``
+        (a version report may go sooner: it is sent once per change, and failed dials
+        back off per address)."""
         host = self.host
-        if host.now - self._origin_dial_at < self.cfg.redial_s:
+        if not report and host.now - self._origin_dial_at < self.cfg.redial_s:
             return
         if any(a in host.dialing for a in self.cfg.bootstrap):
             return

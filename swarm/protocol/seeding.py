@@ -29,6 +29,7 @@ import enum
 from collections import deque
 
 from swarm.protocol import wire
+from swarm.protocol.fleet import FleetEntry, FleetTable
 from swarm.protocol.peer import Peer
 from swarm.protocol.picker import iter_bits, lowest
 from swarm.protocol.roles import FrameHandler, Host, Role
@@ -82,11 +83,23 @@ class OriginRole(Role):
         self.pushed: dict[int, dict[int, int]] = {}  # direct: conn -> version -> bits pushed
         self.replaced = 0  # border replacements dialled
         self.resend_now: set[int] = set()  # conns of borders banned: re-plan their chunks at once
+        self.table = FleetTable(c.fleet_max)  # every node's last STATUS
 
     # ------------------------------------------------------------------ role hooks
     def frame_handlers(self) -> dict[type[wire.Frame], FrameHandler]:
         return {wire.RelayFail: self._f_relay_fail, wire.Links: self._f_links,
-                wire.Report: self._f_report}
+                wire.Report: self._f_report, wire.Status: self._f_status}
+
+    def _f_status(self, p: Peer, f: wire.Status) -> None:
+        """Node -> origin: the versions it is active on and serves (the fleet view)."""
+        host = self.host
+        latest = max(self.versions) if self.versions else host.active_version
+        why = self.table.record(p, f, host.now, latest)
+        if why is not None:
+            host.log("warning", "status_refused", peer=p.node_id, reason=why)
+
+    def fleet(self) -> list[FleetEntry]:
+        return self.table.entries(set(self.host.by_id))
 
     def _f_relay_fail(self, p: Peer, f: wire.RelayFail) -> None:
         self.on_relay_fail(p, f.version, f.index, f.target)

@@ -47,13 +47,15 @@ class VersionState:
 class VersionSet:
     """Every ``VersionState`` by version, the chain of versions to apply, and the wanted ones."""
 
-    __slots__ = ("_seen_raw", "chain", "stalled", "states", "wanted")
+    __slots__ = ("_seen_raw", "chain", "free", "stalled", "states", "unavailable", "wanted")
 
     def __init__(self) -> None:
         self.states: dict[int, VersionState] = {}
         self.chain: list[int] = []  # versions to apply, oldest first
         self.wanted: list[int] = []  # the incomplete versions of the chain
         self.stalled: set[int] = set()  # apply failed for good: never chained again
+        self.unavailable: set[int] = set()  # no peer (nor the origin) showed it: skipped for now
+        self.free: set[int] = set()  # anchors of the weights we are on: applied without fetching
         self._seen_raw: dict[bytes, int] = {}  # manifest bytes already verified -> version
 
     def __contains__(self, v: int) -> bool:
@@ -81,33 +83,71 @@ class VersionSet:
         self._seen_raw[raw] = v
 
     def replan(self, active: int | None) -> list[int]:
-        """Work out the chain of versions to fetch from ``active``, oldest first; set ``wanted``."""
-        by_parent: dict[int, int] = {}
-        fulls = []
-        for v, st in self.states.items():
-            if v in self.stalled:
-                continue
-            m = st.manifest
+        """Work out the chain of versions to apply from ``active``, oldest first; set ``wanted``.
+
+        The chain reaches the newest version it can and, among the ways there, fetches
+        the fewest bytes: a patch applies to its parent version; a full checkpoint (an
+        anchor) applies to anything older, and costs nothing when it holds exactly the
+        weights we are on (its target digest is our version's: the trainer publishes an
+        anchor of the weights it last patched to, so up-to-date nodes step over it and
+        a joiner or a node back from a long outage takes the anchor and the patches after
+        it instead of the whole chain). Versions that failed for good (``stalled``) or
+        that nobody around holds (``unavailable``) are left out.
+        """
+        states = self.states
+        skip = self.stalled | self.unavailable
+        cand = sorted(v for v in states if v not in skip and (active is None or v > active))
+        # best[v] = (bytes to fetch, previous version on the way, free) from ``active``
+        best: dict[int | None, tuple[int, int | None, bool]] = {active: (0, None, False)}
+        digest: dict[int | None, bytes | None] = {
+            active: states[active].manifest.target_digest if active in states else None}
+        for v in cand:
+            m = states[v].manifest
+            digest[v] = m.target_digest
+            left = self._left(states[v])
+            options: list[tuple[int, int | None, bool]] = []
             if m.kind == "full":
-                fulls.append(v)
-            elif m.parent_version is not None and m.parent_version < v:
-                cur = by_parent.get(m.parent_version)
-                if cur is None or v < cur:
-                    by_parent[m.parent_version] = v
+                for u, (cost, _prev, _free) in best.items():
+                    free = digest.get(u) == m.target_digest
+                    options.append((cost + (0 if free else left), u, free))
+            elif m.parent_version in best and m.parent_version is not None:
+                options.append((best[m.parent_version][0] + left, m.parent_version, False))
+            if options:
+                best[v] = min(options, key=lambda o: (o[0], -(o[1] if o[1] is not None else -1)))
+        reach = [v for v in best if v is not None and v != active]
         chain: list[int] = []
-        cur = active
-        for _ in range(len(self.states) + 1):
-            nxt = by_parent.get(cur) if cur is not None else None
-            if nxt is None:
-                later = [v for v in fulls if cur is None or v > cur]
-                if not later:
-                    break
-                nxt = max(later)
-            chain.append(nxt)
-            cur = nxt
+        self.free = set()
+        if reach:
+            v: int | None = max(reach)
+            while v is not None and v != active:
+                chain.append(v)
+                cost, prev, free = best[v]
+                if free:
+                    self.free.add(v)
+                v = prev
+            chain.reverse()
         self.chain = chain
-        self.wanted = [v for v in chain if not self.states[v].complete]
+        self.wanted = [v for v in chain if not states[v].complete and v not in self.free]
         return self.wanted
+
+    @staticmethod
+    def _left(st: VersionState) -> int:
+        """Bytes of ``st`` still to fetch."""
+        m = st.manifest
+        n = m.chunk_count
+        if not n:
+            return 0
+        return m.payload_length * (n - st.have.bit_count()) // n
+
+    def retained_from(self, active: int | None, keep: int) -> int:
+        """The oldest version to keep and announce: the last ``keep`` versions up to
+        ``active``, and everything from the newest anchor (full) at or below it, so a
+        joiner can always reach the newest version."""
+        if active is None:
+            return -1
+        lo = active - keep + 1
+        anchors = [v for v, st in self.states.items() if st.manifest.kind == "full" and v <= active]
+        return min(lo, max(anchors)) if anchors else lo
 
 
 class ApplyState:
@@ -126,7 +166,7 @@ class ApplyState:
             return None
         v = versions.chain[0]
         st = versions.states[v]
-        if not st.complete:
+        if not st.complete and v not in versions.free:
             return None
         if st.manifest.kind == "patch" and st.manifest.parent_version != active:
             return None

@@ -198,13 +198,33 @@ class Report(Frame):
     node_id: str
 
 
+STATUS_FORMAT = 1  # the STATUS layout this code writes; readers accept later ones
+
+
+@dataclass(frozen=True, slots=True)
+class Status(Frame):
+    """node -> origin: the version the node is active on and the one its engine serves.
+
+    Versioned: ``[STATUS, format, active, served, ...]``. Format 1 has exactly these
+    fields; a later format may append fields, which a format-1 reader ignores, so a
+    fleet can be upgraded node by node. ``None`` (msgpack nil): no version yet.
+    """
+
+    TYPE: ClassVar[int] = 16
+    NAME: ClassVar[str] = "STATUS"
+    format: int
+    active: int | None
+    served: int | None
+
+
 FRAME_TYPES: dict[int, type[Frame]] = {
     cls.TYPE: cls for cls in (Hello, Auth, Ping, Peers, Role, Announce, Bitfield, Have, Request,
-                              Cancel, Reject, Relay, RelayFail, Links, Report)
+                              Cancel, Reject, Relay, RelayFail, Links, Report, Status)
 }
 # the integer type codes, for tests and tools that build raw frames
 HELLO, AUTH, PING, PEERS, ROLE, ANNOUNCE, BITFIELD, HAVE, REQUEST, CANCEL, REJECT, RELAY, \
-    RELAY_FAIL, LINKS, REPORT = range(1, 16)
+    RELAY_FAIL, LINKS, REPORT, STATUS = range(1, 17)
+MAX_STATUS_FIELDS = 16  # a later STATUS format may append up to this many fields
 NAMES = {t: cls.NAME for t, cls in FRAME_TYPES.items()}
 
 
@@ -227,6 +247,10 @@ def _uint(v: Any, limit: int, what: str) -> int:
     if type(v) is not int or v < 0 or v > limit:
         raise ProtocolError(f"{what}: expected an integer in 0..{limit}")
     return v
+
+
+def _opt_version(v: Any, what: str) -> int | None:
+    return None if v is None else _uint(v, MAX_VERSION, what)
 
 
 def _bin(v: Any, length: int | None, limit: int, what: str) -> bytes:
@@ -349,6 +373,15 @@ def _decode(frame: bytes) -> Frame:
     elif cls is Report:
         _arity(f, 2, name)
         _str(f[1], MAX_ID_LEN, "reported id")
+    elif cls is Status:
+        if len(f) < 4 or len(f) > 1 + MAX_STATUS_FIELDS:
+            raise ProtocolError(f"STATUS: expected 3..{MAX_STATUS_FIELDS} fields, got {len(f) - 1}")
+        fmt = _uint(f[1], 2**16, "status format")
+        if fmt < 1 or (fmt == STATUS_FORMAT and len(f) != 4):
+            raise ProtocolError(f"STATUS: format {fmt} with {len(f) - 1} fields")
+        _opt_version(f[2], "active version")
+        _opt_version(f[3], "served version")
+        return Status(fmt, f[2], f[3])  # fields a later format appends are not ours to read
     return cls(*f[1:])
 
 
