@@ -417,18 +417,40 @@ class ChunkStore:
 
     def needed_for(self, version: int) -> set[int]:
         """``version`` and the stored chain back to its full checkpoint."""
-        return chain_back({v: _link(m) for v, m in self._manifests.items()}, version)
+        return chain_back(self._links(), version)
+
+    def _links(self) -> dict[int, int | None]:
+        """Version -> the stored version it is rebuilt from (``None``: from nothing).
+
+        A patch needs its parent; a full checkpoint held whole needs nothing. A full
+        one held without its chunks was *adopted* (an anchor of the weights the node
+        was on, stepped over without fetching it, see docs/protocol.md): its state is
+        the newest older stored version with the same target digest, so it needs that
+        one's chain."""
+        links: dict[int, int | None] = {}
+        for v in sorted(self._manifests):
+            m = self._manifests[v]
+            if m.kind == "patch":
+                links[v] = m.parent_version
+            elif self.complete(v):
+                links[v] = None
+            else:
+                same = [u for u in links if u < v
+                        and self._manifests[u].target_digest == m.target_digest]
+                links[v] = max(same) if same else None
+        return links
 
     def newest_full(self, at_most: int | None = None) -> int | None:
-        """The newest stored full checkpoint (anchor), at or below ``at_most`` if given."""
+        """The newest full checkpoint (anchor) held whole, at or below ``at_most`` if given."""
         fulls = [v for v, m in self._manifests.items()
-                 if m.kind == "full" and (at_most is None or v <= at_most)]
+                 if m.kind == "full" and (at_most is None or v <= at_most) and self.complete(v)]
         return max(fulls) if fulls else None
 
     def replay_chain(self, version: int, base_version: int) -> list[int]:
         """The stored versions that rebuild ``version``, oldest first: from the newest full
-        checkpoint at or below it (else from ``base_version + 1``). ``StoreError`` if one
-        of them is missing."""
+        checkpoint held whole at or below it (else from ``base_version + 1``). A full
+        version in it that is held without chunks is an adopted anchor: take its number
+        (its state is the one before it). ``StoreError`` if a version is missing."""
         start = self.newest_full(version)
         first = start if start is not None and start > base_version else base_version + 1
         missing = [v for v in range(first, version + 1) if v not in self._manifests]
@@ -450,7 +472,7 @@ class ChunkStore:
                 rec = self.active()
             except StoreError:
                 rec = None
-            links = {v: _link(m) for v, m in self._manifests.items()}
+            links = self._links()
             keep = retained(links, keep_last, None if rec is None else rec.version)
             for v in also_keep:
                 if v in links:
@@ -470,11 +492,6 @@ class ChunkStore:
             self._used -= size
             del self._manifests[version], self._raw[version]
             self._have.pop(version, None)
-
-
-def _link(m: Manifest) -> int | None:
-    """What a version needs before it: its parent (a patch), or nothing (a full checkpoint)."""
-    return m.parent_version if m.kind == "patch" else None
 
 
 def chain_back(links: dict[int, int | None], version: int) -> set[int]:

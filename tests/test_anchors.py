@@ -33,29 +33,37 @@ from trainer.served import served_view
 BASE_VERSION = 1
 
 
-def plan_versions(ops: list[str], anchor_every: int) -> dict[int, int | None]:
+def plan_versions(ops: list[str], anchor_every: int,
+                  states: dict[int, int] | None = None) -> dict[int, int | None]:
     """Versions a ``Publisher`` makes for ``ops`` ("patch" | "full"): version -> parent
-    (None: full checkpoint), with an anchor after every ``anchor_every``-th patch."""
+    (None: full checkpoint), with an anchor after every ``anchor_every``-th patch;
+    ``states`` gets each version's state (an anchor has the state of the one before)."""
     links: dict[int, int | None] = {}
+    states = states if states is not None else {}
+    states[BASE_VERSION] = BASE_VERSION
     v, last_full = BASE_VERSION, BASE_VERSION
     for op in ops:
         v += 1
+        states[v] = v
         if op == "full":
             links[v], last_full = None, v
             continue
         links[v] = v - 1
         if anchor_every and v - last_full >= anchor_every:
             v += 1
-            links[v], last_full = None, v
+            links[v], last_full, states[v] = None, v, states[v - 1]
     return links
 
 
-def fetch_chain(kept: dict[int, int | None], active: int) -> list[int]:
-    """The chain the protocol core plans from ``active`` over the kept manifests."""
+def fetch_chain(kept: dict[int, int | None], states: dict[int, int], active: int) -> list[int]:
+    """The chain the protocol core plans from ``active`` over the kept manifests
+    (a patch is 10 bytes, a full checkpoint 100)."""
     vs = VersionSet()
     for v, parent in kept.items():
-        m = SimpleNamespace(version=v, kind="full" if parent is None else "patch",
-                            parent_version=parent, chunk_count=1)
+        full = parent is None
+        m = SimpleNamespace(version=v, kind="full" if full else "patch", parent_version=parent,
+                            chunk_count=1, payload_length=100 if full else 10,
+                            target_digest=states[v].to_bytes(32, "big"))
         vs.add(m, f"manifest-{v}".encode())
     vs.replan(active)
     return vs.chain
@@ -65,7 +73,8 @@ def fetch_chain(kept: dict[int, int | None], active: int) -> list[int]:
 @given(ops=st.lists(st.sampled_from(["patch"] * 6 + ["full"]), min_size=1, max_size=40),
        anchor_every=st.integers(0, 6), keep_versions=st.integers(1, 8))
 def test_gc_never_strands_a_node(ops: list[str], anchor_every: int, keep_versions: int) -> None:
-    links = plan_versions(ops, anchor_every)
+    states: dict[int, int] = {}
+    links = plan_versions(ops, anchor_every, states)
     latest = max(links)
     keep = retained(links, keep_versions, active=latest)
     kept = {v: links[v] for v in keep}
@@ -77,13 +86,14 @@ def test_gc_never_strands_a_node(ops: list[str], anchor_every: int, keep_version
         assert keep == set(links)  # no anchor yet: the whole chain back to the base
     # a node at any version (kept or collected), or a fresh joiner at the base
     for active in range(BASE_VERSION, latest + 1):
-        chain = fetch_chain(kept, active)
+        chain = fetch_chain(kept, states, active)
         cur = active
         for v in chain:
             parent = kept[v]
             assert parent is None or parent == cur, (active, chain)
             cur = v
         assert cur == latest, (active, chain, sorted(keep))
+        assert states.get(cur) == states[latest]
 
 
 def test_gc_examples() -> None:
@@ -222,3 +232,41 @@ def test_anchor_applies_on_a_node_truth_and_a_forged_one_is_refused(trainer: Pat
             store.put_chunk(m.version, 0, next(iter(split_payload(bad, 16384))))
     finally:
         store.close()
+
+
+def test_gc_keeps_what_rebuilds_an_adopted_anchor(tmp_path: Path) -> None:
+    """A node steps over an anchor of the weights it holds without fetching it (it
+    holds its manifest, no chunks): gc keeps the patches that rebuild that state."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from swarm.trust.chunks import split_payload
+    from swarm.trust.keys import key_id
+    from swarm.trust.manifest import build_manifest, sign_manifest
+
+    key = Ed25519PrivateKey.generate()
+    d = [bytes([i]) * 32 for i in range(8)]
+
+    def put(store: ChunkStore, v: int, kind: str, digest: bytes, chunks: bool = True) -> None:
+        payload = bytes([v]) * 3000
+        m = build_manifest(payload, model="m", version=v, kind=kind,
+                           parent_version=v - 1 if kind == "patch" else None,
+                           parent_digest=d[v - 1] if kind == "patch" else None,
+                           target_digest=digest, chunk_size=1024, key_id=key_id(key))
+        store.put_manifest(sign_manifest(m, key), m)
+        if chunks:
+            for i, c in enumerate(split_payload(payload, 1024)):
+                store.put_chunk(v, i, c)
+
+    with ChunkStore(tmp_path / "s", fsync=False) as store:
+        put(store, 2, "full", d[2])            # an anchor held whole
+        put(store, 3, "patch", d[3])
+        put(store, 4, "patch", d[4])
+        put(store, 5, "full", d[4], chunks=False)  # adopted: the state of 4
+        store.set_active(5, d[4])
+        assert store.newest_full() == 2
+        assert store.gc(1) == []               # 5 is rebuilt by 2, 3, 4
+        put(store, 6, "patch", d[6])
+        put(store, 7, "full", d[6])            # held whole this time
+        store.set_active(7, d[6])
+        assert store.gc(1) == [2, 3, 4, 5, 6]
+        assert store.replay_chain(7, 1) == [7]

@@ -241,6 +241,8 @@ class Publisher:
             chain = self.store.replay_chain(version, self.cfg.base_version)
             for v in chain:
                 m = self.store.manifest(v)
+                if m.kind == "full" and not self.store.complete(v):
+                    continue  # an adopted anchor: the state of the version before it
                 payload = self.store.payload(v)
                 if m.kind == "full":
                     view = dict(load_bytes(payload))
