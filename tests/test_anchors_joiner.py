@@ -39,11 +39,17 @@ def received(st: dict) -> int:
     return sum(st["bytes"]["received"].values())
 
 
-@pytest.mark.parametrize("restart", [
-    False, pytest.param(True, marks=pytest.mark.slow, id="and-a-collected-node-restarts")])
-def test_fresh_joiner_takes_the_newest_anchor(capsys, restart: bool) -> None:
+@pytest.mark.parametrize(("window", "restart"), [
+    (3, False),
+    pytest.param(3, True, marks=pytest.mark.slow, id="and-a-collected-node-restarts"),
+    pytest.param(10, False, marks=pytest.mark.slow, id="chain-announced-and-cheaper")])
+def test_fresh_joiner_takes_the_newest_anchor(capsys, window: int, restart: bool) -> None:
+    """``window``: versions the cores announce ([swarm] keep_versions). With 3, the old
+    patches are neither announced nor kept: the joiner must take the anchor. With 10
+    the whole chain is offered too, and it is cheaper: the core picks it by bytes."""
     m = masters(0)
-    with LoopbackFleet(1, 3, chunk_size=8 * 1024, swarm={"redial_s": 1.0, "keep_versions": 3},
+    with LoopbackFleet(1, 3, chunk_size=8 * 1024,
+                       swarm={"redial_s": 1.0, "keep_versions": window},
                        trainer_sections={"publish": {"anchor_every": 3},
                                          "store": {"keep_versions": 1}}) as fleet:
         first, joiner = fleet.nodes[:2], fleet.nodes[2]
@@ -66,7 +72,8 @@ def test_fresh_joiner_takes_the_newest_anchor(capsys, restart: bool) -> None:
             assert pub.store.versions() == [2, 3, 4, 5, 6, 7]
             pub.close()
             pub = Publisher(load_config(fleet.workdir / "trainer.toml"))
-            assert pub.store.versions() == [5, 6, 7]  # the chain from the newest anchor
+            kept = [5, 6, 7] if window == 3 else list(range(2, 8))  # gc keeps >= the window
+            assert pub.store.versions() == kept  # and the chain from the newest anchor
             pub.start()
             fleet.start_node(joiner)
             statuses = fleet.wait_version(latest, timeout=90, nodes=[joiner])
@@ -82,8 +89,10 @@ def test_fresh_joiner_takes_the_newest_anchor(capsys, restart: bool) -> None:
                       "anchor": anchor.patch_bytes, "anchor_plus_after": anchor.patch_bytes + after}
             with capsys.disabled():
                 print("\njoiner bytes:", json.dumps(report))
-            # it fetched the anchor and the patches after it, not the collected chain
-            assert anchor.patch_bytes <= got <= 1.5 * (anchor.patch_bytes + after) + 64 * 1024
+            if window == 3:  # the anchor and the patches after it, not the collected chain
+                assert anchor.patch_bytes <= got <= 1.5 * (anchor.patch_bytes + after) + 64 * 1024
+            else:  # the cheaper whole chain (the anchor stepped over for free)
+                assert got < anchor.patch_bytes and got <= 1.5 * chain + 64 * 1024
 
             if restart:
                 _collect_and_restart(fleet, pub, first[0], m)
@@ -93,8 +102,8 @@ def test_fresh_joiner_takes_the_newest_anchor(capsys, restart: bool) -> None:
 
 def _collect_and_restart(fleet: LoopbackFleet, pub: Publisher, node: NodeProc,
                          m: dict[str, torch.Tensor]) -> None:
-    # a node with keep_versions = 1 keeps only the newest anchor's chain, and
-    # restarts to it from its own store, fetching nothing
+    # a node with keep_versions = 1 keeps only what rebuilds its version from the
+    # newest anchor it holds whole, and restarts to it from its own store, fetching nothing
     fleet.kill(node, signal.SIGTERM)
     text = node.config.read_text()
     node.config.write_text(text.replace("[store]\n", "[store]\nkeep_versions = 1\n", 1))
@@ -105,7 +114,8 @@ def _collect_and_restart(fleet: LoopbackFleet, pub: Publisher, node: NodeProc,
     assert r.version == 8 and r.anchor is not None and r.anchor.version == 9
     fleet.wait_version(9, timeout=60, nodes=[node])
     store = fleet.workdir / f"{node.name}-store" / "versions"
-    until("node gc", lambda: sorted(int(d.name) for d in store.iterdir()) == [9],
+    # it stepped over anchor 9 (the weights of 8) without its chunks: 5-8 rebuild it
+    until("node gc", lambda: sorted(int(d.name) for d in store.iterdir()) == [5, 6, 7, 8, 9],
           timeout=10)
     fleet.kill(node, signal.SIGTERM)
     fleet.start_node(node)
