@@ -37,11 +37,13 @@ of the served view as a version of its own. The store and the protocol core hold
 one manifest per version (a second one is refused as equivocation), so an anchor
 cannot sit *alongside* a patch under one number: with ``anchor_every = N`` every
 N-th publish ships its patch as version v as usual and then an anchor of the
-*same* state as version v+1 (a node at v-1 always has a patch to v; a joiner, or a
-node whose chain was collected, takes the newest anchor and the patches after it).
-After each publish the origin's store is collected (``[store] keep_versions``):
-the newest ``keep_versions`` versions and the chain back to the newest anchor
-stay (``node.store.retained``). docs/control-plane.md has the details.
+*same* state as version v+1 (a node at v-1 has a patch to v, a node at v steps
+over the anchor without fetching it, a joiner or a node whose chain was
+collected takes the newest anchor and the patches after it). The origin's store
+is collected (``[store] keep_versions``) at start and after each publish: the
+newest ``keep_versions`` versions and the chain back to the newest anchor stay
+(``node.store.retained``), and nothing the running core holds goes.
+docs/control-plane.md has the details.
 
 **Bounded staleness** (``[publish] max_lag = k``): before version v is stored and
 handed to the swarm, ``publish`` waits (encoding meanwhile) until
