@@ -9,14 +9,15 @@ origin node (also the swarm's tracker) for one version:
 2. meanwhile NEW is loaded and encoded (on a worker thread), and the command
    waits for peers: until ``--regions N`` regions and ``--nodes N`` nodes have
    connected (every region counts, the origin's own included), else until every
-   region the previous run met has (``regions.json`` in the trainer's store), else
-   for the whole ``--wait-peers-s`` bound (default: that redial time), so that a
-   version is never published into an empty swarm;
+   region and node the previous run met has (``regions.json`` in the trainer's
+   store), else for the whole ``--wait-peers-s`` bound (default: that redial
+   time), so that a version is never published into an empty swarm unawares;
 3. the version is stored and handed to the swarm (after ``[publish] max_lag``
    allows it; an anchor follows when ``[publish] anchor_every`` says so), and the
-   command waits until every expected region holds every chunk, or every node of
-   it that reports to the origin serves the version, with a progress bar per
-   region; then it stays ``--linger`` seconds as the tracker for late nodes.
+   command waits until, in every expected region, every node that reports to the
+   origin serves the version (a region none of whose nodes reports: until it
+   holds every chunk), with a progress bar per region on a terminal; then it
+   stays ``--linger`` seconds as the tracker for late nodes.
 
 ``--full`` publishes NEW as a full checkpoint (an anchor) instead of a patch.
 FP32 tensors in NEW are taken as masters and turned into the served view
