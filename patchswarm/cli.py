@@ -65,7 +65,7 @@ def _publish() -> ModuleType:
 
 
 def _fleet() -> ModuleType:
-    from trainer import cli_fleet
+    from patchswarm import cli_fleet
     return cli_fleet
 
 

@@ -107,6 +107,7 @@ def _check_fleet_api(fleet: LoopbackFleet, latest: int) -> dict:
     metrics = fleet.http(fleet.trainer_api_addr, "/metrics").decode()
     assert f'patchswarm_fleet_nodes_serving{{region="region-0",version="{latest}"}} 2.0' in metrics
     assert 'patchswarm_fleet_lag_versions_bucket{le="0"} 2.0' in metrics
+    assert fleet.http(fleet.nodes[0].api_addr, "/fleet") is None  # 404: only the origin has it
     cmd = [sys.executable, "-m", "patchswarm", "fleet", "--api", fleet.trainer_api_addr, "--once"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True).stdout
     assert "region-0" in out and f"v{latest}" in out and "100% serve the latest" in out, out

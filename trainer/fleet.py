@@ -6,7 +6,7 @@ version, when it last reported, whether it is linked now). A node *serves* the
 version its engine confirmed, else (no engine report) the version active on its
 truth. ``FleetView`` is a snapshot; ``Publisher.fleet()`` makes one, the origin's
 ``/fleet`` endpoint serves ``FleetView.to_json()`` and ``patchswarm fleet`` prints
-``FleetView.table()``. Pure data: no sockets, no clocks.
+``FleetView.table()`` (``patchswarm/cli_fleet.py``). Pure data: no sockets, no clocks.
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from trainer.fleet import FleetView  # at import: a node-only install has no fleet command
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     where = parser.add_mutually_exclusive_group(required=True)
@@ -92,7 +94,6 @@ def fetch(addr: str, token: str | None, timeout: float = 5.0) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     from swarm.errors import ConfigError
-    from trainer.fleet import FleetView
 
     if not 0.1 <= args.interval <= 3600:
         raise ConfigError("--interval: must be 0.1..3600 seconds")
