@@ -111,7 +111,7 @@ def _check_fleet_api(fleet: LoopbackFleet, latest: int) -> dict:
     cmd = [sys.executable, "-m", "patchswarm", "fleet", "--api", fleet.trainer_api_addr, "--once"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True).stdout
     assert "region-0" in out and f"v{latest}" in out and "100% serve the latest" in out, out
-    out = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=60,
-                         check=True).stdout
+    out = subprocess.run([*cmd[:4], "--config", str(fleet.workdir / "trainer.toml"), "--json",
+                          "--once"], capture_output=True, text=True, timeout=60, check=True).stdout
     assert json.loads(out)["latest"] == latest
     return doc

@@ -149,3 +149,14 @@ def test_max_lag_details_need_max_lag_and_an_origin() -> None:
     data["publish"] = {"anchor_every": 3}
     with pytest.raises(ConfigError, match=r"publish\.anchor_every: only the origin"):
         parse_config(data, Path("/nonexistent"))
+
+
+def test_fleet_command_errors_in_one_line(capsys) -> None:
+    from patchswarm.cli import main as cli
+
+    assert cli(["fleet", "--api", "127.0.0.1:1", "--once"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("patchswarm fleet: error: cannot reach the origin's API at 127.0.0.1:1")
+    assert len(err.strip().splitlines()) == 1
+    assert cli(["fleet", "--api", "nowhere", "--once"]) == 1
+    assert "--api: expected \"host:port\"" in capsys.readouterr().err
