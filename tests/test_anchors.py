@@ -270,3 +270,18 @@ def test_gc_keeps_what_rebuilds_an_adopted_anchor(tmp_path: Path) -> None:
         store.set_active(7, d[6])
         assert store.gc(1) == [2, 3, 4, 5, 6]
         assert store.replay_chain(7, 1) == [7]
+
+
+def test_publish_async_copies_the_weights_it_is_given(trainer: Path) -> None:
+    from trainer.publisher import Publisher
+
+    pub = Publisher(load_config(trainer / "trainer.toml"))
+    try:
+        served = served_view(masters(1))
+        want = state_digest(served)
+        h = pub.publish_async(served, served_dtype=None)
+        for t in served.values():
+            t.zero_()  # the training loop moves on at once
+        assert h.result(60).target_digest == want
+    finally:
+        pub.close()

@@ -347,7 +347,13 @@ class Publisher:
 
         dtype = self.cfg.served_dtype if served_dtype == "config" else served_dtype
         served = served_view(weights, dtype) if dtype is not None else weights
-        served = {k: v.detach().cpu().contiguous().clone() for k, v in served.items()}
+
+        def own(name: str, t: torch.Tensor) -> torch.Tensor:
+            t = t.detach().cpu().contiguous()
+            src = weights.get(name)  # still the caller's storage: copy it
+            return t.clone() if src is not None and t.data_ptr() == src.data_ptr() else t
+
+        served = {k: own(k, v) for k, v in served.items()}
         with self._plan_lock:
             version, gen = self._next, self._generation
             anchor = (not full and self.cfg.anchor_every > 0
