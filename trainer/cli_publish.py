@@ -15,9 +15,9 @@ origin node (also the swarm's tracker) for one version:
 3. the version is stored and handed to the swarm (after ``[publish] max_lag``
    allows it; an anchor follows when ``[publish] anchor_every`` says so), and the
    command waits until, in every expected region, every node that reports to the
-   origin serves the version (a region none of whose nodes reports: until it
-   holds every chunk), with a progress bar per region on a terminal; then it
-   stays ``--linger`` seconds as the tracker for late nodes.
+   origin is active on the version (verified on its truth; a region none of whose
+   nodes reports: until it holds every chunk), with a progress bar per region on
+   a terminal; then it stays ``--linger`` seconds as the tracker for late nodes.
 
 ``--full`` publishes NEW as a full checkpoint (an anchor) instead of a patch.
 FP32 tensors in NEW are taken as masters and turned into the served view
@@ -175,19 +175,20 @@ def _wait_for_peers(args: argparse.Namespace, pub: Any, clock: _Clock, bound: fl
 def _region_state(pub: Any, versions: list[tuple[int, int]], region: str,
                   fleet: Any) -> tuple[int, int, bool]:
     """(done, total, complete) for ``region``: chunks of ``versions`` known to be there,
-    plus its reporting nodes that serve the last of them. Complete when every node of
-    it that reports to the origin serves that version (or, none reporting, when the
-    region holds every chunk)."""
+    plus its reporting nodes active on the last of them. Complete when every node of
+    it that reports to the origin is active on that version — verified on its truth:
+    whether its engine took it is the node's business (``/healthz``, ``patchswarm
+    fleet``), not the hand-off's — or, none reporting, when the region holds every
+    chunk."""
     chunks = sum(c for _, c in versions)
     held = sum(min(c, pub.progress(v).get(region, 0)) for v, c in versions)
     last = versions[-1][0]
     nodes = fleet.nodes(region)
-    serving = sum(1 for e in nodes if ((e.served if e.served is not None else e.active)
-                                       or -1) >= last)
-    if nodes and serving == len(nodes):
-        held = chunks  # a region whose nodes all serve it holds it, whatever we saw
-    complete = serving == len(nodes) if nodes else held >= chunks
-    return held + serving, chunks + len(nodes), complete
+    active = sum(1 for e in nodes if (e.active or -1) >= last)
+    if nodes and active == len(nodes):
+        held = chunks  # a region whose nodes all hold it holds it, whatever we saw
+    complete = active == len(nodes) if nodes else held >= chunks
+    return held + active, chunks + len(nodes), complete
 
 
 def _publish(args: argparse.Namespace, pub: Any, new: dict, clock: _Clock,
