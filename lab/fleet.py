@@ -103,12 +103,15 @@ class LoopbackFleet:
                  chunk_size: int = 64 * 1024, workdir: Path | None = None,
                  keep_workdir: bool = False, swarm: dict[str, Any] | None = None,
                  node_env: dict[str, dict[str, str]] | None = None,
-                 lab: NetLab | None = None, tls: bool = False) -> None:
+                 lab: NetLab | None = None, tls: bool = False,
+                 trainer_sections: dict[str, dict[str, Any]] | None = None) -> None:
         """``lab``: place every node (and the trainer) on an emulated host of a
         ``lab.netlab.NetLab`` instead of 127.0.x.x. The calling process must
         then run inside one of the lab's namespaces (it polls the nodes over HTTP).
         ``tls``: a swarm CA for the fleet, a certificate per node and for the
-        trainer, mutual TLS on the swarm port and the HTTP API on a port of its own."""
+        trainer, mutual TLS on the swarm port and the HTTP API on a port of its own.
+        ``trainer_sections``: extra keys for the trainer's config, by section (e.g.
+        ``{"publish": {"anchor_every": 3}, "store": {"keep_versions": 1}}``)."""
         if regions < 1 or nodes_per_region < 1:
             raise FleetError("need at least one region and one node per region")
         if regions > 200 or nodes_per_region > 200:
@@ -120,6 +123,7 @@ class LoopbackFleet:
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="patchswarm-demo-"))
         self.keep_workdir = keep_workdir
         self.swarm = swarm or {}
+        self.trainer_sections = trainer_sections or {}
         self.node_env = node_env or {}
         self.lab = lab
         self.tls = tls
@@ -192,13 +196,18 @@ class LoopbackFleet:
         common = '[network]\nswarm_secret_file = "swarm.secret"\n'
         if not self.tls and self.lab is not None:  # lab hosts are not loopback addresses
             common += 'allow_plaintext = true\n'
+        extra = {sec: "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items())
+                 for sec, keys in self.trainer_sections.items()}
+        unknown = set(extra) - {"store", "publish"}
+        if unknown:
+            raise FleetError(f"trainer_sections: cannot add to {sorted(unknown)}")
         (w / "trainer.toml").write_text(
             f'[node]\nid = "trainer"\nregion = "trainer"\nmodel = "{MODEL}"\nrole = "origin"\n\n'
             f'{common}listen = "{self.trainer_addr}"\n\n'
-            f'[store]\ndir = "trainer-store"\nfsync = false\n\n'
+            f'[store]\ndir = "trainer-store"\nfsync = false\n{extra.get("store", "")}\n'
             f'[weights]\nbase = "base.safetensors"\nbase_version = 1\n\n'
             f'[publish]\nsigning_key = "trainer.key"\nchunk_size = {self.chunk_size}\n'
-            f'served_dtype = "bf16"\n\n'
+            f'served_dtype = "bf16"\n{extra.get("publish", "")}\n'
             f'{self._tls_sections("trainer", "trainer", self.trainer_host, "origin")}'
             f'[swarm]\n{knobs}'
         )
@@ -233,16 +242,19 @@ class LoopbackFleet:
             self.start_node(n)
         self.wait_healthy(timeout)
 
-    def start_nodes_only(self, base: dict[str, Any], timeout: float = 120.0) -> None:
+    def start_nodes_only(self, base: dict[str, Any], timeout: float = 120.0,
+                         nodes: list[NodeProc] | None = None) -> None:
         """No trainer process: write ``base`` (served tensors) as the base checkpoint and
-        start the nodes; versions then come from ``publish_cli`` (one origin per version)."""
+        start the nodes (``nodes``: only these; start the others later with
+        ``start_node``); versions then come from ``publish_cli`` (one origin per version)
+        or from a ``Publisher`` the caller runs on ``trainer.toml``."""
         from safetensors.torch import save_file
 
         self._write_configs()
         save_file(base, str(self.workdir / "base.safetensors"))
-        for n in self.nodes:
+        for n in nodes if nodes is not None else self.nodes:
             self.start_node(n)
-        self.wait_healthy(timeout)
+        self.wait_healthy(timeout, nodes)
 
     def publish_cli(self, checkpoint: Path, *args: str, timeout: float = 300.0
                     ) -> subprocess.CompletedProcess:
@@ -285,7 +297,7 @@ class LoopbackFleet:
 
     def wait_healthy(self, timeout: float, nodes: list[NodeProc] | None = None) -> None:
         deadline = time.monotonic() + timeout
-        pending = list(nodes or self.nodes)
+        pending = list(self.nodes if nodes is None else nodes)
         while pending and time.monotonic() < deadline:
             for n in list(pending):
                 if n.proc is not None and n.proc.poll() is not None:

@@ -12,20 +12,38 @@
   ``patchswarm_gateway_*`` families.
 - ``GET /metrics``: Prometheus text format (``prometheus_client``), computed
   from the same state at scrape time, so the two never disagree.
+- ``GET /fleet`` (origin only; 404 elsewhere): JSON — every node's last version
+  report (node id, region, active and engine-served version, seconds since the
+  report, linked or not), the latest version, and per recent version the seconds
+  from its publish to half of the fleet (p50) and to all of it (p100) serving it.
+  On the origin ``/metrics`` adds the fleet: nodes serving each version per region,
+  a histogram of the nodes' lag behind the latest version, and those seconds.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
+import logging
+import math
 import time
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    SummaryMetricFamily,
+)
 
 if TYPE_CHECKING:
     from node.driver import Driver
+
+log = logging.getLogger("patchswarm.api")
 
 KIND_NAMES = {"same_region": "same_region", "cross_region": "cross_region",
               "from_origin": "from_trainer"}
@@ -138,15 +156,120 @@ def _active_record(driver: Driver) -> Any:
         return None
 
 
+# ------------------------------------------------------------------ fleet (origin)
+
+FLEET_OBSERVE_S = 0.5  # how often the origin samples the fleet for publish-to-active times
+FLEET_VERSIONS_KEPT = 64  # versions whose publish-to-active times are kept
+LAG_BUCKETS = (0, 1, 2, 3, 5, 10, 20, 50)
+
+
+def _serving(e: Any) -> int | None:
+    return e.served if e.served is not None else e.active
+
+
+class FleetTimes:
+    """Origin: seconds from each version's publish until half (p50) and all (p100) of
+    the reporting nodes serve it or newer.
+
+    Sampled every ``FLEET_OBSERVE_S`` from the core's fleet view: a node counts for
+    version v from the core time of its first report serving v or newer, so the
+    times include the nodes' report delay (``status_delay_s``). The publish time is
+    the manifest's ``created_at`` (the trainer signs it as it hands the version over).
+    """
+
+    def __init__(self, since: float = 0.0) -> None:
+        self.published: dict[int, float] = {}  # version -> wall clock of its publish
+        self.first: dict[int, dict[str, float]] = {}  # version -> node -> wall clock
+        self.done: dict[int, dict[str, float]] = {}  # version -> {"p50": s, "p100": s}
+        self.since = since  # versions published before this (wall clock) are not timed
+
+    def observe(self, manifests: dict[int, Any], entries: list[Any], wall_offset: float) -> None:
+        for v, m in manifests.items():
+            if (v not in self.published and v not in self.done
+                    and float(m.created_at) >= self.since):
+                self.published[v] = float(m.created_at)
+                self.first[v] = {}
+        nodes = len(entries)
+        for v in list(self.published):
+            first = self.first[v]
+            for e in entries:
+                s = _serving(e)
+                if s is not None and s >= v and e.node_id not in first:
+                    first[e.node_id] = e.reported_at + wall_offset
+            if nodes and len(first) >= nodes:
+                times = sorted(first.values())
+                t0 = self.published[v]
+                self.done[v] = {"p50": max(0.0, times[math.ceil(0.5 * len(times)) - 1] - t0),
+                                "p100": max(0.0, times[-1] - t0)}
+                del self.published[v], self.first[v]
+        for table in (self.done, self.published, self.first):
+            while len(table) > FLEET_VERSIONS_KEPT:
+                del table[min(table)]
+
+    def as_dict(self) -> dict[str, dict[str, float]]:
+        return {str(v): {k: round(x, 4) for k, x in d.items()} for v, d in sorted(self.done.items())}
+
+
+def fleet_dict(driver: Driver, times: FleetTimes | None = None) -> dict[str, Any]:
+    """The ``/fleet`` document (call on the loop thread; origin only)."""
+    core = driver.core
+    now = driver.now()
+    entries = core.fleet()
+    return {
+        "origin": core.cfg.node_id,
+        "latest": core.active_version,
+        "nodes": len(entries),
+        "entries": [{"node_id": e.node_id, "region": e.region, "active": e.active,
+                     "served": e.served, "connected": e.connected,
+                     "age_s": round(max(0.0, now - e.reported_at), 3)} for e in entries],
+        "publish_to_active_s": times.as_dict() if times is not None else {},
+    }
+
+
+def _fleet_metrics(driver: Driver, times: FleetTimes):  # type: ignore[no-untyped-def]
+    core = driver.core
+    entries = core.fleet()
+    latest = core.active_version
+    g = GaugeMetricFamily("patchswarm_fleet_nodes_serving",
+                          "Nodes serving each version, per region (version -1: none reported)",
+                          labels=["region", "version"])
+    counts: dict[tuple[str, int], int] = {}
+    for e in entries:
+        s = _serving(e)
+        key = (e.region, -1 if s is None else s)
+        counts[key] = counts.get(key, 0) + 1
+    for (region, v), n in sorted(counts.items()):
+        g.add_metric([region, str(v)], float(n))
+    yield g
+    lags = [latest - s for s in map(_serving, entries) if s is not None and latest is not None]
+    buckets = [(str(b), float(sum(1 for x in lags if x <= b))) for b in LAG_BUCKETS]
+    buckets.append(("+Inf", float(len(lags))))
+    h = HistogramMetricFamily("patchswarm_fleet_lag_versions",
+                              "Versions each reporting node is behind the latest published")
+    h.add_metric([], buckets, sum_value=float(sum(lags)))
+    yield h
+    g = GaugeMetricFamily("patchswarm_fleet_publish_to_active_seconds",
+                          "Seconds from a version's publish until p50 / p100 of the fleet "
+                          "served it", labels=["version", "quantile"])
+    for v, d in sorted(times.done.items()):
+        g.add_metric([str(v), "0.5"], d["p50"])
+        g.add_metric([str(v), "1"], d["p100"])
+    yield g
+
+
 class _Collector:
     """Prometheus collector reading the driver's state at scrape time."""
 
-    def __init__(self, driver: Driver, model: str, gateway: Any = None) -> None:
+    def __init__(self, driver: Driver, model: str, gateway: Any = None,
+                 times: FleetTimes | None = None) -> None:
         self.driver = driver
         self.model = model
         self.gateway = gateway  # node.gateway.Gateway or None
+        self.times = times
 
     def collect(self):  # type: ignore[no-untyped-def]
+        if self.times is not None:
+            yield from _fleet_metrics(self.driver, self.times)
         st = status_dict(self.driver, self.model)
         labels = ["node", "region"]
         who = [st["node_id"], st["region"]]
@@ -230,8 +353,10 @@ def add_routes(app: web.Application, driver: Driver, model: str, *,
     """Mount /healthz, /status and /metrics. With ``token``, every path but /healthz
     needs ``Authorization: Bearer <token>`` (/status names peers, regions and
     versions: what an attacker would look for first)."""
+    origin = driver.core.cfg.role == "origin"
+    times = FleetTimes(since=driver.started_at) if origin else None
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(driver, model, gateway))
+    registry.register(_Collector(driver, model, gateway, times))
 
     def authorized(request: web.Request) -> None:
         if token is None:
@@ -259,3 +384,27 @@ def add_routes(app: web.Application, driver: Driver, model: str, *,
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/status", status)
     app.router.add_get("/metrics", metrics)
+    if times is not None:
+        async def fleet(request: web.Request) -> web.Response:
+            authorized(request)
+            return web.json_response(fleet_dict(driver, times))
+
+        async def observe_fleet(_: web.Application) -> AsyncIterator[None]:
+            async def loop() -> None:
+                while True:
+                    await asyncio.sleep(FLEET_OBSERVE_S)
+                    core = driver.core
+                    try:
+                        times.observe(core.manifests, core.fleet(), time.time() - driver.now())
+                    except Exception:  # a bug here must not take the API down
+                        log.exception("fleet sampling failed; publish-to-active times stop")
+                        return
+
+            task = asyncio.ensure_future(loop())
+            yield
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+        app.router.add_get("/fleet", fleet)
+        app.cleanup_ctx.append(observe_fleet)

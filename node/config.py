@@ -13,7 +13,8 @@ Layout (see configs/node.toml for a commented example)::
     [trust]    trainer_keys = ["trainer.pub", ...]       (Ed25519 public keys, PEM)
     [store]    dir, quota_bytes (0 = none), keep_versions (0 = keep all), fsync
     [weights]  base (safetensors), base_version, device ("auto" | "cpu" | "cuda" | "cuda:N")
-    [publish]  signing_key, chunk_size, served_dtype, context  (origin only)
+    [publish]  signing_key, chunk_size, served_dtype, context, anchor_every (0 = off),
+               max_lag (0 = off), max_lag_fraction, max_lag_timeout_s  (origin only)
     [swarm]    any ``CoreConfig`` policy knob, e.g. mesh_degree = 6
     [engine]   kind ("inprocess" | "vllm" | "sglang"), url, timeouts, pause_mode, ...
                (see ``node.engines.config``)
@@ -40,7 +41,8 @@ _SECTIONS = {
     "trust": {"trainer_keys"},
     "store": {"dir", "quota_bytes", "keep_versions", "fsync"},
     "weights": {"base", "base_version", "device"},
-    "publish": {"signing_key", "chunk_size", "served_dtype", "context"},
+    "publish": {"signing_key", "chunk_size", "served_dtype", "context", "anchor_every",
+                "max_lag", "max_lag_fraction", "max_lag_timeout_s"},
     "swarm": None,  # checked against CoreConfig's fields
     "log": {"level", "format"},
     "engine": None,  # checked by node.engines.config.parse_engine
@@ -85,6 +87,10 @@ class NodeConfig:
     chunk_size: int = 4 * 1024 * 1024
     served_dtype: str = "bf16"
     codec_context: str = "auto"  # swarm.codec context models: auto | on | off
+    anchor_every: int = 0  # every N-th publish is followed by a full checkpoint (0: never)
+    max_lag: int = 0  # publishing v waits until the fleet serves v - max_lag (0: never waits)
+    max_lag_fraction: float = 1.0  # share of the reporting nodes that must be that current
+    max_lag_timeout_s: float = 600.0  # then StalenessTimeout names the laggards
     log_level: str = "info"
     log_format: str = "text"  # "text" (key=value) or "json" (one object per line)
     swarm: dict[str, Any] = field(default_factory=dict)
@@ -248,6 +254,29 @@ def _api(sec: dict, base_dir: Path, tls: bool,
     return listen, token
 
 
+def _publish_control(sec: dict) -> dict[str, Any]:
+    """``[publish]`` anchors and bounded staleness (docs/control-plane.md)."""
+    anchor_every = _get(sec, "publish", "anchor_every", int, 0)
+    if not 0 <= anchor_every <= 1_000_000:
+        raise ConfigError(f"publish.anchor_every: must be in 0..1000000 (0 = no anchors), "
+                          f"got {anchor_every}")
+    max_lag = _get(sec, "publish", "max_lag", int, 0)
+    if not 0 <= max_lag <= 1_000_000:
+        raise ConfigError(f"publish.max_lag: must be in 0..1000000 (0 = never wait), got {max_lag}")
+    fraction = _get(sec, "publish", "max_lag_fraction", (int, float), 1.0)
+    if isinstance(fraction, bool) or not 0.0 < fraction <= 1.0:
+        raise ConfigError(f"publish.max_lag_fraction: must be a number in (0, 1], got {fraction!r}")
+    timeout = _get(sec, "publish", "max_lag_timeout_s", (int, float), 600.0)
+    if isinstance(timeout, bool) or not 0.0 < timeout <= 7 * 86400:
+        raise ConfigError(f"publish.max_lag_timeout_s: must be a number of seconds in "
+                          f"(0, 604800], got {timeout!r}")
+    if ("max_lag_fraction" in sec or "max_lag_timeout_s" in sec) and max_lag == 0:
+        raise ConfigError("publish.max_lag: max_lag_fraction and max_lag_timeout_s need "
+                          "max_lag >= 1")
+    return {"anchor_every": anchor_every, "max_lag": max_lag,
+            "max_lag_fraction": float(fraction), "max_lag_timeout_s": float(timeout)}
+
+
 # --------------------------------------------------------------------- load
 
 
@@ -323,6 +352,12 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = Non
     context = _get(publish, "publish", "context", str, "auto")
     if context not in ("auto", "on", "off"):
         raise ConfigError(f"publish.context: expected auto, on or off, got {context!r}")
+    control = _publish_control(publish)
+    if role != "origin":
+        for key in ("anchor_every", "max_lag", "max_lag_fraction", "max_lag_timeout_s"):
+            if key in publish:
+                raise ConfigError(f"publish.{key}: only the origin (node.role = \"origin\") "
+                                  "publishes")
     level = _get(data.get("log") or {}, "log", "level", str, "info")
     if level not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"log.level: expected debug, info, warning or error, got {level!r}")
@@ -362,7 +397,7 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = Non
         quota_bytes=quota or None, keep_versions=keep,
         fsync=_get(store, "store", "fsync", bool, True), base=base, base_version=base_version,
         device=device, signing_key=signing_key, chunk_size=chunk_size, served_dtype=served,
-        codec_context=context,
+        codec_context=context, **control,
         log_level=level, log_format=log_format, swarm=_swarm_knobs(data.get("swarm") or {}), source=source,
     )
     cfg.core_config()  # CoreConfig's own validation (ConfigError naming the knob)

@@ -417,31 +417,67 @@ class ChunkStore:
 
     def needed_for(self, version: int) -> set[int]:
         """``version`` and the stored chain back to its full checkpoint."""
-        chain = {version}
-        m = self._manifests.get(version)
-        while m is not None and m.kind == "patch" and m.parent_version not in chain:
-            chain.add(m.parent_version)
-            m = self._manifests.get(m.parent_version)
-        return chain
+        return chain_back(self._links(), version)
 
-    def gc(self, keep_last: int) -> list[int]:
-        """Delete all but the newest ``keep_last`` versions, keeping the active one
-        and, for every kept version, the chain of patches back to the full
-        checkpoint that rebuilds it. Returns the versions removed."""
+    def _links(self) -> dict[int, int | None]:
+        """Version -> the stored version it is rebuilt from (``None``: from nothing).
+
+        A patch needs its parent; a full checkpoint held whole needs nothing. A full
+        one held without its chunks was *adopted* (an anchor of the weights the node
+        was on, stepped over without fetching it, see docs/protocol.md): its state is
+        the newest older stored version with the same target digest, so it needs that
+        one's chain."""
+        links: dict[int, int | None] = {}
+        for v in sorted(self._manifests):
+            m = self._manifests[v]
+            if m.kind == "patch":
+                links[v] = m.parent_version
+            elif self.complete(v):
+                links[v] = None
+            else:
+                same = [u for u in links if u < v
+                        and self._manifests[u].target_digest == m.target_digest]
+                links[v] = max(same) if same else None
+        return links
+
+    def newest_full(self, at_most: int | None = None) -> int | None:
+        """The newest full checkpoint (anchor) held whole, at or below ``at_most`` if given."""
+        fulls = [v for v, m in self._manifests.items()
+                 if m.kind == "full" and (at_most is None or v <= at_most) and self.complete(v)]
+        return max(fulls) if fulls else None
+
+    def replay_chain(self, version: int, base_version: int) -> list[int]:
+        """The stored versions that rebuild ``version``, oldest first: from the newest full
+        checkpoint held whole at or below it (else from ``base_version + 1``). A full
+        version in it that is held without chunks is an adopted anchor: take its number
+        (its state is the one before it). ``StoreError`` if a version is missing."""
+        start = self.newest_full(version)
+        first = start if start is not None and start > base_version else base_version + 1
+        missing = [v for v in range(first, version + 1) if v not in self._manifests]
+        if missing:
+            raise StoreError(f"cannot rebuild version {version}: version {missing[0]} is not "
+                             "in the store")
+        return list(range(first, version + 1))
+
+    def gc(self, keep_last: int, also_keep: set[int] | frozenset[int] = frozenset()) -> list[int]:
+        """Delete what no node needs: keep the newest ``keep_last`` versions, the active
+        one, ``also_keep`` (e.g. what a running core still serves), and for every kept
+        version the chain back to the full checkpoint (anchor) that rebuilds it, so the
+        chain from the newest anchor to the latest version is always kept
+        (``retained``). Returns the versions removed."""
         if keep_last < 1:
             raise StoreError("gc must keep at least one version")
         with self._mutex:
-            versions = self.versions()
-            keep = set(versions[-keep_last:])
             try:
                 rec = self.active()
             except StoreError:
                 rec = None
-            if rec is not None:
-                keep.add(rec.version)
-            for v in list(keep):
-                keep |= self.needed_for(v)
-            removed = [v for v in versions if v not in keep]
+            links = self._links()
+            keep = retained(links, keep_last, None if rec is None else rec.version)
+            for v in also_keep:
+                if v in links:
+                    keep |= chain_back(links, v)
+            removed = [v for v in sorted(links) if v not in keep]
             for v in removed:
                 self.remove_version(v)
             return removed
@@ -456,6 +492,37 @@ class ChunkStore:
             self._used -= size
             del self._manifests[version], self._raw[version]
             self._have.pop(version, None)
+
+
+def chain_back(links: dict[int, int | None], version: int) -> set[int]:
+    """``version`` and the chain of parents back to a full checkpoint (``links[v]`` is
+    ``None``) or to the first version not in ``links`` (the base every node starts from)."""
+    chain = {version}
+    parent = links.get(version)
+    while parent is not None and parent not in chain and parent in links:
+        chain.add(parent)
+        parent = links[parent]
+    return chain
+
+
+def retained(links: dict[int, int | None], keep_last: int, active: int | None = None) -> set[int]:
+    """The versions gc keeps, given each version's parent (``None``: full checkpoint).
+
+    The newest ``keep_last`` versions and ``active``, each with its chain back to a full
+    checkpoint or the base. Versions are published as a chain (every patch's parent is
+    the version before it), so this is one contiguous run that ends at the latest
+    version and starts at or below the newest anchor: a node at any kept version
+    follows patches to the latest, and any other node (a joiner, one back from a long
+    outage) takes the newest anchor and the patches after it. Without an anchor it
+    reaches back to the base, so ``keep_versions`` never strands a node.
+    """
+    versions = sorted(links)
+    keep = set(versions[-keep_last:]) if keep_last > 0 else set(versions)
+    if active is not None and active in links:
+        keep.add(active)
+    for v in list(keep):
+        keep |= chain_back(links, v)
+    return keep
 
 
 def _is_chunk(m: Manifest, index: int, data: bytes) -> bool:

@@ -64,6 +64,11 @@ def _publish() -> ModuleType:
     return cli_publish
 
 
+def _fleet() -> ModuleType:
+    from patchswarm import cli_fleet
+    return cli_fleet
+
+
 def _demo() -> ModuleType:
     from lab import cli_demo
     return cli_demo
@@ -85,6 +90,7 @@ COMMANDS: dict[str, tuple[Callable[[], ModuleType], str]] = {
     "ca": (_ca, "swarm CA for mutual TLS: init, issue node certificates"),
     "node": (_node, "run a rollout-node daemon"),
     "publish": (_publish, "publish a new version from the trainer"),
+    "fleet": (_fleet, "which version every node serves, per region (the origin's view)"),
     "demo": (_demo, "run a whole fleet on loopback (trainer + nodes)"),
     "sim": (_sim, "simulate a fanout over a modelled network"),
 }

@@ -29,18 +29,41 @@ versions above the active one and view files of other versions are deleted
 *before the origin's core starts*, so an unfinished version is never shipped
 and the next publish reuses its number. Killed after step 4, it resumes: the
 version is complete and is seeded on start. A missing or damaged view file is
-rebuilt from the base checkpoint and the stored chain of patches.
+rebuilt from the newest stored full checkpoint (else the base) and the stored
+chain of patches after it.
+
+**Anchors** (``publish_full``, ``[publish] anchor_every = N``): a full checkpoint
+of the served view as a version of its own. The store and the protocol core hold
+one manifest per version (a second one is refused as equivocation), so an anchor
+cannot sit *alongside* a patch under one number: with ``anchor_every = N`` every
+N-th publish ships its patch as version v as usual and then an anchor of the
+*same* state as version v+1 (a node at v-1 has a patch to v, a node at v steps
+over the anchor without fetching it, a joiner or a node whose chain was
+collected takes the newest anchor and the patches after it). The origin's store
+is collected (``[store] keep_versions``) at start and after each publish: the
+newest ``keep_versions`` versions and the chain back to the newest anchor stay
+(``node.store.retained``), and nothing the running core holds goes.
+docs/control-plane.md has the details.
+
+**Bounded staleness** (``[publish] max_lag = k``): before version v is stored and
+handed to the swarm, ``publish`` waits (encoding meanwhile) until
+``max_lag_fraction`` of the nodes that report to the origin serve v-k or newer,
+for at most ``max_lag_timeout_s``; then ``StalenessTimeout`` names the laggards
+and nothing is published. ``publish_async`` runs the same in a worker thread and
+returns a ``PublishHandle`` at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -52,6 +75,7 @@ from swarm.protocol import events as ev
 from swarm.trust.chunks import split_payload
 from swarm.trust.keys import TrustStore, key_id, load_private_key
 from swarm.trust.manifest import build_manifest, sign_manifest
+from trainer.fleet import FleetView, StalenessTimeout
 
 if TYPE_CHECKING:
     import torch
@@ -59,7 +83,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("patchswarm.trainer")
 PUBLISHED_VIEW = "published.safetensors"  # before 0.2: one view file, no version in its name
 VIEW_PATTERN = "published-{version}.safetensors"
-REGIONS_FILE = "regions.json"  # regions met by the last run: a one-shot publish waits for them
+REGIONS_FILE = "regions.json"  # regions and nodes met by the last run: a one-shot publish
+MAX_REMEMBERED = 10_000          # waits for them (bounded by its --wait-peers-s)
 
 
 @dataclass(frozen=True)
@@ -73,6 +98,44 @@ class PublishResult:
     target_digest: bytes
     encode_s: float
     published_at: float  # wall clock (time.time()) when handed to the swarm
+    kind: str = "patch"  # "patch" | "full" (an anchor, or publish_full)
+    lag_wait_s: float = 0.0  # seconds max_lag held this publish back
+    anchor: PublishResult | None = None  # the anchor published right after (anchor_every)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A version encoded, not yet signed, stored nor handed to the swarm (``commit``)."""
+
+    version: int
+    parent: int
+    kind: str
+    payload: bytes
+    parent_digest: bytes | None
+    target_digest: bytes
+    served: dict
+    changed: int
+    elements: int
+    encode_s: float
+
+
+class PublishHandle:
+    """What ``publish_async`` returns: the version it will publish and its outcome."""
+
+    def __init__(self, version: int, future: Future) -> None:
+        self.version = version
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> PublishResult:
+        """The ``PublishResult``; re-raises what the publish raised (``StalenessTimeout``,
+        ``StoreError``, ...); ``TimeoutError`` if not done within ``timeout``."""
+        return self._future.result(timeout)
+
+    def __repr__(self) -> str:
+        return f"PublishHandle(version={self.version}, done={self.done()})"
 
 
 class Publisher:
@@ -103,6 +166,13 @@ class Publisher:
         self._stop: asyncio.Event | None = None
         self._error: BaseException | None = None
         self.published: dict[int, PublishResult] = {}
+        # publishes run one at a time on one worker thread, in the order asked for
+        self._worker: ThreadPoolExecutor | None = None
+        self._plan_lock = threading.Lock()
+        self._generation = 0  # bumped by a failed publish: the ones queued behind it fail
+        self._next = self.version + 1
+        self._planned_full = self.store.newest_full() or self.cfg.base_version
+        self._collect()  # before the origin's core starts: it never learns of what goes
 
     # ------------------------------------------------------------ state
 
@@ -162,22 +232,26 @@ class Publisher:
             return None
 
     def _rebuild(self, version: int, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Apply the stored chain base_version+1..version to ``base``."""
+        """Apply the stored chain to ``version`` (from its newest full checkpoint, else
+        from ``base``)."""
         from safetensors.torch import load as load_bytes
 
         from swarm.codec import apply_patch
 
         view = base
-        for v in range(self.cfg.base_version + 1, version + 1):
-            try:
+        try:
+            chain = self.store.replay_chain(version, self.cfg.base_version)
+            for v in chain:
                 m = self.store.manifest(v)
+                if m.kind == "full" and not self.store.complete(v):
+                    continue  # an adopted anchor: the state of the version before it
                 payload = self.store.payload(v)
-            except PatchswarmError as exc:
-                raise PatchswarmError(f"cannot rebuild version {version}: {exc}") from None
-            if m.kind == "full":
-                view = dict(load_bytes(payload))
-            else:
-                apply_patch(view, payload)
+                if m.kind == "full":
+                    view = dict(load_bytes(payload))
+                else:
+                    apply_patch(view, payload)
+        except PatchswarmError as exc:
+            raise PatchswarmError(f"cannot rebuild version {version}: {exc}") from None
         return view
 
     def _view_path(self, version: int) -> Path:
@@ -216,7 +290,11 @@ class Publisher:
             raise self._error
 
     def close(self, timeout: float = 10.0) -> None:
-        """Remember the regions met, drain the origin node and stop its thread."""
+        """Finish queued publishes, remember the regions met, drain the origin node and
+        stop its thread."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
         if self._loop is not None and self._thread is not None and self._thread.is_alive():
             try:
                 self._remember_regions(self.regions())
@@ -225,6 +303,8 @@ class Publisher:
         if self._loop is not None and self._stop is not None and self._thread is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
             self._thread.join(timeout)
+        elif self._thread is None:
+            self.store.close()  # never started: the origin node's drain did not close it
         self._thread = None
 
     def __enter__(self) -> Publisher:
@@ -238,60 +318,201 @@ class Publisher:
 
     def publish(self, masters: dict[str, torch.Tensor]) -> PublishResult:
         """FP32 masters -> served view (``publish.served_dtype``) -> ``publish_served``."""
-        from trainer.served import served_view
-
-        return self.publish_served(served_view(masters, self.cfg.served_dtype))
+        return self.publish_async(masters).result()
 
     def publish_served(self, served: dict[str, torch.Tensor]) -> PublishResult:
-        """Diff ``served`` against the last published view, sign, store and seed it."""
+        """Diff ``served`` against the last published view, sign, store and seed it
+        (after ``max_lag`` allows it; an anchor follows when ``anchor_every`` says so)."""
+        return self.publish_async(served, served_dtype=None).result()
+
+    def publish_full(self, masters: dict[str, torch.Tensor]) -> PublishResult:
+        """Publish the served view of ``masters`` as a full checkpoint (an anchor)."""
+        return self.publish_async(masters, full=True).result()
+
+    def publish_full_served(self, served: dict[str, torch.Tensor]) -> PublishResult:
+        """Publish ``served`` (already the served view) as a full checkpoint (an anchor)."""
+        return self.publish_async(served, served_dtype=None, full=True).result()
+
+    def publish_async(self, weights: dict[str, torch.Tensor], *, full: bool = False,
+                      served_dtype: str | None = "config",
+                      gate: Callable[[], None] | None = None) -> PublishHandle:
+        """Queue a publish and return at once; publishes run in order on one worker
+        thread (encode, ``gate()``, ``max_lag`` wait, store, hand-off). ``served_dtype=None``:
+        the tensors already are the served view; ``"config"``: ``publish.served_dtype``.
+        ``gate``: called after the encode, before anything is stored (``patchswarm
+        publish`` waits for peers there); what it raises fails the publish.
+        A training loop keeps stepping meanwhile; the weights are copied to the CPU
+        here, so the caller may change its tensors after this returns."""
+        from trainer.served import served_view
+
+        dtype = self.cfg.served_dtype if served_dtype == "config" else served_dtype
+        served = served_view(weights, dtype) if dtype is not None else weights
+
+        def own(name: str, t: torch.Tensor) -> torch.Tensor:
+            t = t.detach().cpu().contiguous()
+            src = weights.get(name)  # still the caller's storage: copy it
+            return t.clone() if src is not None and t.data_ptr() == src.data_ptr() else t
+
+        served = {k: own(k, v) for k, v in served.items()}
+        with self._plan_lock:
+            version, gen = self._next, self._generation
+            anchor = (not full and self.cfg.anchor_every > 0
+                      and version - self._planned_full >= self.cfg.anchor_every)
+            self._next = version + (2 if anchor else 1)
+            if full or anchor:
+                self._planned_full = version + (1 if anchor else 0)
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(1, thread_name_prefix="patchswarm-publish")
+            future = self._worker.submit(self._run_publish, served, version, gen, full, anchor,
+                                         gate)
+        return PublishHandle(version, future)
+
+    def _run_publish(self, served: dict[str, torch.Tensor], version: int, gen: int,
+                     full: bool, anchor: bool, gate: Callable[[], None] | None) -> PublishResult:
+        try:
+            if gen != self._generation or version != self.version + 1:
+                raise PatchswarmError(f"version {version} not published: an earlier publish "
+                                      "queued before it failed")
+            prepared = self.prepare_full(served) if full else self.prepare_served(served)
+            if gate is not None:
+                gate()
+            waited = self.honour_max_lag(version)
+            result = self.commit(prepared, lag_wait_s=waited)
+            if anchor:
+                a = self.commit(self.prepare_full(served))
+                log.info("anchor: version %d is a full checkpoint of version %d (%d bytes)",
+                         a.version, version, a.patch_bytes)
+                result = dataclasses.replace(result, anchor=a)
+                self.published[version] = result
+            return result
+        except BaseException:
+            with self._plan_lock:
+                if gen == self._generation:
+                    self._generation += 1
+                    self._next = self.version + 1
+                    self._planned_full = self.store.newest_full() or self.cfg.base_version
+            raise
+
+    def honour_max_lag(self, version: int) -> float:
+        """``[publish] max_lag``: wait until enough of the fleet serves ``version - max_lag``."""
+        k = self.cfg.max_lag
+        need = version - k
+        if k <= 0 or need <= self.cfg.base_version:
+            return 0.0
+        if self._loop is None:
+            log.warning("publish.max_lag: the origin is not started, so no node reports its "
+                        "version; version %d is published without waiting", version)
+            return 0.0
+        t0 = time.monotonic()
+        view = self.wait(need, self.cfg.max_lag_fraction, timeout=self.cfg.max_lag_timeout_s)
+        waited = time.monotonic() - t0
+        if waited > 0.5:
+            log.info("max_lag: waited %.1f s for %.0f%% of %d node(s) to serve version %d",
+                     waited, 100 * view.served_fraction(need), len(view), need)
+        return waited
+
+    def prepare_served(self, served: dict[str, torch.Tensor]) -> Prepared:
+        """Encode the patch from the last published view to ``served`` and sign its
+        manifest, as the next version; nothing is stored or sent (see ``commit``)."""
         from swarm.codec import encode_patch
 
         served = {k: v.detach().cpu().contiguous() for k, v in served.items()}
         enc = encode_patch(self.view, served, context=self.cfg.codec_context)
-        parent, version = self.version, self.version + 1
+        return Prepared(self.version + 1, self.version, "patch", enc.patch, enc.base_digest,
+                        enc.target_digest, served, enc.changed, enc.elements, enc.encode_s)
+
+    def prepare_full(self, served: dict[str, torch.Tensor]) -> Prepared:
+        """The full checkpoint (safetensors bytes, what ``node.engines`` loads for a
+        manifest of kind "full") of ``served`` as the next version, signed."""
+        from safetensors.torch import save as save_bytes
+
+        from swarm.codec import state_digest
+
+        t0 = time.perf_counter()
+        served = {k: v.detach().cpu().contiguous() for k, v in served.items()}
+        payload = save_bytes(served)
+        digest = state_digest(served)
+        elements = sum(t.numel() for t in served.values())
+        return Prepared(self.version + 1, self.version, "full", payload, None, digest, served,
+                        elements, elements, time.perf_counter() - t0)
+
+    def commit(self, p: Prepared, *, lag_wait_s: float = 0.0) -> PublishResult:
+        """Sign ``p``'s manifest, store it (the transaction of the module docstring),
+        hand it to the swarm and collect the store. ``p`` must be the next version."""
+        if p.version != self.version + 1:
+            raise PatchswarmError(f"version {p.version} was prepared for another state "
+                                  f"(the last published version is {self.version})")
+        version, parent = p.version, p.parent
         m = build_manifest(
-            enc.patch, model=self.cfg.model, version=version, kind="patch",
-            parent_version=parent, parent_digest=enc.base_digest,
-            target_digest=enc.target_digest, chunk_size=self.cfg.chunk_size, key_id=self.key_id,
+            p.payload, model=self.cfg.model, version=version, kind=p.kind,
+            parent_version=parent if p.kind == "patch" else None, parent_digest=p.parent_digest,
+            target_digest=p.target_digest, chunk_size=self.cfg.chunk_size, key_id=self.key_id,
         )
         raw = sign_manifest(m, self.key)
         # The transaction of the module docstring; the active record is the commit point.
         try:
             if self.persist_view:
-                self._save_view(version, served)
+                self._save_view(version, p.served, p.payload if p.kind == "full" else None)
             _crash_point("view")
             self.store.put_manifest(raw, m)
             _crash_point("manifest")
-            for i, chunk in enumerate(split_payload(enc.patch, self.cfg.chunk_size)):
+            for i, chunk in enumerate(split_payload(p.payload, self.cfg.chunk_size)):
                 self.store.put_chunk(version, i, chunk)
                 if i == 0:
                     _crash_point("chunk")
             _crash_point("chunks")
-            self.store.set_active(version, enc.target_digest)
+            self.store.set_active(version, m.target_digest)
         except BaseException:
             self._roll_back(version)
             raise
         _crash_point("active")
         self._view_path(parent).unlink(missing_ok=True)
         (self.cfg.store_dir / PUBLISHED_VIEW).unlink(missing_ok=True)
-        self.version, self.view = version, served
+        self.version, self.view = version, p.served
         published_at = time.time()
         if self._loop is not None:
             self.node.driver.feed_threadsafe(lambda now: ev.Publish(now, raw))
-        result = PublishResult(version, parent, len(enc.patch), m.chunk_count, enc.changed,
-                               enc.elements, enc.target_digest, enc.encode_s, published_at)
+        result = PublishResult(version, parent, len(p.payload), m.chunk_count, p.changed,
+                               p.elements, m.target_digest, p.encode_s, published_at,
+                               kind=p.kind, lag_wait_s=lag_wait_s)
         self.published[version] = result
-        log.info("published version %d: %d bytes, %d chunks, %d changed of %d",
-                 version, result.patch_bytes, result.chunks, enc.changed, enc.elements)
+        log.info("published version %d (%s): %d bytes, %d chunks, %d changed of %d, "
+                 "encoded in %.3f s", version, p.kind, result.patch_bytes, result.chunks,
+                 p.changed, p.elements, p.encode_s)
+        self._collect()
         return result
 
-    def _save_view(self, version: int, served: dict[str, torch.Tensor]) -> None:
+    def _collect(self) -> None:
+        """``[store] keep_versions``: drop what no node needs (never the chain from the
+        newest anchor, nor what the core still announces). While the origin runs, its
+        core keeps every version it published or loaded and may still push their
+        chunks, so those stay until the next start (the core has no event to forget
+        a version); at start, before the core runs, the rule alone applies."""
+        keep = self.cfg.keep_versions
+        if not keep:
+            return
+        core = self.node.core
+        in_core: set[int] = set()
+        if self._loop is not None:
+            in_core = set(self.node.driver.call(lambda: list(core.manifests)))
+        try:
+            removed = self.store.gc(max(keep, core.cfg.keep_versions), in_core)
+        except PatchswarmError as exc:
+            log.warning("store gc failed: %s", exc)
+            return
+        if removed:
+            log.info("store gc: removed versions %s", _ranges(removed))
+            for v in removed:
+                self.published.pop(v, None)
+
+    def _save_view(self, version: int, served: dict[str, torch.Tensor],
+                   payload: bytes | None = None) -> None:
         from safetensors.torch import save_file
 
         from swarm.fsio import write_atomic
 
-        write_atomic(self._view_path(version), lambda tmp: save_file(served, tmp),
-                     "published view")
+        data = payload if payload is not None else (lambda tmp: save_file(served, tmp))
+        write_atomic(self._view_path(version), data, "published view")
 
     def _roll_back(self, version: int) -> None:
         """Undo a publish that failed before its commit point (disk full, ...)."""
@@ -311,10 +532,60 @@ class Publisher:
         return self.node.driver.call(lambda: self.node.driver.region_progress(version))
 
     def regions(self) -> list[str]:
-        """Regions of the nodes the origin has met."""
+        """Regions of the nodes the origin has met: linked, heard of, or reporting
+        (the origin's own region too, when nodes of it are met)."""
         if self._loop is None:
             return []
-        return self.node.driver.call(self.node.core.regions_seen)
+        core = self.node.core
+
+        def met() -> list[str]:
+            seen = set(core.regions_seen())  # other regions than ours
+            seen |= {p["region"] for p in core.peer_list()
+                     if p.get("region") and p.get("role") != "origin"}
+            seen |= {e.region for e in core.fleet()}
+            return sorted(seen)
+
+        return self.node.driver.call(met)
+
+    def nodes(self) -> dict[str, str]:
+        """Node id -> region of the nodes linked to the origin or reporting to it."""
+        if self._loop is None:
+            return {}
+        core = self.node.core
+
+        def met() -> dict[str, str]:
+            out = {e.node_id: e.region for e in core.fleet()}
+            out.update({p["id"]: p["region"] for p in core.peer_list()
+                        if p.get("role") != "origin"})
+            return out
+
+        return self.node.driver.call(met)
+
+    def fleet(self) -> FleetView:
+        """Which version every reporting node serves, per region, and who lags."""
+        if self._loop is None:
+            return FleetView([], latest=self.version)
+        core, driver = self.node.core, self.node.driver
+        entries, now = driver.call(lambda: (core.fleet(), driver.now()))
+        return FleetView(entries, latest=self.version, now=now)
+
+    def wait(self, version: int, fraction: float = 1.0, timeout: float = 300.0, *,
+             min_nodes: int = 0, poll_s: float = 0.2,
+             on_progress: Callable[[FleetView], None] | None = None) -> FleetView:
+        """Until ``fraction`` of the reporting nodes (and at least ``min_nodes`` of them)
+        serve ``version`` or newer; ``StalenessTimeout`` naming the laggards otherwise."""
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+        deadline = time.monotonic() + timeout
+        while True:
+            view = self.fleet()
+            if on_progress is not None:
+                on_progress(view)
+            if len(view) >= min_nodes and view.served_fraction(version) >= fraction - 1e-9:
+                return view
+            if time.monotonic() >= deadline:
+                raise StalenessTimeout(version, fraction, timeout, view)
+            time.sleep(poll_s)
 
     def wait_seeded(self, version: int, timeout: float = 300.0, *, regions: int | None = None,
                     on_progress: Callable[[dict[str, int]], None] | None = None,
@@ -334,21 +605,37 @@ class Publisher:
 
     def remembered_regions(self) -> list[str]:
         """Regions the previous run of this origin met (empty if unknown or unreadable)."""
+        return sorted(self._remembered()[0])
+
+    def remembered_nodes(self) -> dict[str, str]:
+        """Node id -> region of the nodes the previous run met (at most ``MAX_REMEMBERED``)."""
+        return self._remembered()[1]
+
+    def _remembered(self) -> tuple[set[str], dict[str, str]]:
         try:
             data = json.loads((self.cfg.store_dir / REGIONS_FILE).read_text())
         except (OSError, ValueError):
-            return []
-        if not isinstance(data, list) or not all(isinstance(r, str) for r in data):
-            log.warning("%s: not a list of region names; ignored", REGIONS_FILE)
-            return []
-        return data[:10_000]
+            return set(), {}
+        if isinstance(data, list):  # before 0.3: a list of region names
+            data = {"regions": data, "nodes": {}}
+        regions = data.get("regions") if isinstance(data, dict) else None
+        nodes = data.get("nodes", {}) if isinstance(data, dict) else None
+        if (not isinstance(regions, list) or not all(isinstance(r, str) for r in regions)
+                or not isinstance(nodes, dict)
+                or not all(isinstance(k, str) and isinstance(v, str) for k, v in nodes.items())):
+            log.warning("%s: not the regions and nodes met; ignored", REGIONS_FILE)
+            return set(), {}
+        return set(regions[:MAX_REMEMBERED]), dict(list(nodes.items())[:MAX_REMEMBERED])
 
     def _remember_regions(self, regions: list[str]) -> None:
-        if not regions:
+        nodes = self.nodes()
+        if not regions and not nodes:
             return
+        data = {"regions": sorted(regions),
+                "nodes": dict(sorted(nodes.items())[:MAX_REMEMBERED])}
         dest = self.cfg.store_dir / REGIONS_FILE
         tmp = dest.with_suffix(".tmp")
-        tmp.write_text(json.dumps(sorted(regions)))
+        tmp.write_text(json.dumps(data))
         os.replace(tmp, dest)
 
     @property
@@ -358,6 +645,17 @@ class Publisher:
     @property
     def store_dir(self) -> Path:
         return self.cfg.store_dir
+
+
+def _ranges(vs: list[int]) -> str:
+    """[1, 2, 3, 7] -> "1-3, 7" (for logs)."""
+    runs: list[list[int]] = []
+    for v in sorted(vs):
+        if runs and runs[-1][1] == v - 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _crash_point(step: str) -> None:
