@@ -98,6 +98,7 @@ class Publisher:
         self.node: Node = build_node(cfg, trust=self.trust)
         self.store = self.node.store
         self.version, self.view = self._load_last(base)
+        self._view_digests: dict[str, bytes] | None = None  # tensor digests of self.view, once known
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -247,7 +248,8 @@ class Publisher:
         from swarm.codec import encode_patch
 
         served = {k: v.detach().cpu().contiguous() for k, v in served.items()}
-        enc = encode_patch(self.view, served, context=self.cfg.codec_context)
+        enc = encode_patch(self.view, served, context=self.cfg.codec_context,
+                           old_digests=self._view_digests)
         parent, version = self.version, self.version + 1
         m = build_manifest(
             enc.patch, model=self.cfg.model, version=version, kind="patch",
@@ -274,7 +276,7 @@ class Publisher:
         _crash_point("active")
         self._view_path(parent).unlink(missing_ok=True)
         (self.cfg.store_dir / PUBLISHED_VIEW).unlink(missing_ok=True)
-        self.version, self.view = version, served
+        self.version, self.view, self._view_digests = version, served, enc.digests
         published_at = time.time()
         if self._loop is not None:
             self.node.driver.feed_threadsafe(lambda now: ev.Publish(now, raw))
