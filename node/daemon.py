@@ -126,6 +126,10 @@ def build_node(cfg: NodeConfig, *, weights: InProcessWeights | None = None,
                     guard=ConnectionGuard(max_total=cfg.max_connections,
                                           max_per_ip=cfg.max_connections_per_ip,
                                           upgrade_timeout_s=cfg.upgrade_timeout_s))
+    if cfg.node_key is not None:  # confidential versions: opened at apply (Driver._apply_truth)
+        from swarm.trust.keys import load_private_key
+
+        driver.node_key = load_private_key(cfg.node_key)
     add_routes(driver.api_app if driver.api_app is not None else driver.app, driver, cfg.model,
                token=cfg.api_token)
     return Node(cfg, store, weights, engine, core, driver)

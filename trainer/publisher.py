@@ -99,6 +99,7 @@ class Publisher:
         self.store = self.node.store
         self.version, self.view = self._load_last(base)
         self._view_digests: dict[str, bytes] | None = None  # tensor digests of self.view, once known
+        self._recipient_keys: list | None = None  # confidential mode: loaded on first publish
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -175,6 +176,14 @@ class Publisher:
                 payload = self.store.payload(v)
             except PatchswarmError as exc:
                 raise PatchswarmError(f"cannot rebuild version {version}: {exc}") from None
+            if m.encrypted:  # confidential: only a recipient's key opens the stored chain
+                if self.cfg.node_key is None:
+                    raise PatchswarmError(
+                        f"cannot rebuild version {version}: version {v} is confidential; give "
+                        "the trainer [trust] node_key of a recipient, or keep its view file")
+                from swarm.trust.confidential import decrypt_payload
+
+                payload = bytes(decrypt_payload(m, payload, load_private_key(self.cfg.node_key)))
             if m.kind == "full":
                 view = dict(load_bytes(payload))
             else:
@@ -251,10 +260,12 @@ class Publisher:
         enc = encode_patch(self.view, served, context=self.cfg.codec_context,
                            old_digests=self._view_digests)
         parent, version = self.version, self.version + 1
+        payload, encryption = self._seal(enc.patch, version)
         m = build_manifest(
-            enc.patch, model=self.cfg.model, version=version, kind="patch",
+            payload, model=self.cfg.model, version=version, kind="patch",
             parent_version=parent, parent_digest=enc.base_digest,
             target_digest=enc.target_digest, chunk_size=self.cfg.chunk_size, key_id=self.key_id,
+            encryption=encryption,
         )
         raw = sign_manifest(m, self.key)
         # The transaction of the module docstring; the active record is the commit point.
@@ -264,7 +275,7 @@ class Publisher:
             _crash_point("view")
             self.store.put_manifest(raw, m)
             _crash_point("manifest")
-            for i, chunk in enumerate(split_payload(enc.patch, self.cfg.chunk_size)):
+            for i, chunk in enumerate(split_payload(payload, self.cfg.chunk_size)):
                 self.store.put_chunk(version, i, chunk)
                 if i == 0:
                     _crash_point("chunk")
@@ -286,6 +297,18 @@ class Publisher:
         log.info("published version %d: %d bytes, %d chunks, %d changed of %d",
                  version, result.patch_bytes, result.chunks, enc.changed, enc.elements)
         return result
+
+    def _seal(self, patch: bytes, version: int) -> tuple[bytes | bytearray, dict | None]:
+        """Confidential mode (``[publish] recipients``): the patch sealed per chunk for
+        those nodes' X25519 keys, and the manifest's ``encryption`` field; else as is."""
+        if not self.cfg.recipients:
+            return patch, None
+        from swarm.trust.confidential import encrypt_payload, load_recipients
+
+        if self._recipient_keys is None:
+            self._recipient_keys = load_recipients(self.cfg.recipients)
+        return encrypt_payload(patch, self.cfg.chunk_size, self._recipient_keys,
+                               model=self.cfg.model, version=version)
 
     def _save_view(self, version: int, served: dict[str, torch.Tensor]) -> None:
         from safetensors.torch import save_file
