@@ -186,8 +186,9 @@ def test_confidential_fleet_keyless_relays_never_see_plaintext(tmp_path):
                 assert st["active_digest"] == base_digest  # never opened a version
                 assert sorted(st["no_key_versions"]) == [str(r["version"]) for r in reports]
                 assert "no key for version" in st["no_key_versions"][str(final)]
-        relay = status["n1-0"]
-        print("keyless relay n1-0 sent:", json.dumps(relay["chunks"]["sent"]))
+        # what the keyless relay forwarded (ciphertext): informative, the swarm picks
+        # who serves whom; in the runs so far it served most of its region's chunks
+        print("keyless relay n1-0 sent:", json.dumps(status["n1-0"]["chunks"]["sent"]))
     # Plaintext of every published patch, opened with a keyed node's key.
     tstore = ChunkStore(tmp_path / "trainer-store", trust=TrustStore.from_files(
         [tmp_path / "trainer.key.pub"]), fsync=False)
