@@ -23,17 +23,10 @@ def served_view(masters: dict[str, torch.Tensor], dtype: str = "bf16") -> dict[s
         for name, v in masters.items():
             v = v.detach()
             if v.dim() == 2:
-                lo, hi = torch.aminmax(v)  # one pass, no |v| temporary
-                amax = max(-float(lo), float(hi)) if v.numel() else 0.0
+                amax = float(v.abs().max())
                 exp = 0 if amax == 0.0 else int(torch.ceil(torch.log2(torch.tensor(amax / FP8_MAX))))
                 scale = torch.tensor(2.0**exp, dtype=torch.float32)
-                if -126 <= exp <= 126 and v.dtype == torch.float32:
-                    # x * 2^-exp is exactly x / 2^exp (both one correctly rounded
-                    # scaling by a normal power of two), and cheaper
-                    scaled = v * (2.0 ** -exp)
-                else:
-                    scaled = v / scale
-                out[name] = scaled.to(torch.float8_e4m3fn).contiguous()
+                out[name] = (v / scale).to(torch.float8_e4m3fn).contiguous()
                 out[name + ".scale"] = scale
             else:
                 out[name] = v.to(torch.bfloat16).contiguous()
