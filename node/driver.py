@@ -602,7 +602,7 @@ class Driver:
             digest = w.adopt(version, m.target_digest)
         else:
             payload = self.store.payload(version)
-            if m.encryption is not None:
+            if getattr(m, "encryption", None) is not None:
                 # Confidential: chunks were verified as ciphertext; open them only here.
                 # AES-GCM authenticates every chunk: a failure is local, nobody is blamed.
                 node_key = getattr(self, "node_key", None)  # set by node.daemon.build_node
