@@ -18,6 +18,18 @@ measurements interleaved, medians reported:
   byte planes, zstd level 3 per tensor) with its inverse (decompress, un-shuffle,
   XOR in place; no digests).
 
+With ``--e2e`` (default for the dense cases below, ``E2E_CASES``) it also times
+the whole path a trainer and a node run, in CPU-seconds of the process (all
+threads):
+
+- ``trainer``: ``Publisher.publish_served`` (encode with the publisher's two
+  encoder threads and its digest cache, chunk, BLAKE3 per chunk, sign, store
+  every chunk; no view file, no fsync: the disk is not what is measured);
+- ``served view``: ``trainer.served.served_view`` of FP32 masters (bf16/fp8 cases);
+- ``node``: what ``node.driver`` does on ``ApplyVersion`` with the in-process
+  engine: ``store.payload`` (read + BLAKE3 of every chunk) then
+  ``InProcessWeights.stage`` + ``commit`` (decode, apply, digest checks).
+
 Speeds are MB of served checkpoint per CPU-second (``time.process_time``, one
 thread: torch, zstd and the encoder single-threaded), so descheduling on a shared
 machine does not count; the ratios are what to compare across runs.
@@ -31,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -213,12 +226,76 @@ def measure(name: str, old: dict, new: dict, repeat: int) -> dict:
     }
 
 
+E2E_CASES = ("bf16 dense 93%", "fp8 dense 90%", "bf16 replace")
+
+
+def end_to_end(old: dict, new: dict, dtype: str, repeat: int) -> dict:
+    """Trainer publish and node apply, whole path (see the module docstring)."""
+    import shutil
+    import tempfile
+
+    from node.config import parse_config
+    from node.engines.inprocess import InProcessWeights
+    from swarm.trust.keys import generate_keypair
+    from trainer.publisher import Publisher
+    from trainer.served import served_view
+
+    full = sum(t.numel() * t.element_size() for t in new.values())
+    times: dict[str, list[float]] = {"trainer": [], "trainer_wall": [], "node": [], "served": []}
+    patch_bytes = 0
+    for _ in range(repeat):
+        d = Path(tempfile.mkdtemp(prefix="bench-dense-"))
+        try:
+            generate_keypair(d / "t.key")
+            cfg = parse_config({
+                "node": {"id": "t", "region": "t", "model": "m", "role": "origin"},
+                "network": {"listen": "127.0.0.1:9", "swarm_secret": "00" * 32},
+                "store": {"dir": "store", "fsync": False},
+                "publish": {"signing_key": "t.key"}}, d)
+            pub = Publisher(cfg, base=old, persist_view=False)
+            # what a running trainer holds: the digests of the view it published last
+            pub._view_digests = getattr(encode_patch({}, old, threads=1), "digests", None)
+            w0 = time.perf_counter()
+            times["trainer"].append(cpu_timed(lambda: pub.publish_served(new)))  # noqa: B023
+            times["trainer_wall"].append(time.perf_counter() - w0)
+            v = pub.version
+            m = pub.store.manifest(v)
+            patch_bytes = m.payload_length
+            w = InProcessWeights({k: t.clone() for k, t in old.items()}, v - 1, "cpu")
+            w.track_changes = False  # as with the in-process engine (node.daemon)
+
+            def node(w=w, m=m, store=pub.store, v=v) -> None:
+                w.stage(v, m.kind, store.payload(v), m.parent_digest)
+                assert w.commit(v, m.target_digest) == m.target_digest
+
+            times["node"].append(cpu_timed(node))
+            pub.store.close()
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+        if dtype in ("bf16", "fp8"):
+            masters = {k: t.float() for k, t in new.items()}
+            times["served"].append(cpu_timed(lambda: served_view(masters, dtype)))  # noqa: B023
+    med = {k: statistics.median(v) for k, v in times.items() if v}
+    out = {
+        "trainer_mbps": full / med["trainer"] / 1e6,
+        "trainer_wall_mbps": full / med["trainer_wall"] / 1e6,
+        "node_mbps": full / med["node"] / 1e6,
+        "node_cpu_s_per_gb_received": med["node"] / (patch_bytes / 1e9),
+        "e2e_times_s": times,
+    }
+    if "served" in med:
+        out["served_view_mbps"] = full / med["served"] / 1e6  # of served bytes produced
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--cases", default="all", help="comma-separated case names, or 'all'")
     ap.add_argument("--mib", type=int, default=64, help="checkpoint size per case")
     ap.add_argument("--out", type=Path, default=RESULTS / "dense.json")
+    ap.add_argument("--e2e", default=",".join(E2E_CASES),
+                    help="cases also timed end to end (trainer publish, node apply); '' for none")
     args = ap.parse_args()
     torch.set_num_threads(1)
     names = list(CASES) if args.cases == "all" else [c.strip() for c in args.cases.split(",")]
@@ -230,6 +307,8 @@ def main() -> None:
         dtype, step = CASES[name]
         old, new = make_case(dtype, step, args.mib * MiB)
         r = measure(name, old, new, args.repeat)
+        if name in args.e2e.split(","):
+            r.update(end_to_end(old, new, dtype, args.repeat))
         rows.append(r)
         print(f"{name:<24} {r['changed_pct']:>6.2f} {'/'.join(r['ops']):<13} "
               f"{r['patch_bytes'] / 1e6:>8.2f} {r['size_vs_baseline']:>6.3f} "
@@ -237,11 +316,19 @@ def main() -> None:
               f"{r['apply_mbps']:>10.0f} {r['apply_x_baseline']:>6.2f} {r['apply_x_memcpy']:>6.3f} "
               f"{r['node_cpu_s_per_gb']:>9.2f} {r['baseline_encode_mbps']:>8.0f} "
               f"{r['baseline_apply_mbps']:>8.0f} {r['memcpy_mbps']:>7.0f}", flush=True)
+        if "trainer_mbps" in r:
+            print(f"{'  end to end':<24} trainer publish {r['trainer_mbps']:.0f} MB/s CPU "
+                  f"({r['trainer_mbps'] / r['memcpy_mbps']:.3f}x memcpy, wall "
+                  f"{r['trainer_wall_mbps']:.0f} MB/s); node apply {r['node_mbps']:.0f} MB/s CPU "
+                  f"({r['node_mbps'] / r['memcpy_mbps']:.3f}x memcpy), "
+                  f"{r['node_cpu_s_per_gb_received']:.2f} CPU-s/GB received"
+                  + (f"; served view {r['served_view_mbps']:.0f} MB/s"
+                     if "served_view_mbps" in r else ""), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "machine": platform.machine(), "processor": platform.processor(),
         "cpu_threads_torch": 1, "repeat": args.repeat, "mib": args.mib,
-        "timer": "process_time", "rows": rows}, indent=1))
+        "timer": "process_time", "load_avg": list(os.getloadavg()), "rows": rows}, indent=1))
     print(f"wrote {args.out}")
 
 

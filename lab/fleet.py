@@ -104,7 +104,8 @@ class LoopbackFleet:
                  keep_workdir: bool = False, swarm: dict[str, Any] | None = None,
                  node_env: dict[str, dict[str, str]] | None = None,
                  lab: NetLab | None = None, tls: bool = False,
-                 trainer_sections: dict[str, dict[str, Any]] | None = None) -> None:
+                 trainer_sections: dict[str, dict[str, Any]] | None = None,
+                 node_keys: list[str] | None = None) -> None:
         """``lab``: place every node (and the trainer) on an emulated host of a
         ``lab.netlab.NetLab`` instead of 127.0.x.x. The calling process must
         then run inside one of the lab's namespaces (it polls the nodes over HTTP).
@@ -112,6 +113,10 @@ class LoopbackFleet:
         trainer, mutual TLS on the swarm port and the HTTP API on a port of its own.
         ``trainer_sections``: extra keys for the trainer's config, by section (e.g.
         ``{"publish": {"anchor_every": 3}, "store": {"keep_versions": 1}}``)."""
+        ``node_keys``: confidential mode. These nodes (by name, e.g. "n0-1") get an
+        X25519 key (``keys/<name>.x25519``, ``[trust] node_key``) and the trainer
+        publishes every version encrypted for exactly them; the other nodes relay
+        ciphertext they cannot open."""
         if regions < 1 or nodes_per_region < 1:
             raise FleetError("need at least one region and one node per region")
         if regions > 200 or nodes_per_region > 200:
@@ -127,6 +132,7 @@ class LoopbackFleet:
         self.node_env = node_env or {}
         self.lab = lab
         self.tls = tls
+        self.node_keys = None if node_keys is None else list(node_keys)
         self.trainer_host = lab.ip_trainer if lab else "127.0.0.1"
         self.trainer_prefix = NetLab.exec_prefix(lab.ns_trainer) if lab else []
         self.nodes: list[NodeProc] = []
@@ -193,6 +199,16 @@ class LoopbackFleet:
         generate_keypair(w / "trainer.key")
         (w / "swarm.secret").write_text(os.urandom(32).hex() + "\n")
         knobs = "".join(f"{k} = {json.dumps(v)}\n" for k, v in self.swarm.items())
+        keyed: set[str] = set()
+        recipients = ""
+        if self.node_keys is not None:
+            (w / "keys").mkdir(exist_ok=True)
+            for name in self.node_keys:
+                if not (w / "keys" / f"{name}.x25519").exists():
+                    generate_keypair(w / "keys" / f"{name}.x25519", kind="x25519")
+                keyed.add(name)
+            recipients = "recipients = [" + ", ".join(
+                f'"keys/{name}.x25519.pub"' for name in sorted(keyed)) + "]\n"
         common = '[network]\nswarm_secret_file = "swarm.secret"\n'
         if not self.tls and self.lab is not None:  # lab hosts are not loopback addresses
             common += 'allow_plaintext = true\n'
@@ -207,7 +223,7 @@ class LoopbackFleet:
             f'[store]\ndir = "trainer-store"\nfsync = false\n{extra.get("store", "")}\n'
             f'[weights]\nbase = "base.safetensors"\nbase_version = 1\n\n'
             f'[publish]\nsigning_key = "trainer.key"\nchunk_size = {self.chunk_size}\n'
-            f'served_dtype = "bf16"\n{extra.get("publish", "")}\n'
+            f'served_dtype = "bf16"\n{extra.get("publish", "")}\n{recipients}\n'
             f'{self._tls_sections("trainer", "trainer", self.trainer_host, "origin")}'
             f'[swarm]\n{knobs}'
         )
@@ -215,7 +231,8 @@ class LoopbackFleet:
             n.config.write_text(
                 f'[node]\nid = "{n.name}"\nregion = "{n.region}"\nmodel = "{MODEL}"\n\n'
                 f'{common}listen = "{n.addr}"\nbootstrap = ["{self.trainer_addr}"]\n\n'
-                f'[trust]\ntrainer_keys = ["trainer.key.pub"]\n\n'
+                f'[trust]\ntrainer_keys = ["trainer.key.pub"]\n'
+                + (f'node_key = "keys/{n.name}.x25519"\n' if n.name in keyed else "") + "\n"
                 f'[store]\ndir = "{n.name}-store"\nfsync = false\n\n'
                 f'[weights]\nbase = "base.safetensors"\nbase_version = 1\ndevice = "cpu"\n\n'
                 f'{self._tls_sections(n.name, n.region, n.host)}'

@@ -82,6 +82,8 @@ def status_dict(driver: Driver, model: str) -> dict[str, Any]:
         "dup_chunks": counters["dup_chunks"],
         "wire_bytes": dict(driver.wire_bytes),
         "apply_seconds": {str(k): round(v, 6) for k, v in driver.apply_seconds.items()},
+        # confidential versions this node relays but cannot open (no key for them)
+        "no_key_versions": {str(k): v for k, v in getattr(driver, "no_key_versions", {}).items()},
         "activated_at": {str(k): v for k, v in driver.activated_at.items()},
         "store_bytes": driver.store.used_bytes,
         "uptime_s": round(time.time() - driver.started_at, 3),

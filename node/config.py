@@ -10,11 +10,14 @@ Layout (see configs/node.toml for a commented example)::
     [node]     id, region, model, role ("node" | "origin")
     [network]  listen = "host:port", advertise = "host:port" (default: listen),
                bootstrap = ["host:port", ...], swarm_secret (hex) or swarm_secret_file
-    [trust]    trainer_keys = ["trainer.pub", ...]       (Ed25519 public keys, PEM)
+    [trust]    trainer_keys = ["trainer.pub", ...]       (Ed25519 public keys, PEM),
+               node_key = "node.x25519" (X25519 private key: opens confidential versions)
     [store]    dir, quota_bytes (0 = none), keep_versions (0 = keep all), fsync
     [weights]  base (safetensors), base_version, device ("auto" | "cpu" | "cuda" | "cuda:N")
     [publish]  signing_key, chunk_size, served_dtype, context, anchor_every (0 = off),
-               max_lag (0 = off), max_lag_fraction, max_lag_timeout_s  (origin only)
+               max_lag (0 = off), max_lag_fraction, max_lag_timeout_s,
+               recipients = ["keys/a.x25519.pub", "keys/"] (confidential mode: X25519
+               public keys, or directories of *.pub files)  (origin only)
     [swarm]    any ``CoreConfig`` policy knob, e.g. mesh_degree = 6
     [engine]   kind ("inprocess" | "vllm" | "sglang"), url, timeouts, pause_mode, ...
                (see ``node.engines.config``)
@@ -38,11 +41,11 @@ _SECTIONS = {
     "network": {"listen", "advertise", "bootstrap", "swarm_secret", "swarm_secret_file",
                 "max_connections", "max_connections_per_ip", "upgrade_timeout_s",
                 "allow_plaintext"},
-    "trust": {"trainer_keys"},
+    "trust": {"trainer_keys", "node_key"},
     "store": {"dir", "quota_bytes", "keep_versions", "fsync"},
     "weights": {"base", "base_version", "device"},
     "publish": {"signing_key", "chunk_size", "served_dtype", "context", "anchor_every",
-                "max_lag", "max_lag_fraction", "max_lag_timeout_s"},
+                "max_lag", "max_lag_fraction", "max_lag_timeout_s", "recipients"},
     "swarm": None,  # checked against CoreConfig's fields
     "log": {"level", "format"},
     "engine": None,  # checked by node.engines.config.parse_engine
@@ -91,6 +94,8 @@ class NodeConfig:
     max_lag: int = 0  # publishing v waits until the fleet serves v - max_lag (0: never waits)
     max_lag_fraction: float = 1.0  # share of the reporting nodes that must be that current
     max_lag_timeout_s: float = 600.0  # then StalenessTimeout names the laggards
+    node_key: Path | None = None  # X25519 private key that opens confidential versions
+    recipients: tuple[Path, ...] = ()  # confidential mode: publish encrypted for these keys
     log_level: str = "info"
     log_format: str = "text"  # "text" (key=value) or "json" (one object per line)
     swarm: dict[str, Any] = field(default_factory=dict)
@@ -226,6 +231,67 @@ def _tls(sec: dict | None, base_dir: Path, node_id: str, region: str, role: str)
     return files
 
 
+MAX_RECIPIENT_FILES = 1024
+
+
+def _node_key(trust: dict, base_dir: Path) -> Path | None:
+    """``[trust] node_key``: an X25519 private key file, checked now."""
+    if "node_key" not in trust:
+        return None
+    p = _path(base_dir, _get(trust, "trust", "node_key", str), "trust.node_key")
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+    from swarm.errors import ManifestError
+    from swarm.trust.keys import load_private_key
+
+    try:
+        key = load_private_key(p)
+    except ManifestError as exc:
+        raise ConfigError(f"trust.node_key: {exc}") from None
+    if not isinstance(key, X25519PrivateKey):
+        raise ConfigError(f"trust.node_key: {p} is an Ed25519 key, not an X25519 node key "
+                          "(make one with `patchswarm keygen --x25519 FILE`)")
+    return p
+
+
+def _recipients(publish: dict, base_dir: Path) -> tuple[Path, ...]:
+    """``[publish] recipients``: X25519 public key files, or directories of ``*.pub``
+    files, checked now; the error names the key file."""
+    items = _get(publish, "publish", "recipients", list, [])
+    files: list[Path] = []
+    for i, item in enumerate(items):
+        name = f"publish.recipients[{i}]"
+        if not isinstance(item, str):
+            raise ConfigError(f"{name}: expected a key file or directory path, got {item!r}")
+        p = _path(base_dir, item, name)
+        if p.is_dir():
+            found = sorted(q for q in p.glob("*.pub") if q.is_file())
+            if not found:
+                raise ConfigError(f"{name}: directory {p} holds no *.pub key files")
+            files.extend(found)
+        elif p.exists():
+            files.append(p)
+        else:
+            raise ConfigError(f"{name}: {p} does not exist")
+    if len(files) > MAX_RECIPIENT_FILES:
+        raise ConfigError(f"publish.recipients: {len(files)} keys, at most {MAX_RECIPIENT_FILES}")
+    from swarm.errors import ManifestError
+    from swarm.trust.confidential import load_recipients
+    from swarm.trust.keys import key_id
+
+    seen: dict[str, Path] = {}
+    for f in files:
+        try:
+            (pub,) = load_recipients([f])
+        except ManifestError as exc:
+            raise ConfigError(f"publish.recipients: {exc}") from None
+        kid = key_id(pub)
+        if kid in seen:
+            raise ConfigError(f"publish.recipients: {f} is the same key as {seen[kid]}")
+        seen[kid] = f
+    return tuple(files)
+
+
 def _api(sec: dict, base_dir: Path, tls: bool,
          swarm: tuple[str, int]) -> tuple[tuple[str, int] | None, str | None]:
     """``[api]``: its own address (required with TLS: peers and people differ), a token."""
@@ -358,6 +424,10 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = Non
             if key in publish:
                 raise ConfigError(f"publish.{key}: only the origin (node.role = \"origin\") "
                                   "publishes")
+    recipients = _recipients(publish, base_dir)
+    if recipients and chunk_size <= 16:
+        raise ConfigError("publish.chunk_size: too small for confidential mode")
+    node_key = _node_key(trust, base_dir)
     level = _get(data.get("log") or {}, "log", "level", str, "info")
     if level not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"log.level: expected debug, info, warning or error, got {level!r}")
@@ -397,7 +467,7 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = Non
         quota_bytes=quota or None, keep_versions=keep,
         fsync=_get(store, "store", "fsync", bool, True), base=base, base_version=base_version,
         device=device, signing_key=signing_key, chunk_size=chunk_size, served_dtype=served,
-        codec_context=context, **control,
+        codec_context=context, node_key=node_key, recipients=recipients, **control,
         log_level=level, log_format=log_format, swarm=_swarm_knobs(data.get("swarm") or {}), source=source,
     )
     cfg.core_config()  # CoreConfig's own validation (ConfigError naming the knob)

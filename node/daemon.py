@@ -135,6 +135,10 @@ def build_node(cfg: NodeConfig, *, weights: InProcessWeights | None = None,
             model_config = cfg.base.parent / "config.json"
         gateway = Gateway(cfg.gateway, driver, model=cfg.model, model_config=model_config)
         driver.commit_gate = gateway.commit_hold
+    if cfg.node_key is not None:  # confidential versions: opened at apply (Driver._apply_truth)
+        from swarm.trust.keys import load_private_key
+
+        driver.node_key = load_private_key(cfg.node_key)
     add_routes(driver.api_app if driver.api_app is not None else driver.app, driver, cfg.model,
                token=cfg.api_token, gateway=gateway)
     return Node(cfg, store, weights, engine, core, driver, gateway)

@@ -65,6 +65,7 @@ from swarm.errors import ChunkError, PatchswarmError, ProtocolError, StoreError
 from swarm.protocol import events as ev
 from swarm.protocol import wire
 from swarm.protocol.core import NodeCore
+from swarm.trust.confidential import NoKeyError, decrypt_payload
 from swarm.trust.manifest import Manifest
 
 log = logging.getLogger("patchswarm.node")
@@ -615,6 +616,20 @@ class Driver:
                 async with self._gated(version, self.engine is not None
                                        and self.engine.kind == "inprocess"):
                     digest = await asyncio.to_thread(self._apply_truth, version)
+            except NoKeyError as exc:
+                # Confidential version not for us: the chunks are held and verified
+                # (ciphertext), so the core moves on and relays this version and later
+                # ones; the weights, the engine and the store's active record stay at
+                # the last version this node could open (docs/security.md).
+                no_key = self.__dict__.setdefault("no_key_versions", {})
+                no_key[version] = str(exc)
+                while len(no_key) > 64:
+                    del no_key[min(no_key)]
+                held = self.weights.version if self.weights is not None else None
+                log.warning("%s; relaying it without applying it (weights stay at version %s)",
+                            exc, held)
+                self.feed(ev.Applied(self.now(), version, True))
+                return
             except (PatchswarmError, OSError, RuntimeError, ValueError) as exc:
                 log.error("apply of version %d failed: %s", version, exc)
                 self.feed(ev.Applied(self.now(), version, False, str(exc)[:200]))
@@ -648,6 +663,14 @@ class Driver:
             digest = w.adopt(version, m.target_digest)
         else:
             payload = self.store.payload(version)
+            if getattr(m, "encryption", None) is not None:
+                # Confidential: chunks were verified as ciphertext; open them only here.
+                # AES-GCM authenticates every chunk: a failure is local, nobody is blamed.
+                node_key = getattr(self, "node_key", None)  # set by node.daemon.build_node
+                if node_key is None:
+                    raise NoKeyError(f"no key for version {version}: it is confidential and "
+                                     "this node has no [trust] node_key")
+                payload = bytes(decrypt_payload(m, payload, node_key))
             w.stage(version, m.kind, payload, m.parent_digest)
             t0 = time.perf_counter()
             digest = w.commit(version, m.target_digest)

@@ -10,7 +10,14 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarm.codec import apply_patch, encode_patch, read_patch_info, records, stage_patch
+from swarm.codec import (
+    apply_patch,
+    encode_patch,
+    read_patch_info,
+    records,
+    stage_patch,
+    tensor_digest,
+)
 from swarm.codec import encode as enc
 from swarm.codec.apply import PatchApplier
 from swarm.codec.dtypes import BY_TORCH, DTYPES, bits_view
@@ -103,6 +110,19 @@ def test_dense_roundtrip_every_dtype(pair, piece):
         applier.feed(patch[i:i + piece])
     applier.finish()
     assert same_bits(w, new)
+
+
+@settings(max_examples=30, deadline=None)
+@given(dense_pairs())
+def test_known_old_digests_give_the_same_patch(pair):
+    """``old_digests`` (a trainer's cache from the previous encode) only skips hashing."""
+    old, new = pair
+    first = encode_patch({}, old)
+    assert first.digests == {n: tensor_digest(t) for n, t in old.items()}
+    plain = encode_patch(old, new)
+    cached = encode_patch(old, new, old_digests=first.digests)
+    assert cached.patch == plain.patch and cached.digests == plain.digests
+    assert plain.digests == {n: tensor_digest(t) for n, t in new.items()}
 
 
 def _large(kind: str) -> tuple[dict, dict]:

@@ -73,7 +73,7 @@ def test_fresh_key_per_version():
 
 def test_outsider_cannot_unwrap():
     _, m = publish(b"x" * 100)
-    with pytest.raises(ManifestError, match="not encrypted for node key"):
+    with pytest.raises(cf.NoKeyError, match="no key for version 7: it is not encrypted for"):
         cf.unwrap_key(m, OUTSIDER)
 
 

@@ -117,6 +117,7 @@ class Prepared:
     changed: int
     elements: int
     encode_s: float
+    digests: dict | None = None  # tensor digests of ``served``, when the encoder knew them
 
 
 class PublishHandle:
@@ -166,6 +167,8 @@ class Publisher:
         self._stop: asyncio.Event | None = None
         self._error: BaseException | None = None
         self.published: dict[int, PublishResult] = {}
+        self._view_digests: dict[str, bytes] | None = None  # tensor digests of self.view, once known
+        self._recipient_keys: list | None = None  # confidential mode: loaded on first publish
         # publishes run one at a time on one worker thread, in the order asked for
         self._worker: ThreadPoolExecutor | None = None
         self._plan_lock = threading.Lock()
@@ -246,6 +249,14 @@ class Publisher:
                 if m.kind == "full" and not self.store.complete(v):
                     continue  # an adopted anchor: the state of the version before it
                 payload = self.store.payload(v)
+                if m.encrypted:  # confidential: only a recipient's key opens the stored chain
+                    if self.cfg.node_key is None:
+                        raise PatchswarmError(
+                            f"cannot rebuild version {version}: version {v} is confidential; give "
+                            "the trainer [trust] node_key of a recipient, or keep its view file")
+                    from swarm.trust.confidential import decrypt_payload
+
+                    payload = bytes(decrypt_payload(m, payload, load_private_key(self.cfg.node_key)))
                 if m.kind == "full":
                     view = dict(load_bytes(payload))
                 else:
@@ -417,9 +428,11 @@ class Publisher:
         from swarm.codec import encode_patch
 
         served = {k: v.detach().cpu().contiguous() for k, v in served.items()}
-        enc = encode_patch(self.view, served, context=self.cfg.codec_context)
+        enc = encode_patch(self.view, served, context=self.cfg.codec_context,
+                           old_digests=self._view_digests)
         return Prepared(self.version + 1, self.version, "patch", enc.patch, enc.base_digest,
-                        enc.target_digest, served, enc.changed, enc.elements, enc.encode_s)
+                        enc.target_digest, served, enc.changed, enc.elements, enc.encode_s,
+                        enc.digests)
 
     def prepare_full(self, served: dict[str, torch.Tensor]) -> Prepared:
         """The full checkpoint (safetensors bytes, what ``node.engines`` loads for a
@@ -443,10 +456,12 @@ class Publisher:
             raise PatchswarmError(f"version {p.version} was prepared for another state "
                                   f"(the last published version is {self.version})")
         version, parent = p.version, p.parent
+        payload, encryption = self._seal(p.payload, version)
         m = build_manifest(
-            p.payload, model=self.cfg.model, version=version, kind=p.kind,
+            payload, model=self.cfg.model, version=version, kind=p.kind,
             parent_version=parent if p.kind == "patch" else None, parent_digest=p.parent_digest,
             target_digest=p.target_digest, chunk_size=self.cfg.chunk_size, key_id=self.key_id,
+            encryption=encryption,
         )
         raw = sign_manifest(m, self.key)
         # The transaction of the module docstring; the active record is the commit point.
@@ -456,7 +471,7 @@ class Publisher:
             _crash_point("view")
             self.store.put_manifest(raw, m)
             _crash_point("manifest")
-            for i, chunk in enumerate(split_payload(p.payload, self.cfg.chunk_size)):
+            for i, chunk in enumerate(split_payload(payload, self.cfg.chunk_size)):
                 self.store.put_chunk(version, i, chunk)
                 if i == 0:
                     _crash_point("chunk")
@@ -468,7 +483,7 @@ class Publisher:
         _crash_point("active")
         self._view_path(parent).unlink(missing_ok=True)
         (self.cfg.store_dir / PUBLISHED_VIEW).unlink(missing_ok=True)
-        self.version, self.view = version, p.served
+        self.version, self.view, self._view_digests = version, p.served, p.digests
         published_at = time.time()
         if self._loop is not None:
             self.node.driver.feed_threadsafe(lambda now: ev.Publish(now, raw))
@@ -504,6 +519,18 @@ class Publisher:
             log.info("store gc: removed versions %s", _ranges(removed))
             for v in removed:
                 self.published.pop(v, None)
+
+    def _seal(self, patch: bytes, version: int) -> tuple[bytes | bytearray, dict | None]:
+        """Confidential mode (``[publish] recipients``): the payload sealed per chunk for
+        those nodes' X25519 keys, and the manifest's ``encryption`` field; else as is."""
+        if not self.cfg.recipients:
+            return patch, None
+        from swarm.trust.confidential import encrypt_payload, load_recipients
+
+        if self._recipient_keys is None:
+            self._recipient_keys = load_recipients(self.cfg.recipients)
+        return encrypt_payload(patch, self.cfg.chunk_size, self._recipient_keys,
+                               model=self.cfg.model, version=version)
 
     def _save_view(self, version: int, served: dict[str, torch.Tensor],
                    payload: bytes | None = None) -> None:

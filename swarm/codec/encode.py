@@ -65,6 +65,9 @@ class EncodeResult:
     target_digest: bytes
     encode_s: float
     tensors: list[TensorStats] = field(default_factory=list)
+    # XXH3 tensor digests of ``new`` (name -> 8 bytes): pass them as the next
+    # encode's ``old_digests`` so the old view is not hashed again.
+    digests: dict[str, bytes] = field(default_factory=dict)
 
     @property
     def elements(self) -> int:
@@ -97,15 +100,16 @@ def use_context(mode: str, dt: DType) -> bool:
     return False
 
 
-def _scan(old_bits: np.ndarray, new_bits: np.ndarray
-          ) -> tuple[np.ndarray | None, int, np.ndarray | None, bytes, bytes]:
+def _scan(old_bits: np.ndarray, new_bits: np.ndarray, hash_old: bool = True
+          ) -> tuple[np.ndarray | None, int, np.ndarray | None, bytes | None, bytes]:
     """One blocked pass over both tensors -> (changed-element mask, changed count,
     XOR byte planes, old digest, new digest), hashing each block while in cache.
 
     After the first eighth of the tensor, if more than ``DENSE_SCAN_FRACTION``
     of it changed, the pass stops writing the mask and writes the XOR's byte
     planes instead (what DENSE compresses), so a dense tensor is read once:
-    then the mask is None; otherwise the planes are None."""
+    then the mask is None; otherwise the planes are None. The old digest is
+    None when ``hash_old`` is false (the caller knows it)."""
     n = new_bits.size
     mask = np.empty(n, dtype=bool)
     planes = None
@@ -118,7 +122,8 @@ def _scan(old_bits: np.ndarray, new_bits: np.ndarray
     k = 0
     for s in range(0, n, step):
         e = min(n, s + step)
-        h_old.update(o8[s * w:e * w])
+        if hash_old:
+            h_old.update(o8[s * w:e * w])
         h_new.update(n8[s * w:e * w])
         if planes is not None:
             k += records.shuffle_range(uo, un, planes, s, e)
@@ -129,9 +134,10 @@ def _scan(old_bits: np.ndarray, new_bits: np.ndarray
             if k > DENSE_SCAN_FRACTION * e:
                 planes = np.empty((w, n), dtype=np.uint8)
                 records.shuffle_range(uo, un, planes, 0, e)
+    old_digest = h_old.digest() if hash_old else None
     if planes is None:
-        return mask, int(np.count_nonzero(mask)), None, h_old.digest(), h_new.digest()
-    return None, k, planes, h_old.digest(), h_new.digest()
+        return mask, int(np.count_nonzero(mask)), None, old_digest, h_new.digest()
+    return None, k, planes, old_digest, h_new.digest()
 
 
 def _block_sample(bits: np.ndarray) -> np.ndarray:
@@ -184,7 +190,7 @@ def _encode_sparse(old_bits: np.ndarray, new_bits: np.ndarray, idx: np.ndarray, 
 
 
 def _encode_one(name: str, old: torch.Tensor | None, new: torch.Tensor | None,
-                context: str = "auto"
+                context: str = "auto", hash_old: bool = True
                 ) -> tuple[TableEntry, list[bytes] | None, TensorStats, bytes | None, bytes | None]:
     """-> (table entry, record body as parts to concatenate or None when unchanged,
     stats, new tensor digest, old tensor digest or None when not computed)."""
@@ -203,7 +209,7 @@ def _encode_one(name: str, old: torch.Tensor | None, new: torch.Tensor | None,
         stats = TensorStats(name, "FULL", new.numel(), new.numel(), 0, full_bytes)
         return entry, body, stats, digest, None
     old_bits = _bits(old, dt)
-    mask, k, planes, old_digest, digest = _scan(old_bits, new_bits)
+    mask, k, planes, old_digest, digest = _scan(old_bits, new_bits, hash_old)
     stats = TensorStats(name, "SPARSE", new.numel(), k, 0, full_bytes)
     if k == 0:
         return TableEntry(name, Op.SPARSE, dt, tuple(new.shape)), None, stats, digest, old_digest
@@ -224,11 +230,16 @@ def _encode_one(name: str, old: torch.Tensor | None, new: torch.Tensor | None,
 
 
 def encode_patch(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], *,
-                 threads: int = 2, context: str = "auto") -> EncodeResult:
+                 threads: int = 2, context: str = "auto",
+                 old_digests: Mapping[str, bytes] | None = None) -> EncodeResult:
     """Encode the patch that turns ``old`` into ``new`` bit for bit.
 
     ``context``: "auto" (magnitude-bucket position models for 8-bit floats),
     "on" (for every float dtype: smaller, slower), or "off".
+    ``old_digests``: tensor digests of ``old`` the caller already holds (the
+    previous result's ``digests``); those tensors are not hashed again (a
+    quarter of a dense encode's memory traffic). They must be right: the
+    patch's base digest is built from them.
     """
     if context not in ("auto", "on", "off"):
         raise ValueError(f"context must be 'auto', 'on' or 'off', not {context!r}")
@@ -237,8 +248,10 @@ def encode_patch(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor
     olds = {n: _cpu(old[n]) for n in names if n in old}
     news = {n: _cpu(new[n]) for n in names if n in new}
 
+    known = dict(old_digests or {})
+
     def work(name: str):
-        return _encode_one(name, olds.get(name), news.get(name), context)
+        return _encode_one(name, olds.get(name), news.get(name), context, name not in known)
 
     if threads > 1 and len(names) > 1:
         with ThreadPoolExecutor(max_workers=threads) as pool:
@@ -248,11 +261,11 @@ def encode_patch(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor
 
     new_digests = {n: d for n, (_, _, _, d, _) in zip(names, results, strict=True) if d is not None}
     # Same-shape tensors had their old digest taken in the scan; the rest are hashed here.
-    old_digests = {
-        n: od if od is not None else tensor_digest(olds[n])
+    base_digests = {
+        n: od if od is not None else known.get(n) or tensor_digest(olds[n])
         for n, (_, _, _, _, od) in zip(names, results, strict=True) if n in olds
     }
-    base_digest = state_digest(olds, old_digests)
+    base_digest = state_digest(olds, base_digests)
     target_digest = state_digest(news, new_digests)
 
     entries: list[TableEntry] = []
@@ -269,4 +282,5 @@ def encode_patch(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor
         framed.extend(body)
     # One concatenation: a dense patch is tens of MB, every extra join is a memcpy.
     patch = b"".join([encode_header(base_digest, target_digest, entries), *framed])
-    return EncodeResult(patch, base_digest, target_digest, time.perf_counter() - t0, stats)
+    return EncodeResult(patch, base_digest, target_digest, time.perf_counter() - t0, stats,
+                        new_digests)

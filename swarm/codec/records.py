@@ -236,7 +236,6 @@ def shuffle_range(u: np.ndarray, x2: np.ndarray | None, out: np.ndarray, start: 
             changed = int(np.count_nonzero(out[0, start:stop]))
         return changed
     scratch = np.empty(min(stop - start, BLOCK), dtype=u.dtype)
-    tmp = np.empty_like(scratch)
     for s in range(start, stop, BLOCK):
         e = min(stop, s + BLOCK)
         m = e - s
@@ -247,8 +246,8 @@ def shuffle_range(u: np.ndarray, x2: np.ndarray | None, out: np.ndarray, start: 
             changed += int(np.count_nonzero(xb))
         np.copyto(out[0, s:e], xb, casting="unsafe")
         for j in range(1, itemsize):
-            np.right_shift(xb, 8 * j, out=tmp[:m])
-            np.copyto(out[j, s:e], tmp[:m], casting="unsafe")
+            # shifted and narrowed to the plane's bytes in one ufunc pass
+            np.right_shift(xb, 8 * j, out=out[j, s:e], casting="unsafe")
     return changed
 
 
@@ -266,16 +265,16 @@ def shuffle_planes(bits: np.ndarray, itemsize: int, xor_with: np.ndarray | None 
     return out
 
 
-def _unshuffle_block(planes: np.ndarray, s: int, e: int, out: np.ndarray,
-                     tmp: np.ndarray) -> np.ndarray:
+def _unshuffle_block(planes: np.ndarray, s: int, e: int, out: np.ndarray) -> np.ndarray:
     """Elements s..e from (itemsize, n) planes into the unsigned array ``out``."""
     itemsize = planes.shape[0]
-    m = e - s
-    np.copyto(out, planes[itemsize - 1, s:e], casting="unsafe")
-    for j in range(itemsize - 2, -1, -1):
+    # widen-and-shift, then OR in each lower plane: the ufuncs widen the uint8
+    # operand themselves, so no plane is copied to a temporary first
+    np.left_shift(planes[itemsize - 1, s:e], 8, out=out, dtype=out.dtype)
+    np.bitwise_or(out, planes[itemsize - 2, s:e], out=out)
+    for j in range(itemsize - 3, -1, -1):
         np.left_shift(out, 8, out=out)
-        np.copyto(tmp[:m], planes[j, s:e], casting="unsafe")
-        np.bitwise_or(out, tmp[:m], out=out)
+        np.bitwise_or(out, planes[j, s:e], out=out)
     return out
 
 
@@ -291,10 +290,9 @@ def unshuffle_bytes(raw: bytes | memoryview | np.ndarray, count: int, dt: DType)
     if dt.itemsize == 1:
         out[:] = planes[0]
         return out.view(dt.np_view)
-    tmp = np.empty(min(count, BLOCK), dtype=out.dtype)
     for s in range(0, count, BLOCK):
         e = min(count, s + BLOCK)
-        _unshuffle_block(planes, s, e, out[s:e], tmp)
+        _unshuffle_block(planes, s, e, out[s:e])
     return out.view(dt.np_view)
 
 
@@ -308,11 +306,10 @@ def xor_planes_into(flat: np.ndarray, planes: np.ndarray, hasher=None) -> int:
     itemsize = planes.shape[0]
     changed = 0
     scratch = np.empty(min(n, BLOCK), dtype=u.dtype)
-    tmp = np.empty_like(scratch)
     for s in range(0, n, BLOCK):
         e = min(n, s + BLOCK)
         m = e - s
-        xb = planes[0, s:e] if itemsize == 1 else _unshuffle_block(planes, s, e, scratch[:m], tmp)
+        xb = planes[0, s:e] if itemsize == 1 else _unshuffle_block(planes, s, e, scratch[:m])
         ub = u[s:e]
         np.bitwise_xor(ub, xb, out=ub)
         changed += int(np.count_nonzero(xb))

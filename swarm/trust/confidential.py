@@ -16,6 +16,7 @@ associated data binds model, version and index (see docs/manifest.md).
 
 from __future__ import annotations
 
+import os
 import re
 import struct
 from typing import TYPE_CHECKING, Any
@@ -45,6 +46,11 @@ WRAP_AAD = b"patchswarm version key"
 CHUNK_AAD = b"patchswarm chunk\x00"
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
 ENCRYPTION_KEYS = frozenset({"alg", "epk", "plaintext_length", "recipients"})
+
+
+class NoKeyError(ManifestError):
+    """This node holds no key the version is encrypted for: it can verify and relay
+    the version's (ciphertext) chunks but not apply them. Nobody is to blame."""
 
 
 def chunk_nonce(index: int) -> bytes:
@@ -106,7 +112,8 @@ def unwrap_key(manifest: Manifest, node_key: X25519PrivateKey) -> bytes:
         if r["id"] == kid:
             break
     else:
-        raise ManifestError(f"version {manifest.version} is not encrypted for node key {kid}")
+        raise NoKeyError(f"no key for version {manifest.version}: it is not encrypted for "
+                         f"this node's key {kid}")
     epk = enc["epk"]
     try:
         shared = node_key.exchange(X25519PublicKey.from_public_bytes(epk))
@@ -223,6 +230,21 @@ def validate_encryption(enc: Any, m: Manifest) -> None:
         seen.add(r["id"])
 
 
+def load_recipients(paths: Iterable[str | os.PathLike[str]]) -> list[X25519PublicKey]:
+    """X25519 public keys from PEM files; ``ManifestError`` naming the file that is
+    not one (an Ed25519 key, a private key, garbage)."""
+    from swarm.trust.keys import load_public_key
+
+    keys = []
+    for p in paths:
+        pub = load_public_key(p)
+        if not isinstance(pub, X25519PublicKey):
+            raise ManifestError(f"{p}: an Ed25519 key, not a node's X25519 key "
+                                "(make one with `patchswarm keygen --x25519 FILE`)")
+        keys.append(pub)
+    return keys
+
+
 def new_node_key() -> X25519PrivateKey:
     """A fresh X25519 key for a node (``keys.generate_keypair(kind="x25519")`` writes one)."""
     return X25519PrivateKey.generate()
@@ -230,11 +252,13 @@ def new_node_key() -> X25519PrivateKey:
 
 __all__ = [
     "ALG",
+    "NoKeyError",
     "chunk_aad",
     "chunk_nonce",
     "decrypt_chunk",
     "decrypt_payload",
     "encrypt_payload",
+    "load_recipients",
     "new_node_key",
     "unwrap_key",
     "validate_encryption",
