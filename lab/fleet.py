@@ -112,7 +112,7 @@ class LoopbackFleet:
         ``tls``: a swarm CA for the fleet, a certificate per node and for the
         trainer, mutual TLS on the swarm port and the HTTP API on a port of its own.
         ``trainer_sections``: extra keys for the trainer's config, by section (e.g.
-        ``{"publish": {"anchor_every": 3}, "store": {"keep_versions": 1}}``)."""
+        ``{"publish": {"anchor_every": 3}, "store": {"keep_versions": 1}}``).
         ``node_keys``: confidential mode. These nodes (by name, e.g. "n0-1") get an
         X25519 key (``keys/<name>.x25519``, ``[trust] node_key``) and the trainer
         publishes every version encrypted for exactly them; the other nodes relay

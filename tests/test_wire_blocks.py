@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -13,7 +15,7 @@ from swarm.protocol import wire
 def blocks(v: int, i: int, payload: bytes, cuts: list[int]) -> list[bytes]:
     edges = sorted({0, len(payload), *(c % (len(payload) + 1) for c in cuts)})
     return [wire.pack_block_header(v, i, len(payload), a) + payload[a:b]
-            for a, b in zip(edges, edges[1:], strict=False)] or [
+            for a, b in itertools.pairwise(edges)] or [
         wire.pack_block_header(v, i, 0, 0)]
 
 
