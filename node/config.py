@@ -33,6 +33,7 @@ from typing import Any
 
 from node.engines.config import EngineConfig, parse_engine
 from node.gateway_config import GatewayConfig, parse_gateway
+from node.token_file import read_token
 from swarm.errors import ConfigError
 from swarm.protocol.config import CoreConfig, check_knobs
 
@@ -306,17 +307,7 @@ def _api(sec: dict, base_dir: Path, tls: bool,
     token = None
     if "token_file" in sec:
         path = _path(base_dir, _get(sec, "api", "token_file", str), "api.token_file")
-        try:
-            with open(path, "rb") as f:
-                raw = f.read(MAX_SECRET_FILE + 1)
-            token = raw.decode("ascii").strip()
-        except OSError as exc:
-            raise ConfigError(f"api.token_file: cannot read {path}: {exc.strerror}") from None
-        except UnicodeDecodeError:
-            raise ConfigError(f"api.token_file: {path} is binary; expected a text token") from None
-        if not 16 <= len(token) <= MAX_SECRET_FILE or any(c.isspace() for c in token):
-            raise ConfigError(f"api.token_file: {path}: the token must be 16..4096 characters "
-                              "without spaces")
+        token = read_token(path, "api.token_file")
     return listen, token
 
 

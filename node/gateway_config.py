@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from node.token_file import read_token
 from swarm.errors import ConfigError
 
 KEYS = {"listen", "hold_max_s", "retry_after_s", "max_body_bytes", "upstream_timeout_s",
         "token_file", "model_config"}
-MAX_TOKEN_FILE = 4096
 
 
 @dataclass(frozen=True)
@@ -64,21 +64,6 @@ def _path(base_dir: Path, sec: dict, key: str) -> Path | None:
     return p if p.is_absolute() else base_dir / p
 
 
-def _token(path: Path) -> str:
-    try:
-        with open(path, "rb") as f:  # bounded: the path may name a device or a huge file
-            raw = f.read(MAX_TOKEN_FILE + 1)
-        token = raw.decode("ascii").strip()
-    except OSError as exc:
-        raise ConfigError(f"gateway.token_file: cannot read {path}: {exc.strerror}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"gateway.token_file: {path} is binary; expected a text token") from None
-    if not 16 <= len(token) <= MAX_TOKEN_FILE or any(c.isspace() for c in token):
-        raise ConfigError(f"gateway.token_file: {path}: the token must be 16..4096 characters "
-                          "without spaces")
-    return token
-
-
 def parse_gateway(sec: Any, base_dir: Path,
                   taken: tuple[tuple[str, int] | None, ...] = ()) -> GatewayConfig | None:
     """Validate ``[gateway]`` (``None``: absent, the gateway is off). ``taken``: the
@@ -109,6 +94,6 @@ def parse_gateway(sec: Any, base_dir: Path,
         retry_after_s=_seconds(sec, "retry_after_s", 2.0, 1.0, 3600.0),
         max_body_bytes=body,
         upstream_timeout_s=_seconds(sec, "upstream_timeout_s", 300.0, 0.1, 86400.0),
-        token=_token(token_file) if token_file is not None else None,
+        token=read_token(token_file, "gateway.token_file") if token_file is not None else None,
         model_config=_path(base_dir, sec, "model_config"),
     )

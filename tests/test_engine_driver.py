@@ -8,7 +8,6 @@ and retried: the node's verified version never goes back.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from node.engines.base import CommitStats, EngineError, WeightUpdate
 from node.engines.config import EngineConfig
 from node.engines.inprocess import InProcessEngine, InProcessWeights
 from swarm.codec import encode_patch, state_digest
+from tests.driver_fakes import FakeManifest, FakeStore
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:
@@ -33,31 +33,6 @@ def _moved(s: dict[str, torch.Tensor], k: int, name: str) -> dict[str, torch.Ten
     out = {n: v.clone() for n, v in s.items()}
     out[name][k, :4] += 1.0
     return out
-
-
-@dataclass
-class _Manifest:
-    kind: str
-    parent_digest: bytes
-    target_digest: bytes
-
-
-class FakeStore:
-    def __init__(self) -> None:
-        self.m: dict[int, tuple[_Manifest, bytes]] = {}
-        self.recorded: list[int] = []
-
-    def manifest(self, v: int) -> _Manifest:
-        return self.m[v][0]
-
-    def payload(self, v: int) -> bytes:
-        return self.m[v][1]
-
-    def set_active(self, v: int, digest: bytes) -> None:
-        self.recorded.append(v)
-
-    def active(self) -> Any:
-        return None
 
 
 class ScriptedEngine:
@@ -115,7 +90,7 @@ class Rig:
         v = max(self.states) + 1
         self.states[v] = _moved(self.states[v - 1], v, name)
         enc = encode_patch(self.states[v - 1], self.states[v])
-        self.store.m[v] = (_Manifest("patch", enc.base_digest, enc.target_digest), enc.patch)
+        self.store.m[v] = (FakeManifest("patch", enc.base_digest, enc.target_digest), enc.patch)
         return v
 
     def engine_digest(self) -> bytes:

@@ -19,7 +19,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +40,7 @@ from node.engines.testing.sglang_contract import ContractServer
 from node.gateway import END_HEADER, START_HEADER, Gateway, Pin, PinError, parse_pin
 from node.gateway_config import GatewayConfig
 from swarm.codec import encode_patch
+from tests.driver_fakes import FakeManifest, FakeStore
 from trainer.served import served_view
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -110,33 +110,6 @@ def test_pin_parser_refuses_both_fields_and_twice_given() -> None:
 # ------------------------------------------------------------------ rigs
 
 
-@dataclass
-class _Manifest:
-    kind: str
-    parent_digest: bytes
-    target_digest: bytes
-
-
-class _Store:
-    """What the driver's apply path reads: manifests and payloads by version."""
-
-    def __init__(self) -> None:
-        self.m: dict[int, tuple[_Manifest, bytes]] = {}
-        self.recorded: list[int] = []
-
-    def manifest(self, v: int) -> _Manifest:
-        return self.m[v][0]
-
-    def payload(self, v: int) -> bytes:
-        return self.m[v][1]
-
-    def set_active(self, v: int, digest: bytes) -> None:
-        self.recorded.append(v)
-
-    def active(self) -> Any:
-        return None
-
-
 class Rig:
     """A driver with a tiny Llama truth, an engine and a gateway in front of it."""
 
@@ -152,7 +125,7 @@ class Rig:
         self.token_delay_s = token_delay_s
         self.retry_after_s, self.upstream_timeout_s = retry_after_s, upstream_timeout_s
         self.api_key = api_key
-        self.store = _Store()
+        self.store = FakeStore()
         self.applied: list[tuple[int, bool]] = []
         self.contract: ContractServer | None = None
         self.runners: list[web.AppRunner] = []
@@ -234,7 +207,7 @@ class Rig:
         self.masters = rl_step(self.masters, v)
         self.served[v] = served_view(self.masters, "bf16")
         enc = encode_patch(self.served[v - 1], self.served[v])
-        self.store.m[v] = (_Manifest("patch", enc.base_digest, enc.target_digest), enc.patch)
+        self.store.m[v] = (FakeManifest("patch", enc.base_digest, enc.target_digest), enc.patch)
         return v
 
     def apply(self, v: int) -> asyncio.Task:
