@@ -335,3 +335,30 @@ def test_random_event_sequences_keep_invariants(script: list[tuple[str, int]]) -
     net.run(net.now + 120, stop=lambda: all(2 in h.applied for h in live))
     for h in live:
         _invariants(h)
+
+
+def test_nodes_meshed_before_the_trainer_was_up_still_find_it() -> None:
+    """Bootstrap lists the region's peers and the trainer (docs/operations.md); the
+    trainer comes up after the nodes meshed: they dial it (their first version report
+    is due), so its first publish reaches them."""
+    s = Signer()
+    net = Net(s)
+    o = net.add("origin", "trainer", role="origin", active_version=1)
+    o.alive = False  # not up yet
+    hosts = []
+    for k in range(3):
+        boot = (o.addr, *(f"r0n{j}:1" for j in range(3) if j != k))
+        hosts.append(net.add(f"r0n{k}", "reg0", bootstrap=boot, active_version=1))
+    base = s.manifest(1, 4, kind="full")
+    for h in hosts:
+        net.start(h)
+        net.deliver(h, ev.LocalChunks(net.now, base, tuple(range(4))))
+    net.run(net.now + 3.0)
+    assert all(h.core.peer_list() for h in hosts)  # meshed with each other
+    net.start(o)
+    net.run(net.now + 12.0)  # a redial or two
+    assert all(any(p["role"] == "origin" for p in h.core.peer_list()) or
+               h.core.cfg.node_id in {e.node_id for e in o.core.fleet()} for h in hosts)
+    publish(s, net, o, 2, 4)
+    net.run(net.now + 10.0, stop=lambda: all(h.core.active_version == 2 for h in hosts))
+    assert [h.core.active_version for h in hosts] == [2, 2, 2]
