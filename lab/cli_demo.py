@@ -8,7 +8,7 @@ region, apply it and activate it. Shows live progress, then a table; with
 --json, one object with regions, nodes, versions, converged, digest_match,
 patch_bytes, cross_region_bytes, cross_region_ratio and fanout_s.
 
-With --async, the RL loop instead (``lab.demo_async``): a tiny Llama trained
+With --async, the RL loop instead (lab/demo_async.py): a tiny Llama trained
 and published on a schedule under ``max_lag``, version-pinned requests through
 every node's gateway, a late joiner arriving via an anchor.
 """
@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes-per-region", type=int, default=None, metavar="N",
                         help="rollout nodes per region (default 4; 2 with --async)")
     parser.add_argument("--versions", type=int, default=None, metavar="V",
-                        help="versions to publish (default 3; 8 with --async)")
+                        help="versions to publish (default 3); with --async: training steps published, anchors not counted (default 8)")
     parser.add_argument("--json", metavar="OUT", help="write the summary as JSON to OUT")
     parser.add_argument("--lr", type=float, default=None,
                         help="AdamW learning rate (default 1e-6; 1e-5 with --async)")

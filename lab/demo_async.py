@@ -172,6 +172,8 @@ def run(args: argparse.Namespace) -> int:
                        join_after=args.join_after, lr=args.lr, chunk_size=args.chunk_size,
                        timeout=args.timeout, tls=args.tls, keep=args.keep, progress=True)
     print_table(summary)
+    if args.keep:
+        print(f"work directory kept: {summary['workdir']}")
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
         print(f"wrote {args.json}")
