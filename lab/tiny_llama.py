@@ -3,7 +3,7 @@
 ``llama_masters`` makes FP32 masters in Hugging Face Llama tensor names,
 ``model_config`` its ``config.json`` (what the gateway's in-process runner,
 ``node.engines.tiny_lm``, reads), and ``LlamaTrainer`` takes AdamW steps of
-next-token cross-entropy towards a fixed random continuation, computed with
+next-token cross-entropy towards a fixed random token, computed with
 ``tiny_lm.forward`` itself (the served model's own arithmetic, in FP32).
 The same shapes as ``tests/engine_vllm_support.py`` (``TINY``).
 """
@@ -57,8 +57,8 @@ def model_config(cfg: dict[str, int] | None = None, dtype: str = "bfloat16") -> 
 
 
 class LlamaTrainer:
-    """AdamW on the FP32 masters: each ``step()`` lowers the cross-entropy of a fixed
-    random continuation after a few random prompts, and returns the masters (owned by
+    """AdamW on the FP32 masters: each ``step()`` lowers the cross-entropy of one fixed
+    random next token after ``batch`` fixed random prompts, and returns the masters (owned by
     the trainer: publish or copy them before the next step)."""
 
     def __init__(self, masters: dict[str, torch.Tensor], cfg: dict[str, Any], *,
@@ -70,8 +70,9 @@ class LlamaTrainer:
         self.shape = tiny_lm.shape_of(self.params, cfg)
         self.opt = torch.optim.AdamW(list(self.params.values()), lr=lr, weight_decay=0.0)
         self.gen = torch.Generator().manual_seed(seed)
-        self.batch, self.prompt_len = batch, prompt_len
-        self.target = torch.randint(3, self.shape.vocab, (1,), generator=self.gen).item()
+        self.prompts = [torch.randint(3, self.shape.vocab, (prompt_len,), generator=self.gen
+                                      ).tolist() for _ in range(batch)]
+        self.target = int(torch.randint(3, self.shape.vocab, (1,), generator=self.gen).item())
         self.steps = 0
         self.last_loss = float("nan")
 
@@ -79,13 +80,12 @@ class LlamaTrainer:
         """One AdamW step; the new FP32 masters (no grad)."""
         self.opt.zero_grad(set_to_none=True)
         loss = torch.zeros(())
-        for _ in range(self.batch):
-            ids = torch.randint(3, self.shape.vocab, (self.prompt_len,), generator=self.gen)
-            logits, _ = self._tiny.forward(self.shape, self.params, ids.tolist(), 0, None)
+        for ids in self.prompts:
+            logits, _ = self._tiny.forward(self.shape, self.params, ids, 0, None)
             loss = loss + torch.nn.functional.cross_entropy(
                 logits[None], torch.tensor([self.target]))
-        (loss / self.batch).backward()
+        (loss / len(self.prompts)).backward()
         self.opt.step()
         self.steps += 1
-        self.last_loss = float(loss.detach()) / self.batch
+        self.last_loss = float(loss.detach()) / len(self.prompts)
         return {k: v.detach() for k, v in self.params.items()}
