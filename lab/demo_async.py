@@ -28,11 +28,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
 import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,9 +84,9 @@ def _post(url: str, body: dict[str, Any], timeout: float = 30.0
 class RolloutClient:
     """One thread per node gateway; see the module docstring."""
 
-    def __init__(self, latest: Any, t0: float, vocab: int, gap_s: float = 0.1,
+    def __init__(self, latest: Callable[[], int], t0: float, vocab: int, gap_s: float = 0.1,
                  max_retry_s: float = 5.0) -> None:
-        self.latest = latest  # () -> the latest published version
+        self.latest = latest  # the latest published version, now
         self.t0 = t0
         self.vocab = vocab
         self.gap_s = gap_s
@@ -323,7 +323,8 @@ def _watch_joiner(fleet: Any, joiner: Any, join: dict[str, Any], t0: float) -> N
         time.sleep(0.1)
 
 
-def _quantiles(xs: list[int]) -> dict[str, int]:
+def _histogram(xs: list[int]) -> dict[str, int]:
+    """How many of each value, by value (JSON keys)."""
     out: dict[str, int] = {}
     for x in xs:
         out[str(x)] = out.get(str(x), 0) + 1
@@ -357,7 +358,7 @@ def summarize(results: list[Any], step_of: dict[int, int], published_at: dict[in
                 "published_s": published_at.get(v), "lag_wait_s": round(x.lag_wait_s, 3),
                 "p50_active_s": t.get("p50"), "p100_active_s": t.get("p100"),
                 "conflicts": sum(1 for c in conflicts if c["target"] == v),
-                "samples": len(mine), "sample_lags": _quantiles([s.lag for s in mine]),
+                "samples": len(mine), "sample_lags": _histogram([s.lag for s in mine]),
             })
     last = results[-1] if results else None
     last_v = (last.anchor.version if last and last.anchor else last.version) if last else 1
@@ -393,7 +394,7 @@ def summarize(results: list[Any], step_of: dict[int, int], published_at: dict[in
         "samples": len(samples),
         "samples_stamped": all(s.version_start <= s.version_end for s in samples),
         "spanning_samples": sum(1 for s in samples if s.version_start != s.version_end),
-        "sample_lags": _quantiles(lags),
+        "sample_lags": _histogram(lags),
         "max_sample_lag": max(lags, default=None),
         "lag_bound_respected": bound_ok,
         "conflicts": len(conflicts),
@@ -401,16 +402,10 @@ def summarize(results: list[Any], step_of: dict[int, int], published_at: dict[in
         "retry_after_slept_s": round(stats.retry_after_s, 1) if stats else 0.0,
         "other_outcomes": dict(stats.other) if stats else {},
         "joiner": join or None,
-        "p50_active_s_median": _median([r["p50_active_s"] for r in rows]),
         "wall_s": round(wall_s, 1),
         "ok": converged and bool(samples) and bound_ok,
         **({"workdir": workdir} if workdir else {}),
     }
-
-
-def _median(xs: list[Any]) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return round(statistics.median(xs), 3) if xs else None
 
 
 def print_table(s: dict[str, Any]) -> None:
