@@ -57,7 +57,15 @@ def truth_device(cfg: NodeConfig) -> str:
 
 
 def restore_weights(cfg: NodeConfig, store: ChunkStore) -> InProcessWeights:
-    """Load the base and replay the stored patches up to the recorded active version."""
+    """Load the base and replay the stored versions up to the recorded active one.
+
+    The replay starts at the newest full checkpoint (anchor) held whole at or below
+    it (``ChunkStore.replay_chain``), so versions a node collected or never fetched
+    before it are not needed; an anchor the node stepped over (held without its
+    chunks: the weights of the version before it) only gives its number. Confidential
+    versions are opened with ``[trust] node_key``. Anything missing or wrong: start
+    from the base and let the store's versions be applied again.
+    """
     assert cfg.base is not None
     device = truth_device(cfg)
     engine = InProcessWeights.load(cfg.base, cfg.base_version, device)
@@ -65,9 +73,23 @@ def restore_weights(cfg: NodeConfig, store: ChunkStore) -> InProcessWeights:
     if rec is None or rec.version <= cfg.base_version:
         return engine
     try:
-        for v in range(cfg.base_version + 1, rec.version + 1):
+        key = None
+        for v in store.replay_chain(rec.version, cfg.base_version):
             m = store.manifest(v)
-            engine.stage(v, m.kind, store.payload(v), m.parent_digest)
+            if m.kind == "full" and not store.complete(v):
+                engine.adopt(v, m.target_digest)
+                continue
+            payload = store.payload(v)
+            if m.encrypted:
+                if cfg.node_key is None:
+                    raise PatchswarmError(f"version {v} is confidential and [trust] node_key "
+                                          "is not set")
+                from swarm.trust.confidential import decrypt_payload
+                from swarm.trust.keys import load_private_key
+
+                key = key or load_private_key(cfg.node_key)
+                payload = bytes(decrypt_payload(m, payload, key))
+            engine.stage(v, m.kind, payload, m.parent_digest)
             engine.commit(v, m.target_digest)
         if engine.digest != rec.digest:
             raise PatchswarmError("rebuilt state does not match the recorded digest")

@@ -202,6 +202,10 @@ class Driver:
         self.started_at = time.time()
         self.sent_to_region: dict[int, dict[str, set[int]]] = {}  # origin: v -> region -> chunks
         self.wire_bytes = {"sent": 0, "received": 0}
+        # confidential mode: our X25519 key (node.daemon.build_node sets it from [trust]
+        # node_key), and the versions we hold and relay but cannot open
+        self.node_key: Any = None
+        self.no_key_versions: dict[int, str] = {}
         self.apply_seconds: dict[int, float] = {}
         self.activated_at: dict[int, float] = {}
         self.listeners: list[Callable[[ev.Action], None]] = []
@@ -621,7 +625,7 @@ class Driver:
                 # (ciphertext), so the core moves on and relays this version and later
                 # ones; the weights, the engine and the store's active record stay at
                 # the last version this node could open (docs/security.md).
-                no_key = self.__dict__.setdefault("no_key_versions", {})
+                no_key = self.no_key_versions
                 no_key[version] = str(exc)
                 while len(no_key) > 64:
                     del no_key[min(no_key)]
@@ -666,7 +670,7 @@ class Driver:
             if getattr(m, "encryption", None) is not None:
                 # Confidential: chunks were verified as ciphertext; open them only here.
                 # AES-GCM authenticates every chunk: a failure is local, nobody is blamed.
-                node_key = getattr(self, "node_key", None)  # set by node.daemon.build_node
+                node_key = self.node_key
                 if node_key is None:
                     raise NoKeyError(f"no key for version {version}: it is confidential and "
                                      "this node has no [trust] node_key")

@@ -161,7 +161,11 @@ class Publisher:
         self.persist_view = persist_view
         self.node: Node = build_node(cfg, trust=self.trust)
         self.store = self.node.store
-        self.version, self.view = self._load_last(base)
+        try:
+            self.version, self.view = self._load_last(base)
+        except BaseException:
+            self.store.close()  # release the store's lock: a retry must be able to open it
+            raise
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
