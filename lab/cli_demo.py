@@ -7,6 +7,10 @@ region; nodes (127.0.R.N, one region per third octet) share it inside their
 region, apply it and activate it. Shows live progress, then a table; with
 --json, one object with regions, nodes, versions, converged, digest_match,
 patch_bytes, cross_region_bytes, cross_region_ratio and fanout_s.
+
+With --async, the RL loop instead (lab/demo_async.py): a tiny Llama trained
+and published on a schedule under ``max_lag``, version-pinned requests through
+every node's gateway, a late joiner arriving via an anchor.
 """
 
 from __future__ import annotations
@@ -20,17 +24,36 @@ from typing import Any
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--regions", type=int, default=3, metavar="R", help="regions (default 3)")
-    parser.add_argument("--nodes-per-region", type=int, default=4, metavar="N",
-                        help="rollout nodes per region (default 4)")
-    parser.add_argument("--versions", type=int, default=3, metavar="V",
-                        help="versions to publish (default 3)")
+    parser.add_argument("--async", dest="async_loop", action="store_true",
+                        help="the RL loop: publish on a schedule with max_lag, send "
+                             "version-pinned requests through every node's gateway, add a "
+                             "late joiner; print per version publish -> active, 409s and "
+                             "sample lags")
+    parser.add_argument("--regions", type=int, default=None, metavar="R",
+                        help="regions (default 3; 2 with --async)")
+    parser.add_argument("--nodes-per-region", type=int, default=None, metavar="N",
+                        help="rollout nodes per region (default 4; 2 with --async)")
+    parser.add_argument("--versions", type=int, default=None, metavar="V",
+                        help="versions to publish (default 3); with --async: training steps published, anchors not counted (default 8)")
     parser.add_argument("--json", metavar="OUT", help="write the summary as JSON to OUT")
-    parser.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (default 1e-6)")
-    parser.add_argument("--chunk-size", type=int, default=64 * 1024, metavar="BYTES",
-                        help="chunk size (default 64 KiB: a few chunks per patch)")
-    parser.add_argument("--timeout", type=float, default=120.0, metavar="S",
-                        help="seconds to wait for each version to reach every node")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="AdamW learning rate (default 1e-6; 1e-5 with --async)")
+    parser.add_argument("--chunk-size", type=int, default=None, metavar="BYTES",
+                        help="chunk size (default 64 KiB; 16 KiB with --async)")
+    parser.add_argument("--timeout", type=float, default=None, metavar="S",
+                        help="seconds to wait for each version to reach every node "
+                             "(default 120; 90 with --async)")
+    loop = parser.add_argument_group("--async")
+    loop.add_argument("--interval", type=float, default=1.5, metavar="S",
+                      help="seconds between publishes (default 1.5)")
+    loop.add_argument("--max-lag", type=int, default=1, metavar="L",
+                      help="[publish] max_lag: publishing v waits until the fleet serves "
+                           "v-L (default 1)")
+    loop.add_argument("--anchor-every", type=int, default=3, metavar="K",
+                      help="[publish] anchor_every: a full checkpoint after every K-th "
+                           "publish (default 3; 0: none)")
+    loop.add_argument("--join-after", type=int, default=5, metavar="K",
+                      help="start the late joiner after the K-th publish (default 5; 0: none)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory and logs")
     parser.add_argument("--tls", action=argparse.BooleanOptionalAction, default=True,
                         help="mutual TLS between all processes, with certificates from a swarm "
@@ -101,6 +124,28 @@ def print_table(s: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from lab.fleet import FleetError
+
+    if args.async_loop:
+        defaults = {"regions": 2, "nodes_per_region": 2, "versions": 8, "lr": 1e-5,
+                    "chunk_size": 16 * 1024, "timeout": 90.0}
+    else:
+        defaults = {"regions": 3, "nodes_per_region": 4, "versions": 3, "lr": 1e-6,
+                    "chunk_size": 64 * 1024, "timeout": 120.0}
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if not 1024 <= args.chunk_size <= 64 * 1024 * 1024:
+        raise FleetError(f"--chunk-size must be 1024..67108864 bytes, not {args.chunk_size}")
+    if not args.timeout > 0:
+        raise FleetError(f"--timeout must be a positive number of seconds, not {args.timeout}")
+    if args.async_loop:
+        from lab import demo_async
+        return demo_async.run(args)
+    return _run_fanout(args)
+
+
+def _run_fanout(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from lab.fleet import FleetError, LoopbackFleet

@@ -50,6 +50,7 @@ class NodeProc:
     proc: subprocess.Popen | None = None
     netns: str | None = None  # network namespace of an emulated host (lab.netlab)
     api_port: int | None = None  # the HTTP API's own port (with TLS); None: the swarm port
+    gateway_port: int | None = None  # the request gateway's port (``gateway=``); None: none
 
     @property
     def prefix(self) -> list[str]:
@@ -62,6 +63,11 @@ class NodeProc:
     @property
     def api_addr(self) -> str:
         return f"{self.host}:{self.api_port or self.port}"
+
+    @property
+    def gateway_url(self) -> str | None:
+        """``http://host:port`` of the node's request gateway, or None without one."""
+        return f"http://{self.host}:{self.gateway_port}" if self.gateway_port else None
 
 
 def until(what: str, fn: Any, timeout: float = 60.0, poll_s: float = 0.1) -> Any:
@@ -105,7 +111,9 @@ class LoopbackFleet:
                  node_env: dict[str, dict[str, str]] | None = None,
                  lab: NetLab | None = None, tls: bool = False,
                  trainer_sections: dict[str, dict[str, Any]] | None = None,
-                 node_keys: list[str] | None = None) -> None:
+                 node_keys: list[str] | None = None, model: str = MODEL,
+                 gateway: dict[str, Any] | None = None,
+                 model_config: dict[str, Any] | None = None) -> None:
         """``lab``: place every node (and the trainer) on an emulated host of a
         ``lab.netlab.NetLab`` instead of 127.0.x.x. The calling process must
         then run inside one of the lab's namespaces (it polls the nodes over HTTP).
@@ -116,7 +124,11 @@ class LoopbackFleet:
         ``node_keys``: confidential mode. These nodes (by name, e.g. "n0-1") get an
         X25519 key (``keys/<name>.x25519``, ``[trust] node_key``) and the trainer
         publishes every version encrypted for exactly them; the other nodes relay
-        ciphertext they cannot open."""
+        ciphertext they cannot open.
+        ``model``: the model name in every config. ``gateway``: give every node a
+        request gateway (``[gateway]``, in-process engine) on a port of its own, with
+        these extra keys (e.g. ``{"retry_after_s": 1}``). ``model_config``: written as
+        ``config.json`` beside the base checkpoint (the in-process runner's shape)."""
         if regions < 1 or nodes_per_region < 1:
             raise FleetError("need at least one region and one node per region")
         if regions > 200 or nodes_per_region > 200:
@@ -133,6 +145,9 @@ class LoopbackFleet:
         self.lab = lab
         self.tls = tls
         self.node_keys = None if node_keys is None else list(node_keys)
+        self.model = model
+        self.gateway = gateway
+        self.model_config = model_config
         self.trainer_host = lab.ip_trainer if lab else "127.0.0.1"
         self.trainer_prefix = NetLab.exec_prefix(lab.ns_trainer) if lab else []
         self.nodes: list[NodeProc] = []
@@ -155,6 +170,12 @@ class LoopbackFleet:
             self.api_port = self.port + 1 if lab else free_port(hosts)
             while self.api_port == self.port:
                 self.api_port = free_port(hosts)
+        gateway_port: int | None = None
+        if gateway is not None:
+            taken = {self.port, self.api_port}
+            gateway_port = self.port + 2 if lab else free_port(hosts)
+            while gateway_port in taken:
+                gateway_port = free_port(hosts)
         for r, region in enumerate(self.regions):
             for i in range(nodes_per_region):
                 name = f"n{r}-{i}"
@@ -163,7 +184,8 @@ class LoopbackFleet:
                                            self.workdir / f"{name}.toml",
                                            self.workdir / f"{name}.log",
                                            dict(self.node_env.get(name, {})), netns=netns,
-                                           api_port=self.api_port))
+                                           api_port=self.api_port,
+                                           gateway_port=gateway_port))
         self.trainer: subprocess.Popen | None = None
         self.trainer_log = self.workdir / "trainer.log"
         self.ready: dict[str, Any] = {}
@@ -197,6 +219,8 @@ class LoopbackFleet:
 
         w = self.workdir
         generate_keypair(w / "trainer.key")
+        if self.model_config is not None:
+            (w / "config.json").write_text(json.dumps(self.model_config, indent=1) + "\n")
         (w / "swarm.secret").write_text(os.urandom(32).hex() + "\n")
         knobs = "".join(f"{k} = {json.dumps(v)}\n" for k, v in self.swarm.items())
         keyed: set[str] = set()
@@ -218,7 +242,7 @@ class LoopbackFleet:
         if unknown:
             raise FleetError(f"trainer_sections: cannot add to {sorted(unknown)}")
         (w / "trainer.toml").write_text(
-            f'[node]\nid = "trainer"\nregion = "trainer"\nmodel = "{MODEL}"\nrole = "origin"\n\n'
+            f'[node]\nid = "trainer"\nregion = "trainer"\nmodel = "{self.model}"\nrole = "origin"\n\n'
             f'{common}listen = "{self.trainer_addr}"\n\n'
             f'[store]\ndir = "trainer-store"\nfsync = false\n{extra.get("store", "")}\n'
             f'[weights]\nbase = "base.safetensors"\nbase_version = 1\n\n'
@@ -229,15 +253,23 @@ class LoopbackFleet:
         )
         for n in self.nodes:
             n.config.write_text(
-                f'[node]\nid = "{n.name}"\nregion = "{n.region}"\nmodel = "{MODEL}"\n\n'
+                f'[node]\nid = "{n.name}"\nregion = "{n.region}"\nmodel = "{self.model}"\n\n'
                 f'{common}listen = "{n.addr}"\nbootstrap = ["{self.trainer_addr}"]\n\n'
                 f'[trust]\ntrainer_keys = ["trainer.key.pub"]\n'
                 + (f'node_key = "keys/{n.name}.x25519"\n' if n.name in keyed else "") + "\n"
                 f'[store]\ndir = "{n.name}-store"\nfsync = false\n\n'
                 f'[weights]\nbase = "base.safetensors"\nbase_version = 1\ndevice = "cpu"\n\n'
                 f'{self._tls_sections(n.name, n.region, n.host)}'
+                f'{self._gateway_section(n)}'
                 f'[swarm]\n{knobs}'
             )
+
+    def _gateway_section(self, n: NodeProc) -> str:
+        """``[gateway]`` for one node (``gateway=``), else nothing."""
+        if self.gateway is None or n.gateway_port is None:
+            return ""
+        keys = "".join(f"{k} = {json.dumps(v)}\n" for k, v in self.gateway.items())
+        return f'[gateway]\nlisten = "{n.host}:{n.gateway_port}"\n{keys}\n'
 
     # ------------------------------------------------------------ processes
 
