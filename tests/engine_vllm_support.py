@@ -22,11 +22,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import engine_venv  # noqa: E402
 
-TINY = {
-    "vocab_size": 1024, "hidden_size": 128, "intermediate_size": 256,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 32, "max_position_embeddings": 512,
-}
+from lab.tiny_llama import TINY, llama_masters  # noqa: E402,F401  (one tiny Llama for the demo and the engine tests)
+
 PROMPTS = [[1, 17, 230, 45, 999, 3], [5, 600, 601, 602], [77, 12, 1000, 8, 9, 10, 11, 500]]
 
 
@@ -41,30 +38,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def llama_masters(seed: int = 0, cfg: dict | None = None) -> dict[str, torch.Tensor]:
-    """FP32 masters of a tiny Llama in Hugging Face checkpoint names."""
-    c = {**TINY, **(cfg or {})}
-    g = torch.Generator().manual_seed(seed)
-    h, i, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
-    hd = c["head_dim"]
-    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
-
-    def w(*shape: int, std: float = 0.05) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * std
-
-    out = {"model.embed_tokens.weight": w(v, h, std=0.5), "lm_head.weight": w(v, h, std=0.2),
-           "model.norm.weight": 1.0 + w(h, std=0.1)}
-    for n in range(c["num_hidden_layers"]):
-        p = f"model.layers.{n}."
-        out |= {p + "self_attn.q_proj.weight": w(q, h), p + "self_attn.k_proj.weight": w(kv, h),
-                p + "self_attn.v_proj.weight": w(kv, h), p + "self_attn.o_proj.weight": w(h, q),
-                p + "mlp.gate_proj.weight": w(i, h), p + "mlp.up_proj.weight": w(i, h),
-                p + "mlp.down_proj.weight": w(h, i),
-                p + "input_layernorm.weight": 1.0 + w(h, std=0.1),
-                p + "post_attention_layernorm.weight": 1.0 + w(h, std=0.1)}
-    return out
 
 
 def rl_step(masters: dict[str, torch.Tensor], seed: int, lr: float = 2e-3) -> dict[str, torch.Tensor]:
