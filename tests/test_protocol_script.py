@@ -283,3 +283,14 @@ def test_origin_cancels_relays_over_a_link_that_vanished_and_pushes_itself() -> 
     a.send(wire.Links(()))
     assert [x for x in a.actions if isinstance(x, ev.SendChunk)] == [ev.SendChunk(2, 2, 0, 1000)]
     assert any(isinstance(x, ev.Log) and x.event == "relay_cancelled" for x in a.actions)
+
+
+def test_a_new_border_links_to_the_borders_the_origin_named_before_its_role() -> None:
+    """The origin sends PEERS (other regions' borders) before ROLE keep; the node is
+    no border when it reads them, and must still link to them once it is one."""
+    n = _core("a", "r")
+    o = Script(n, 1, node_id="origin", region="trainer", role="origin", outbound=True)
+    o.handshake()
+    o.send(wire.Peers((("z", "r2", "z:1", wire.PEER_BORDER), ("b", "r", "b:1", 0))))
+    acts = n.handle(ev.FrameReceived(n.now, 1, wire.Role(wire.ROLE_KEEP).encode()))
+    assert ev.Connect("z:1") in acts

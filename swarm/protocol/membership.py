@@ -26,6 +26,9 @@ class AddressBook:
     def __contains__(self, node_id: str) -> bool:
         return node_id in self._entries
 
+    def ids(self) -> list[str]:
+        return list(self._all)
+
     def get(self, node_id: str) -> tuple[str, str, int] | None:
         return self._entries.get(node_id)
 

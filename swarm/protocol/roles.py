@@ -290,9 +290,17 @@ class NodeRole(Role):
             self.maintain_mesh()
             return
         if self.cfg.region_aware and not self.cfg.origin_only:
+            was = self.border
             self.border = True
             self.host.log("info", "border_granted")
             self._send_links()
+            if not was:
+                # The origin named the other regions' borders (PEERS) just before this
+                # ROLE, when we were no border yet: link to them now.
+                for node_id in list(self.host.book.ids()):
+                    e = self.host.book.get(node_id)
+                    if e is not None:
+                        self.on_peer_heard(node_id, e[0], e[1], e[2])
 
     def _f_relay(self, p: Peer, f: wire.Relay) -> None:
         if not p.is_origin:
