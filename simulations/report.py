@@ -106,6 +106,13 @@ def figures(sc: Scenario, run: RunResult, bound: Bound) -> dict[str, Any]:
                 run.upload_bytes.get(n, 0) for n, reg in run.node_region.items() if reg == r.name
             ),
         }
+    applied = []
+    for v in range(1, versions + 1):
+        t0 = run.publish_at[v - 1] if v - 1 < len(run.publish_at) else math.inf
+        done = run.applied.get(v, {})
+        times = sorted(done[n] - t0 for n in live if n in done)
+        applied.append({k.replace("t_p", "t_applied_p"): x for k, x in _pcts(times, len(live)).items()})
+    top_applied = {k: _worst([a[k] for a in applied]) for k in applied[0]} if applied else {}
     incomplete = sum(pv["of"] - pv["completed"] for pv in per_version)
     t100 = top["t_p100_s"]
     return {
@@ -119,9 +126,12 @@ def figures(sc: Scenario, run: RunResult, bound: Bound) -> dict[str, Any]:
         "payload_bytes": F,
         "chunk_bytes": run.chunk_bytes,
         **top,
+        **top_applied,
+        "encode_s": _r(run.encode_s),
         "lower_bound_s": _r(bound.seconds),
         "bound_binding": bound.binding,
         "bound_terms": {k: _r(v) for k, v in bound.terms.items()},
+        "bound_info": {k: _r(v) for k, v in bound.info.items()},
         "t_p100_over_bound": _r(t100 / bound.seconds, 4) if t100 is not None else None,
         "cross_region_bytes": cross,
         "cross_region_ratio": round(cross / denom, 4),
@@ -135,6 +145,8 @@ def figures(sc: Scenario, run: RunResult, bound: Bound) -> dict[str, Any]:
         "control_frames": run.control_frames,
         "cross_region_control_bytes": run.cross_region_control_bytes,
         "chunks_sent": run.chunks_sent,
+        "control_hol": {k: _r(v) for k, v in run.hol.items()},
+        "cpu_busy_s": _r(run.cpu_busy_s),
         "churn": run.churn,
         "logs": dict(sorted(run.logs.items())),
         "virtual_end_s": _r(run.end_time),
