@@ -115,6 +115,7 @@ def lower_bound(
     k_flows = int(sc.protocol.get("border_nodes", 4))
     t0 = sc.start_s + sc.encode_s
     total_up = u_s
+    c_ins: dict[str, float] = {}
     for region in sc.regions:
         r = region.name
         # a node uploads inside r over at most n_r - 1 flows, each under the intra-region cap
@@ -123,6 +124,7 @@ def lower_bound(
         total_up += sum(uplinks[r])
         if r == trainer_site:
             c_in = u_s  # the trainer sits inside r: its uplink is the inflow
+            c_ins[r] = c_in
         else:
             c_in = 0.0
             per_flow = 0.0
@@ -144,11 +146,15 @@ def lower_bound(
                 per_flow = max(per_flow, fc)
                 c_in += cap
             c_in = min(c_in, mbps(region.ingress_mbps))
+            c_ins[r] = c_in
             terms[f"inflow[{r}]"] = _through_cuts(sc, r, t0, F / c_in)
             if per_flow != math.inf:
                 # not a bound: the same region fed over only the protocol's border flows
                 info[f"inflow_{k_flows}_flows[{r}]"] = F / min(c_in, k_flows * per_flow)
         terms[f"region_upload[{r}]"] = region.nodes * F / (up_r + c_in)
+        if r != trainer_site and region.nodes > 1:
+            # not a bound: with one copy let in, the region's own uploads carry (n_r - 1) F
+            info[f"region_upload_one_copy[{r}]"] = (region.nodes - 1) * F / up_r
         cpu = region.cpu
         if not cpu.free:
             work = _chunk_work(sc, payload_bytes, cpu)
@@ -160,6 +166,12 @@ def lower_bound(
         terms["host_cpu"] = work / sc.host_cores
 
     binding = max(terms, key=lambda k: terms[k])
+    flat = max(v for k, v in terms.items() if not k.startswith("inflow["))
+    for cut in sc.faults.cuts:
+        # not a bound: the whole transfer again once the cut heals (nothing let in before it)
+        key = f"after_heal[{cut.region}]"
+        after = cut.start_s + cut.duration_s - t0 + max(flat, F / max(1e-9, c_ins[cut.region]))
+        info[key] = max(info.get(key, 0.0), after)
     latency = min_latency_s(sc)
     # the last chunk is hashed and stored after its last byte arrived: no overlap possible
     last = payload_bytes - (max(1, -(-payload_bytes // sc.chunk_bytes)) - 1) * sc.chunk_bytes
