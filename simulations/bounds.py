@@ -147,6 +147,12 @@ def lower_bound(
                 c_in += cap
             c_in = min(c_in, mbps(region.ingress_mbps))
             c_ins[r] = c_in
+            # not a bound: r fed by the trainer's direct link alone (routing by topology)
+            direct = min(mbps(sc.link(trainer_site, r).mbps), u_s, mbps(region.ingress_mbps),
+                         region.nodes * flow_cap(sc, trainer_site, r))
+            if trainer_site != TRAINER_SITE:
+                direct = min(direct, mbps(sc.region(trainer_site).egress_mbps))
+            info[f"direct_only[{r}]"] = F / direct
             terms[f"inflow[{r}]"] = _through_cuts(sc, r, t0, F / c_in)
             if per_flow != math.inf:
                 # not a bound: the same region fed over only the protocol's border flows
@@ -165,6 +171,13 @@ def lower_bound(
         work = sum(r.nodes * _chunk_work(sc, payload_bytes, r.cpu) for r in sc.regions)
         terms["host_cpu"] = work / sc.host_cores
 
+    remote = [r for r in sc.regions if r.name != trainer_site]
+    if remote:
+        # not a bound: every remote region's copy leaves the trainer's uplink (no relaying)
+        t_out = u_s
+        if trainer_site != TRAINER_SITE:
+            t_out = min(u_s, mbps(sc.region(trainer_site).egress_mbps))
+        info["all_direct"] = len(remote) * F / t_out
     binding = max(terms, key=lambda k: terms[k])
     flat = max(v for k, v in terms.items() if not k.startswith("inflow["))
     for cut in sc.faults.cuts:
