@@ -622,17 +622,21 @@ class Simulation:
         if cur is not None:
             # head-of-line: the frame shares the connection's byte stream with chunk data
             flow = cur[4]
-            if self.block and not half.held and flow.rate > 0.0:
-                # interleaved: it goes out after the block now on the wire
-                sent = self.net.progress(flow)
-                ahead = min(self.block - sent % self.block, flow.size - sent)
-                wait = ahead / flow.rate
-                if half.cwnd != INF and flow.rate >= flow.cap:
-                    wait = _slow_start_time(ahead, half.cwnd, half.rtt, cur[6], wait)
-            else:
+            if not self.block:
                 # whole-chunk messages: after every chunk byte queued before it
                 half.held.append((half.enq, a.frame, now))
                 return
+            if half.held or flow.rate <= 0.0:
+                # a stalled flow (or frames already waiting on it): after the chunk on the wire
+                gate = half.held[-1][0] if half.held else cur[5]
+                half.held.append((gate, a.frame, now))
+                return
+            # interleaved: it goes out after the block now on the wire
+            sent = self.net.progress(flow)
+            ahead = min(self.block - sent % self.block, flow.size - sent)
+            wait = ahead / flow.rate
+            if half.cwnd != INF and flow.rate >= flow.cap:
+                wait = _slow_start_time(ahead, half.cwnd, half.rtt, cur[6], wait)
         self._put_frame(half, a.frame, now + wait, wait)
 
     def _put_frame(self, half: Half, frame: bytes, leaves: float, wait: float) -> None:
