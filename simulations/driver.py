@@ -9,19 +9,29 @@ driver only decides how long things take:
   later, the dialler ``PeerConnected(outbound=True)`` one round trip later;
   a dead or cut-off address answers ``ConnectFailed`` (RST after a round trip,
   or after ``connect_timeout_s`` across a region cut).
-- ``SendFrame``: the frame's real bytes arrive one latency later (plus a
-  retransmission timeout with probability ``loss``), FIFO per direction.
-  Control frames do not consume modelled bandwidth; their bytes are counted.
+- One byte stream per direction of a connection: chunks leave one after the
+  other, and a control frame waits behind the chunk data queued ahead of it
+  (``interleave_block_bytes``: 0 = behind every queued chunk, as whole-chunk
+  websocket messages; N = behind the N-byte block on the wire).
+- ``SendFrame``: the frame's real bytes arrive one latency after they leave
+  (plus a retransmission timeout with the path's loss probability, plus a busy
+  shaped uplink's queue), FIFO per direction. Control frames do not consume
+  modelled bandwidth; their bytes are counted.
 - ``SendChunk``: a flow of ``size`` bytes through sender uplink, site links and
-  receiver downlink (:mod:`simulations.network`). When its last byte leaves,
-  the sender gets ``ChunkSent``; one latency later the receiver gets
-  ``ChunkReceived(valid=True)`` (the payload is a size: there are no bytes
-  to hash, so every chunk of an honest sender is valid).
+  receiver downlink (:mod:`simulations.network`), capped per flow by the
+  path's Mathis rate and, on a fresh connection, the slow-start window. When
+  its last byte leaves, the sender gets ``ChunkSent``; one latency later the
+  chunk has arrived, the receiver's CPU hashes and stores it
+  (:mod:`simulations.cpu`) and only then does its core get
+  ``ChunkReceived(valid=True)`` (the payload is a size: there are no bytes to
+  hash, so every chunk of an honest sender is valid).
 - ``Close``: flows on the connection stop; the closer gets
   ``PeerDisconnected`` at once, the peer one latency later (after frames
   already in flight).
 - ``ApplyVersion``: the node now holds every verified chunk; that instant is
-  its completion time. ``Applied(ok=True)`` follows after ``apply_s``.
+  its completion time. ``Applied(ok=True)`` follows once its CPU applied the
+  version, plus ``apply_s``. The trainer's ``Publish`` comes ``encode_s``
+  after the publish call.
 
 Manifests are real: Ed25519-signed once per version with a key drawn from the
 seed, verified by every core with ``swarm.trust.manifest.verify_manifest``.
