@@ -7,6 +7,8 @@ Definitions (also in ``docs/simulation.md``):
   their core asks to apply it). Nearest-rank percentile; ``null`` when fewer
   than that share finished. With several versions the top-level figures are
   the worst version's.
+- ``t_applied_pXX_s``: the same until the node's ``Applied`` (its CPU applied the
+  version). Times start at the publish call, so they include ``encode_s``.
 - ``lower_bound_s``: :func:`simulations.bounds.lower_bound` for the shipped
   payload; ``t_p100_over_bound`` = ``t_p100_s / lower_bound_s``.
 - ``cross_region_bytes``: chunk bytes whose sender and receiver sit in
