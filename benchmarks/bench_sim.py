@@ -1,10 +1,18 @@
-"""Simulator benchmarks: the issue-5 targets and the strategy table.
+"""Simulator benchmarks: the issue-5 targets, the strategy table, the issue-11 scenarios.
 
     python benchmarks/bench_sim.py [--quick] [--only NAME ...]
+    python benchmarks/bench_sim.py --scenarios [--only NAME ...]
 
 Runs each (scenario, strategies) case below through the simulator, prints one
 table row per run and writes every report to ``benchmarks/results/sim.json``.
 ``--quick`` swaps the 10k fleet for a 1k one (same shape) for a smoke run.
+
+``--scenarios`` runs the issue-11 scenarios (``SCENARIOS``: the emulated WAN as
+in round 1 and with 256 KiB blocks, a slow direct link, an upload-bound region,
+long lossy links, a partition that heals) and writes
+``benchmarks/results/sim_scenarios.json``: per run the simulated time, the flow
+bound, their ratio, what binds, the explanatory figures and the wall time.
+Re-run it after a protocol change; it takes well under a minute.
 """
 
 from __future__ import annotations
@@ -33,6 +41,72 @@ CASES = [
 ]
 
 
+# (label, scenario file stem, field overrides): the issue-11 table of docs/simulation.md
+SCENARIOS = [
+    ("wan-3x4", "wan-3x4", {}),
+    ("wan-3x4 blocks 256 KiB", "wan-3x4", {"interleave_block_bytes": 256 * 1024}),
+    ("slow-direct", "slow-direct", {}),
+    ("upload-bound", "upload-bound", {}),
+    ("lossy-long", "lossy-long", {}),
+    ("partition-heal", "partition-heal", {}),
+]
+
+
+def run_scenarios(only: list[str] | None, out: Path) -> int:
+    """The issue-11 scenarios: sim time, bound, ratio per run -> ``out`` (JSON)."""
+    results = json.loads(out.read_text()) if out.exists() else {}
+    rows = []
+    for label, stem, over in SCENARIOS:
+        if only and label not in only and stem not in only:
+            continue
+        sc = load_scenario(ROOT / "configs" / "sim" / f"{stem}.toml")
+        if over:
+            sc = dataclasses.replace(sc, **over)
+        for strategy in sc.strategies:
+            t0 = time.perf_counter()
+            _, fig = run_strategy(sc, strategy)
+            key = label if strategy == sc.strategies[0] else f"{label} ({strategy})"
+            row = {
+                "scenario": stem,
+                "strategy": strategy,
+                "overrides": over,
+                "t_p50_s": fig["t_p50_s"],
+                "t_p100_s": fig["t_p100_s"],
+                "t_applied_p100_s": fig["t_applied_p100_s"],
+                "encode_s": fig["encode_s"],
+                "lower_bound_s": fig["lower_bound_s"],
+                "t_p100_over_bound": fig["t_p100_over_bound"],
+                "bound_binding": fig["bound_binding"],
+                "bound_info": fig["bound_info"],
+                "per_region_p100_s": {r: v["t_p100_s"] for r, v in fig["per_region"].items()},
+                "from_trainer_copies": {
+                    r: round(v["from_trainer_bytes"] / fig["payload_bytes"], 3)
+                    for r, v in fig["per_region"].items()
+                },
+                "cross_region_ratio": fig["cross_region_ratio"],
+                "control_hol": fig["control_hol"],
+                "cpu_busy_s": fig["cpu_busy_s"],
+                "logs": fig["logs"],
+                "events": fig["events"],
+                "wall_s": round(time.perf_counter() - t0, 2),
+            }
+            results[key] = row
+            rows.append((key, row))
+            print(f"{key}: p100 {row['t_p100_s']} s (applied {row['t_applied_p100_s']}), bound "
+                  f"{row['lower_bound_s']} s [{row['bound_binding']}], ratio {row['t_p100_over_bound']}, "
+                  f"wall {row['wall_s']} s", flush=True)
+    print()
+    print(f"| {'scenario':<28} | p100 s | bound s | ratio | binding | wall s |")
+    for key, row in rows:
+        print(f"| {key:<28} | {row['t_p100_s']} | {row['lower_bound_s']} | {row['t_p100_over_bound']} | "
+              f"{row['bound_binding']} | {row['wall_s']} |")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(results, indent=1) + "\n")
+    tmp.replace(out)
+    return 0
+
+
 def scenario(name: str, quick: bool):
     if name == "churn-baseline":
         sc = load_scenario(ROOT / "configs" / "sim" / "churn.toml")
@@ -48,8 +122,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", nargs="+", default=None)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "sim.json"))
+    ap.add_argument("--scenarios", action="store_true",
+                    help="run the issue-11 scenarios into benchmarks/results/sim_scenarios.json")
+    ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.scenarios:
+        return run_scenarios(args.only, Path(args.out or ROOT / "benchmarks" / "results" / "sim_scenarios.json"))
+    args.out = args.out or str(ROOT / "benchmarks" / "results" / "sim.json")
     out = Path(args.out)
     results = json.loads(out.read_text()) if out.exists() else {}
     for name, strategies in CASES:

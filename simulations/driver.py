@@ -9,19 +9,29 @@ driver only decides how long things take:
   later, the dialler ``PeerConnected(outbound=True)`` one round trip later;
   a dead or cut-off address answers ``ConnectFailed`` (RST after a round trip,
   or after ``connect_timeout_s`` across a region cut).
-- ``SendFrame``: the frame's real bytes arrive one latency later (plus a
-  retransmission timeout with probability ``loss``), FIFO per direction.
-  Control frames do not consume modelled bandwidth; their bytes are counted.
+- One byte stream per direction of a connection: chunks leave one after the
+  other, and a control frame waits behind the chunk data queued ahead of it
+  (``interleave_block_bytes``: 0 = behind every queued chunk, as whole-chunk
+  websocket messages; N = behind the N-byte block on the wire).
+- ``SendFrame``: the frame's real bytes arrive one latency after they leave
+  (plus a retransmission timeout with the path's loss probability, plus a busy
+  shaped uplink's queue), FIFO per direction. Control frames do not consume
+  modelled bandwidth; their bytes are counted.
 - ``SendChunk``: a flow of ``size`` bytes through sender uplink, site links and
-  receiver downlink (:mod:`simulations.network`). When its last byte leaves,
-  the sender gets ``ChunkSent``; one latency later the receiver gets
-  ``ChunkReceived(valid=True)`` (the payload is a size: there are no bytes
-  to hash, so every chunk of an honest sender is valid).
+  receiver downlink (:mod:`simulations.network`), capped per flow by the
+  path's Mathis rate and, on a fresh connection, the slow-start window. When
+  its last byte leaves, the sender gets ``ChunkSent``; one latency later the
+  chunk has arrived, the receiver's CPU hashes and stores it
+  (:mod:`simulations.cpu`) and only then does its core get
+  ``ChunkReceived(valid=True)`` (the payload is a size: there are no bytes to
+  hash, so every chunk of an honest sender is valid).
 - ``Close``: flows on the connection stop; the closer gets
   ``PeerDisconnected`` at once, the peer one latency later (after frames
   already in flight).
 - ``ApplyVersion``: the node now holds every verified chunk; that instant is
-  its completion time. ``Applied(ok=True)`` follows after ``apply_s``.
+  its completion time. ``Applied(ok=True)`` follows once its CPU applied the
+  version, plus ``apply_s``. The trainer's ``Publish`` comes ``encode_s``
+  after the publish call.
 
 Manifests are real: Ed25519-signed once per version with a key drawn from the
 seed, verified by every core with ``swarm.trust.manifest.verify_manifest``.
@@ -29,16 +39,17 @@ seed, verified by every core with ``swarm.trust.manifest.verify_manifest``.
 
 from __future__ import annotations
 
-import contextlib
 import random
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from simulations.cpu import Cores, run_job
 from simulations.engine import Engine
 from simulations.network import INF, FlowNet, Resource
-from simulations.scenario import STRATEGY_KNOBS, Scenario
+from simulations.scenario import STRATEGY_KNOBS, Cpu, Scenario
 from simulations.topology import Endpoint, Topology, draw_capacities
 from swarm.protocol import events as ev
 
@@ -49,6 +60,19 @@ PORT = 7000
 # version is BASE_VERSION + k. Reports number them k = 1..versions.
 BASE_VERSION = 1
 
+def _slow_start_time(nbytes: float, cwnd: float, rtt: float, ceil: float, most: float) -> float:
+    """Time to send ``nbytes`` from window ``cwnd`` doubling every ``rtt`` (at most ``most``)."""
+    t = 0.0
+    while nbytes > 0.0 and t < most:
+        rate = min(cwnd / rtt, ceil)
+        if nbytes <= rate * rtt:
+            return min(most, t + nbytes / rate)
+        nbytes -= rate * rtt
+        t += rtt
+        cwnd *= 2
+    return min(t, most)
+
+
 class SimNode:
     """One simulated host: its core, its place in the network, its tallies."""
 
@@ -56,9 +80,12 @@ class SimNode:
         "active",
         "addr",
         "alive",
+        "applied_at",
         "cid",
         "conns",
         "core",
+        "cpu",
+        "cpu_spec",
         "done_at",
         "ep",
         "first_seen",
@@ -90,6 +117,9 @@ class SimNode:
         self.conns: dict[int, Half] = {}
         self.tick_at = INF
         self.done_at: dict[int, float] = {}  # version -> virtual time it held all chunks
+        self.applied_at: dict[int, float] = {}  # version -> virtual time its Applied arrived
+        self.cpu: Cores | None = None  # None: CPU costs nothing (no [cpu] rates)
+        self.cpu_spec = Cpu()
         self.have: dict[int, set[int]] = {}  # version -> verified chunks (the "store")
         self.manifests: dict[int, bytes] = {}
         self.sent_bytes = 0
@@ -99,19 +129,31 @@ class SimNode:
 
 
 class Half:
-    """One end of a simulated connection."""
+    """One end of a simulated connection: its outgoing byte stream.
 
-    __slots__ = ("cid", "fifo", "flows", "inc", "lat", "node", "open", "peer")
+    Chunks leave one after the other (one TCP stream: one flow at a time, the
+    rest in ``queue``); control frames queue behind chunk bytes (``held``, see
+    ``Simulation._send_frame``). ``cwnd`` is the sender's congestion window while
+    it is still in slow start (``INF`` once open).
+    """
+
+    __slots__ = ("cid", "cur", "cwnd", "enq", "fifo", "held", "inc", "lat", "node", "open",
+                 "peer", "queue", "rtt")
 
     def __init__(self, node: SimNode, cid: int, lat: float) -> None:
         self.node = node
         self.inc = node.inc
         self.cid = cid
         self.lat = lat
+        self.rtt = 2 * lat
         self.open = True
         self.peer: Half = self
-        self.fifo = 0.0  # latest arrival time of a frame sent from this end
-        self.flows: list[Any] = []  # flows this end is sending
+        self.fifo = 0.0  # latest arrival time of anything sent from this end
+        self.cur: list[Any] | None = None  # the chunk on the wire: [half, v, i, size, flow, seq, ceil]
+        self.queue: deque[list[Any]] = deque()  # chunks waiting behind it
+        self.enq = 0  # chunks queued on this end so far (their sequence numbers)
+        self.held: deque[tuple[int, bytes, float]] = deque()  # (gate seq, frame, sent at)
+        self.cwnd = INF  # bytes per RTT while ramping up (slow start)
 
 
 @dataclass
@@ -139,6 +181,10 @@ class RunResult:
     capacities: dict[str, list[tuple[float, float]]]
     logs: dict[str, int] = field(default_factory=dict)
     churn: dict[str, int] = field(default_factory=dict)
+    applied: dict[int, dict[str, float]] = field(default_factory=dict)  # like ``done``, Applied
+    encode_s: float = 0.0
+    hol: dict[str, float] = field(default_factory=dict)  # control frames behind chunk bytes
+    cpu_busy_s: float = 0.0  # CPU seconds the nodes spent (hash, io, apply)
 
 
 class Simulation:
@@ -171,6 +217,11 @@ class Simulation:
         self.chunks_sent = 0
         self.logs: dict[str, int] = {}
         self.cut: set[str] = set()
+        self.block = sc.interleave_block_bytes
+        self.shared_cpu = Cores(sc.host_cores) if sc.host_cores > 0 else None
+        self.hol_frames = 0  # control frames that waited behind chunk bytes
+        self.hol_wait = 0.0  # their total wait, seconds
+        self.hol_max = 0.0
         self.churn = {"left": 0, "rejoined": 0, "joined": 0}
         self.pending_faults = 0
         self.alive_count = 0  # rollout nodes alive now
@@ -258,6 +309,10 @@ class Simulation:
             region, Resource(f"up[{region}/{i}]", up), Resource(f"down[{region}/{i}]", down)
         )
         node = SimNode(len(self.nodes), f"{region}-{i}", region, addr, ep, False)
+        spec = self.sc.regions[ri].cpu
+        node.cpu_spec = spec
+        if not spec.free:
+            node.cpu = Cores(spec.cores)
         self.nodes.append(node)
         self.by_addr[addr] = node
         return node
@@ -324,10 +379,14 @@ class Simulation:
         wall = time.perf_counter() - t0
         cpu = time.process_time() - c0
         done: dict[int, dict[str, float]] = {k: {} for k in range(1, sc.versions + 1)}
+        applied: dict[int, dict[str, float]] = {k: {} for k in range(1, sc.versions + 1)}
         for n in self.nodes[1:]:
             for v, t in n.done_at.items():
                 if v - BASE_VERSION in done:
                     done[v - BASE_VERSION][n.node_id] = t
+            for v, t in n.applied_at.items():
+                if v - BASE_VERSION in applied:
+                    applied[v - BASE_VERSION][n.node_id] = t
         return RunResult(
             strategy=self.strategy,
             payload_bytes=self.payload,
@@ -350,6 +409,15 @@ class Simulation:
             capacities=self.capacities,
             logs=dict(self.logs),
             churn=dict(self.churn),
+            applied=applied,
+            encode_s=sc.encode_s,
+            hol={
+                "frames": self.hol_frames,
+                "share": self.hol_frames / max(1, self.control_frames),
+                "mean_ms": 1e3 * self.hol_wait / max(1, self.hol_frames),
+                "max_s": self.hol_max,
+            },
+            cpu_busy_s=sum(n.cpu.busy_s for n in self.nodes if n.cpu is not None),
         )
 
     def _on_batch(self) -> None:
@@ -362,11 +430,17 @@ class Simulation:
         if k <= self.published:
             return
         self.published = k
-        self.publish_at.append(self.engine.now)
+        self.publish_at.append(self.engine.now)  # the publish call: encoding starts
         self.done_count.setdefault(k, 0)
-        raw = self.manifests[k - 1]
+        if self.sc.encode_s > 0:
+            self.engine.schedule(self.engine.now + self.sc.encode_s, self._hand_off, k)
+        else:
+            self._hand_off(k)
+
+    def _hand_off(self, k: int) -> None:
+        """The encoded, signed version reaches the trainer's core."""
         t = self.trainer
-        self._deliver(t, t.inc, ev.Publish(self.engine.now, raw))
+        self._deliver(t, t.inc, ev.Publish(self.engine.now, self.manifests[k - 1]))
         self.check_finished()
 
     def check_finished(self) -> None:
@@ -382,8 +456,8 @@ class Simulation:
             if k < self.sc.versions:
                 if self.sc.interval_s <= 0:
                     self.engine.schedule(self.engine.now, self._publish, k + 1)
-            elif self.pending_faults == 0:
-                self.engine.stop()
+            elif self.pending_faults == 0 and all(v in n.applied_at for n in live):
+                self.engine.stop()  # every live node holds and has applied the last version
 
     # ------------------------------------------------------------- delivery
     def _deliver(self, node: SimNode, inc: int, event: ev.Event) -> None:
@@ -484,6 +558,8 @@ class Simulation:
         node.conns[mine.cid] = mine
         peer.conns[theirs.cid] = theirs
         mine.fifo = theirs.fifo = now + lat
+        if self.sc.slow_start:
+            mine.cwnd = theirs.cwnd = self.sc.initial_window * self.sc.mss
         # SYN-ACK reaches the dialler before any byte the listener sends: schedule it first
         self.engine.schedule(now + lat, self._connected, (mine, addr))
         self._deliver(peer, peer.inc, ev.PeerConnected(now, theirs.cid, False, node.addr))
@@ -506,17 +582,21 @@ class Simulation:
         now = self.engine.now
         half.open = False
         peer = half.peer
-        for f in half.flows:
-            self.net.cancel(f)
-        for f in peer.flows:
-            self.net.cancel(f)
-        half.flows = []
-        peer.flows = []
+        self._drop_stream(half)
+        self._drop_stream(peer)
         half.node.conns.pop(half.cid, None)
         if notify_self:
             self.engine.schedule(now, self._disconnected, (half, reason))
         if peer.open:
             self.engine.schedule(max(now + half.lat, half.fifo), self._peer_gone, (peer, reason))
+
+    def _drop_stream(self, half: Half) -> None:
+        """The connection is gone: what this end was sending or about to send is lost."""
+        if half.cur is not None:
+            self.net.cancel(half.cur[4])
+            half.cur = None
+        half.queue.clear()
+        half.held.clear()
 
     def _disconnected(self, item: tuple[Half, str]) -> None:
         half, reason = item
@@ -528,9 +608,7 @@ class Simulation:
             return
         half.open = False
         half.node.conns.pop(half.cid, None)
-        for f in half.flows:
-            self.net.cancel(f)
-        half.flows = []
+        self._drop_stream(half)
         self._deliver(
             half.node,
             half.inc,
@@ -549,13 +627,46 @@ class Simulation:
         peer = half.peer
         if node.ep.site != peer.node.ep.site:
             self.cross_control += n
-        at = now + half.lat
-        if self.sc.loss and self.rng.random() < self.sc.loss:
+        cur = half.cur
+        wait = 0.0
+        if cur is not None:
+            # head-of-line: the frame shares the connection's byte stream with chunk data
+            flow = cur[4]
+            if not self.block:
+                # whole-chunk messages: after every chunk byte queued before it
+                half.held.append((half.enq, a.frame, now))
+                return
+            if half.held or flow.rate <= 0.0:
+                # a stalled flow (or frames already waiting on it): after the chunk on the wire
+                gate = half.held[-1][0] if half.held else cur[5]
+                half.held.append((gate, a.frame, now))
+                return
+            # interleaved: it goes out after the block now on the wire
+            sent = self.net.progress(flow)
+            ahead = min(self.block - sent % self.block, flow.size - sent)
+            wait = ahead / flow.rate
+            if half.cwnd != INF and flow.rate >= flow.cap:
+                wait = _slow_start_time(ahead, half.cwnd, half.rtt, cur[6], wait)
+        self._put_frame(half, a.frame, now + wait, wait)
+
+    def _put_frame(self, half: Half, frame: bytes, leaves: float, wait: float) -> None:
+        """``frame`` leaves ``half`` at ``leaves`` (after ``wait`` behind data); FIFO arrival."""
+        if wait > 0.0:
+            self.hol_frames += 1
+            self.hol_wait += wait
+            if wait > self.hol_max:
+                self.hol_max = wait
+        key = (half.node.ep.site, half.peer.node.ep.site)
+        at = leaves + half.lat
+        if self.topo.queues:
+            at += self.topo.queue_delay(*key)
+        loss = self.topo.loss[key]
+        if loss and self.rng.random() < loss:
             at += max(0.2, 4 * half.lat)  # one retransmission timeout
         if at < half.fifo:
             at = half.fifo
         half.fifo = at
-        self.engine.schedule(at, self._frame_arrives, (peer, a.frame))
+        self.engine.schedule(at, self._frame_arrives, (half.peer, frame))
 
     def _frame_arrives(self, item: tuple[Half, bytes]) -> None:
         half, frame = item
@@ -567,18 +678,45 @@ class Simulation:
         half = node.conns.get(a.conn)
         if half is None or not half.open:
             return
+        half.enq += 1
+        item: list[Any] = [half, a.version, a.index, a.size, None, half.enq, INF]
+        if half.cur is None:
+            self._start_chunk(half, item)
+        else:
+            half.queue.append(item)  # one stream: it leaves after the chunks ahead of it
+
+    def _start_chunk(self, half: Half, item: list[Any]) -> None:
         peer = half.peer
-        res = self.topo.flow_resources(node.ep, peer.node.ep)
-        cap = self.topo.flow_cap[(node.ep.site, peer.node.ep.site)]
-        item = [half, a.version, a.index, a.size, None]
-        flow = self.net.start(a.size, res, self._chunk_left, item, cap)
-        item[4] = flow
-        half.flows.append(flow)
+        src, dst = half.node.ep, peer.node.ep
+        res = self.topo.flow_resources(src, dst)
+        cap = self.topo.flow_cap[(src.site, dst.site)]
+        if half.cwnd != INF:
+            # slow start: the window doubles every RTT until the path, not the window, limits
+            ceil = min(cap, min(r.cap for r in res))
+            if half.rtt <= 0.0 or half.cwnd / half.rtt >= ceil:
+                half.cwnd = INF
+            else:
+                item[6] = ceil
+                cap = half.cwnd / half.rtt
+                self.engine.schedule(self.engine.now + half.rtt, self._ramp, item)
+        item[4] = self.net.start(item[3], res, self._chunk_left, item, cap)
+        half.cur = item
+
+    def _ramp(self, item: list[Any]) -> None:
+        half = item[0]
+        if half.cur is not item or not half.open:
+            return  # the next chunk on this connection carries on from the window reached
+        half.cwnd *= 2
+        ceil = item[6]
+        if half.cwnd / half.rtt >= ceil:
+            half.cwnd = INF
+            self.net.set_cap(item[4], self.topo.flow_cap[(half.node.ep.site, half.peer.node.ep.site)])
+        else:
+            self.net.set_cap(item[4], half.cwnd / half.rtt)
+            self.engine.schedule(self.engine.now + half.rtt, self._ramp, item)
 
     def _chunk_left(self, item: list[Any]) -> None:
-        half, version, index, size, flow = item
-        with contextlib.suppress(ValueError):
-            half.flows.remove(flow)
+        half, version, index, size, _flow, seq, _ceil = item
         node = half.node
         peer = half.peer
         src, dst = node.ep.site, peer.node.ep.site
@@ -587,11 +725,23 @@ class Simulation:
         key = (src, dst)
         self.pair_bytes[key] = self.pair_bytes.get(key, 0) + size
         now = self.engine.now
+        half.cur = None
+        held = half.held
+        while held and held[0][0] <= seq:  # frames that waited for this chunk's last byte
+            _, frame, t = held.popleft()
+            self._put_frame(half, frame, now, now - t)
+        if half.queue:
+            self._start_chunk(half, half.queue.popleft())
+        at = now + half.lat
+        if self.topo.queues:
+            at += self.topo.queue_delay(src, dst)
+        at = max(at, half.fifo)
+        half.fifo = at
         if half.open:
             self._deliver(node, half.inc, ev.ChunkSent(now, half.cid, version, index))
-        self.engine.schedule(
-            max(now + half.lat, half.fifo), self._chunk_arrives, (peer, version, index, size)
-        )
+        # Scheduled after the sender's reaction: frames it sent right behind the chunk that
+        # arrive at the same instant are read while the receiver still verifies the chunk.
+        self.engine.schedule(at, self._chunk_arrives, (peer, version, index, size))
 
     def _chunk_arrives(self, item: tuple[Half, int, int, int]) -> None:
         half, version, index, size = item
@@ -599,6 +749,19 @@ class Simulation:
             return
         node = half.node
         node.recv_bytes += size
+        if node.cpu is not None:
+            # hash against the manifest, store: the core hears of it when the CPU is done
+            done = run_job(self.engine.now, node.cpu_spec.chunk_s(size), node.cpu, self.shared_cpu)
+            if done > self.engine.now:
+                self.engine.schedule(done, self._chunk_verified, (half, version, index))
+                return
+        self._chunk_verified((half, version, index))
+
+    def _chunk_verified(self, item: tuple[Half, int, int]) -> None:
+        half, version, index = item
+        if not half.open or half.node.inc != half.inc:
+            return
+        node = half.node
         node.have.setdefault(version, set()).add(index)
         self._deliver(
             node, half.inc, ev.ChunkReceived(self.engine.now, half.cid, version, index, True)
@@ -610,7 +773,10 @@ class Simulation:
             node.done_at[version] = now
             k = version - BASE_VERSION
             self.done_count[k] = self.done_count.get(k, 0) + 1
-        self.engine.schedule(now + self.sc.apply_s, self._applied_event, (node, node.inc, version))
+        at = now
+        if node.cpu is not None and not node.origin:
+            at = run_job(now, node.cpu_spec.apply_s(self.payload), node.cpu, self.shared_cpu)
+        self.engine.schedule(at + self.sc.apply_s, self._applied_event, (node, node.inc, version))
         if not node.origin:
             self.check_finished()
 
@@ -618,7 +784,10 @@ class Simulation:
         node, inc, version = item
         if node.alive and node.inc == inc:
             node.active = max(node.active, version)
+            node.applied_at.setdefault(version, self.engine.now)
         self._deliver(node, inc, ev.Applied(self.engine.now, version, True))
+        if not node.origin:
+            self.check_finished()
 
     # ---------------------------------------------------------------- faults
     def _schedule_faults(self) -> None:

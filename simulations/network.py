@@ -141,6 +141,13 @@ class FlowNet:
             return
         self._remove(flow)
 
+    def set_cap(self, flow: Flow, cap: float) -> None:
+        """Change one flow's own ceiling (a TCP window opening) and re-rate around it."""
+        if not flow.alive or cap == flow.cap:
+            return
+        flow.cap = cap
+        self._reshare(flow.resources, self.engine.now, flow)
+
     def set_capacity(self, resource: Resource, cap: float) -> None:
         """Change a capacity mid-run (slow-node faults) and re-rate its flows."""
         resource.cap = cap
@@ -312,7 +319,10 @@ class FlowNet:
 
 
 def mathis_cap(mss: float, rtt: float, loss: float) -> float:
-    """TCP throughput ceiling under random loss ``p`` (Mathis et al. 1997), bytes/s."""
+    """TCP throughput ceiling under random loss ``p`` (Mathis et al. 1997), bytes/s.
+
+    ``MSS / (RTT sqrt(2p/3))`` = ``MSS/RTT x C/sqrt(p)`` with ``C = sqrt(3/2) ~ 1.22``.
+    """
     if loss <= 0.0 or rtt <= 0.0:
         return INF
     return mss / (rtt * math.sqrt(2.0 * loss / 3.0))

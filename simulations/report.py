@@ -7,6 +7,8 @@ Definitions (also in ``docs/simulation.md``):
   their core asks to apply it). Nearest-rank percentile; ``null`` when fewer
   than that share finished. With several versions the top-level figures are
   the worst version's.
+- ``t_applied_pXX_s``: the same until the node's ``Applied`` (its CPU applied the
+  version). Times start at the publish call, so they include ``encode_s``.
 - ``lower_bound_s``: :func:`simulations.bounds.lower_bound` for the shipped
   payload; ``t_p100_over_bound`` = ``t_p100_s / lower_bound_s``.
 - ``cross_region_bytes``: chunk bytes whose sender and receiver sit in
@@ -106,6 +108,13 @@ def figures(sc: Scenario, run: RunResult, bound: Bound) -> dict[str, Any]:
                 run.upload_bytes.get(n, 0) for n, reg in run.node_region.items() if reg == r.name
             ),
         }
+    applied = []
+    for v in range(1, versions + 1):
+        t0 = run.publish_at[v - 1] if v - 1 < len(run.publish_at) else math.inf
+        done = run.applied.get(v, {})
+        times = sorted(done[n] - t0 for n in live if n in done)
+        applied.append({k.replace("t_p", "t_applied_p"): x for k, x in _pcts(times, len(live)).items()})
+    top_applied = {k: _worst([a[k] for a in applied]) for k in applied[0]} if applied else {}
     incomplete = sum(pv["of"] - pv["completed"] for pv in per_version)
     t100 = top["t_p100_s"]
     return {
@@ -119,9 +128,12 @@ def figures(sc: Scenario, run: RunResult, bound: Bound) -> dict[str, Any]:
         "payload_bytes": F,
         "chunk_bytes": run.chunk_bytes,
         **top,
+        **top_applied,
+        "encode_s": _r(run.encode_s),
         "lower_bound_s": _r(bound.seconds),
         "bound_binding": bound.binding,
         "bound_terms": {k: _r(v) for k, v in bound.terms.items()},
+        "bound_info": {k: _r(v) for k, v in bound.info.items()},
         "t_p100_over_bound": _r(t100 / bound.seconds, 4) if t100 is not None else None,
         "cross_region_bytes": cross,
         "cross_region_ratio": round(cross / denom, 4),
@@ -135,6 +147,8 @@ def figures(sc: Scenario, run: RunResult, bound: Bound) -> dict[str, Any]:
         "control_frames": run.control_frames,
         "cross_region_control_bytes": run.cross_region_control_bytes,
         "chunks_sent": run.chunks_sent,
+        "control_hol": {k: _r(v) for k, v in run.hol.items()},
+        "cpu_busy_s": _r(run.cpu_busy_s),
         "churn": run.churn,
         "logs": dict(sorted(run.logs.items())),
         "virtual_end_s": _r(run.end_time),

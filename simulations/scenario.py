@@ -88,8 +88,13 @@ class Region:
     latency_ms: float = 0.5  # one-way, between two nodes of the region
     egress_mbps: float = math.inf  # aggregate out of the region (all flows)
     ingress_mbps: float = math.inf  # aggregate into the region
+    # standing queue of the shaped egress/ingress while it carries chunk data (a tbf or
+    # router buffer that loss-based TCP keeps full): added to everything crossing it
+    queue_ms: float = 0.0
     straggler_fraction: float = 0.0
     straggler_factor: float = 1.0
+    loss: float = 0.0  # random packet loss between two nodes of the region
+    cpu: Cpu = field(default_factory=lambda: Cpu())
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,36 @@ class Link:
     dst: str
     mbps: float
     latency_ms: float
+    loss: float = 0.0  # random packet loss: caps each TCP flow (Mathis), delays frames
+
+
+@dataclass(frozen=True)
+class Cpu:
+    """What a node's CPU spends on the chunks it receives and the versions it applies.
+
+    A received chunk of ``s`` bytes costs ``s/hash + s/io + chunk_overhead`` seconds
+    of one core (``io``: everything else a byte costs: socket, TLS, websocket
+    framing, the store write, its share of sending it on); applying a version of
+    ``F`` bytes costs ``F/apply``. Jobs queue FIFO on ``cores`` cores; the core hears
+    ``ChunkReceived`` / ``Applied`` when its job is done. ``inf`` rates cost nothing.
+    """
+
+    hash_mb_s: float = math.inf
+    io_mb_s: float = math.inf
+    apply_mb_s: float = math.inf
+    chunk_overhead_ms: float = 0.0
+    cores: int = 1
+
+    @property
+    def free(self) -> bool:
+        return (self.hash_mb_s == self.io_mb_s == self.apply_mb_s == math.inf
+                and self.chunk_overhead_ms == 0.0)
+
+    def chunk_s(self, size: int) -> float:
+        return size / 1e6 / self.hash_mb_s + size / 1e6 / self.io_mb_s + self.chunk_overhead_ms / 1e3
+
+    def apply_s(self, size: int) -> float:
+        return size / 1e6 / self.apply_mb_s
 
 
 @dataclass(frozen=True)
@@ -138,10 +173,17 @@ class Scenario:
     start_s: float = 1.0  # first publication; before it the fleet connects (a warm mesh)
     interval_s: float = 0.0  # 0: publish the next version once every live node holds the last
     apply_s: float = 0.0
-    loss: float = 0.0
+    loss: float = 0.0  # default loss of every link and region ([network] loss)
     mss: int = 1460
     connect_timeout_s: float = 3.0
     sharing: str = "maxmin"  # flow model: local max-min water-filling, or cap/n bottleneck shares
+    # 0: a chunk is one message, control frames queue behind every chunk byte queued on the
+    # connection; N: chunks go out in N-byte blocks, a control frame waits for one block at most
+    interleave_block_bytes: int = 256 * 1024
+    slow_start: bool = False  # a connection's first bytes ramp up from initial_window, x2 per RTT
+    initial_window: int = 10  # segments (Linux IW10)
+    encode_s: float = 0.0  # trainer: time from the publish call to the hand-off to its core
+    host_cores: int = 0  # > 0: every node shares one CPU of this many cores (one emulation box)
     max_time_s: float = 3600.0
     faults: Faults = field(default_factory=Faults)
     protocol: dict[str, Any] = field(default_factory=dict)
@@ -317,6 +359,29 @@ def _bandwidth(t: _Table, key: str, default: Any) -> Bandwidth:
     return bw
 
 
+def _latency(t: _Table, default: float) -> float:
+    """One-way ``latency_ms``, or ``rtt_ms`` (= 2 x one-way); not both."""
+    if t.has("latency_ms") and t.has("rtt_ms"):
+        raise ConfigError(f"{t._key('rtt_ms')}: give latency_ms (one-way) or rtt_ms, not both")
+    if t.has("rtt_ms"):
+        return t.num("rtt_ms", lo=0) / 2.0
+    return t.num("latency_ms", default, lo=0)
+
+
+def _cpu(t: _Table, base: Cpu, done: bool = False) -> Cpu:
+    """A ``[cpu]`` table (or a region's ``cpu = {...}``) over ``base``'s values."""
+    cpu = Cpu(
+        hash_mb_s=t.num("hash_mb_s", base.hash_mb_s, lo=0, lo_open=True),
+        io_mb_s=t.num("io_mb_s", base.io_mb_s, lo=0, lo_open=True),
+        apply_mb_s=t.num("apply_mb_s", base.apply_mb_s, lo=0, lo_open=True),
+        chunk_overhead_ms=t.num("chunk_overhead_ms", base.chunk_overhead_ms, lo=0, hi=60_000),
+        cores=t.int("cores", base.cores, lo=1, hi=4096),
+    )
+    if done:
+        t.done()
+    return cpu
+
+
 def load_scenario(path: str | Path) -> Scenario:
     """Read and validate a scenario TOML file."""
     p = Path(path)
@@ -359,10 +424,31 @@ def parse_scenario(data: dict[str, Any], default_name: str = "scenario") -> Scen
                 f"payload.{what}: more than 100000 chunks of payload.chunk; raise the chunk size"
             )
 
+    net = top.table("network")
+    loss = net.num("loss", 0.0, lo=0, hi=0.5)
+    mss = net.int("mss", 1460, lo=100, hi=65536)
+    ctimeout = net.num("connect_timeout_s", 3.0, lo=0, lo_open=True)
+    sharing = net.str("sharing", "maxmin")
+    if sharing not in ("maxmin", "bottleneck"):
+        raise ConfigError(f"network.sharing: must be maxmin or bottleneck, got {sharing!r}")
+    block = net.raw("interleave_block_bytes", 256 * 1024)
+    block = 0 if block == 0 else parse_size(block, "network.interleave_block_bytes")
+    if block < 0:
+        raise ConfigError("network.interleave_block_bytes: must be >= 0 (0: whole-chunk messages)")
+    slow_start = net.bool("slow_start", False)
+    iw = net.int("initial_window", 10, lo=1, hi=1000)
+    net.done()
+
+    ct = top.table("cpu")
+    host_cores = ct.int("host_cores", 0, lo=0, hi=4096)
+    d_cpu = _cpu(ct, Cpu())
+    ct.done()
+
     defaults = top.table("defaults")
     d_up = _bandwidth(defaults, "uplink_mbps", 1000.0)
     d_down = _bandwidth(defaults, "downlink_mbps", 1000.0)
-    d_lat = defaults.num("latency_ms", 0.5, lo=0)
+    d_lat = _latency(defaults, 0.5)
+    d_loss = defaults.num("loss", loss, lo=0, hi=0.5)
     defaults.done()
 
     regions: list[Region] = []
@@ -388,9 +474,12 @@ def parse_scenario(data: dict[str, Any], default_name: str = "scenario") -> Scen
                 nodes=rt.int("nodes", lo=1, hi=MAX_NODES),
                 uplink=_bandwidth(rt, "uplink_mbps", d_up),
                 downlink=_bandwidth(rt, "downlink_mbps", d_down),
-                latency_ms=rt.num("latency_ms", d_lat, lo=0),
+                latency_ms=_latency(rt, d_lat),
+                loss=rt.num("loss", d_loss, lo=0, hi=0.5),
+                cpu=_cpu(rt.table("cpu"), d_cpu, done=True),
                 egress_mbps=rt.num("egress_mbps", math.inf, lo=0, lo_open=True),
                 ingress_mbps=rt.num("ingress_mbps", math.inf, lo=0, lo_open=True),
+                queue_ms=rt.num("queue_ms", 0.0, lo=0, hi=10_000),
                 straggler_fraction=sf,
                 straggler_factor=sk,
             )
@@ -409,17 +498,20 @@ def parse_scenario(data: dict[str, Any], default_name: str = "scenario") -> Scen
             f"trainer.region: unknown region {trainer_region!r} (known: {', '.join(sorted(names))})"
         )
     trainer_up = tr.num("uplink_mbps", 10_000.0, lo=0, lo_open=True)
+    encode_s = tr.num("encode_s", 0.0, lo=0)
+    encode_s += patch_bytes / 1e6 / tr.num("encode_mb_s", math.inf, lo=0, lo_open=True)
     tr.done()
     sites = ([] if trainer_region else [TRAINER_SITE]) + [r.name for r in regions]
 
     lt = top.table("links")
     dflt_mbps = lt.num("mbps", math.inf, lo=0, lo_open=True)
-    dflt_lat = lt.num("latency_ms", 40.0, lo=0)
+    dflt_lat = _latency(lt, 40.0)
+    dflt_loss = lt.num("loss", loss, lo=0, hi=0.5)
     links: dict[tuple[str, str], Link] = {}
     for a in sites:
         for b in sites:
             if a != b:
-                links[(a, b)] = Link(a, b, dflt_mbps, dflt_lat)
+                links[(a, b)] = Link(a, b, dflt_mbps, dflt_lat, dflt_loss)
     for pt in lt.tables("pairs"):
         src = pt.str("from")
         dst = pt.str("to")
@@ -433,22 +525,14 @@ def parse_scenario(data: dict[str, Any], default_name: str = "scenario") -> Scen
             src,
             dst,
             pt.num("mbps", old.mbps, lo=0, lo_open=True),
-            pt.num("latency_ms", old.latency_ms, lo=0),
+            _latency(pt, old.latency_ms),
+            pt.num("loss", old.loss, lo=0, hi=0.5),
         )
         links[(src, dst)] = link
         if pt.bool("symmetric", True):
-            links[(dst, src)] = Link(dst, src, link.mbps, link.latency_ms)
+            links[(dst, src)] = Link(dst, src, link.mbps, link.latency_ms, link.loss)
         pt.done()
     lt.done()
-
-    net = top.table("network")
-    loss = net.num("loss", 0.0, lo=0, hi=0.5)
-    mss = net.int("mss", 1460, lo=100, hi=65536)
-    ctimeout = net.num("connect_timeout_s", 3.0, lo=0, lo_open=True)
-    sharing = net.str("sharing", "maxmin")
-    if sharing not in ("maxmin", "bottleneck"):
-        raise ConfigError(f"network.sharing: must be maxmin or bottleneck, got {sharing!r}")
-    net.done()
 
     ft = top.table("faults")
     window = ft.raw("churn_window_s", [0.0, 0.0])
@@ -512,6 +596,11 @@ def parse_scenario(data: dict[str, Any], default_name: str = "scenario") -> Scen
         mss=mss,
         connect_timeout_s=ctimeout,
         sharing=sharing,
+        interleave_block_bytes=block,
+        slow_start=slow_start,
+        initial_window=iw,
+        encode_s=encode_s,
+        host_cores=host_cores,
         max_time_s=max_time,
         faults=faults,
         protocol=dict(proto),

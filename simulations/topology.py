@@ -31,9 +31,13 @@ class Topology:
     latency: dict[tuple[str, str], float] = field(default_factory=dict)
     # (src site, dst site) -> per-flow TCP loss ceiling, bytes/s
     flow_cap: dict[tuple[str, str], float] = field(default_factory=dict)
+    # (src site, dst site) -> random packet loss on that path
+    loss: dict[tuple[str, str], float] = field(default_factory=dict)
     links: dict[tuple[str, str], Resource] = field(default_factory=dict)
     egress: dict[str, Resource] = field(default_factory=dict)
     ingress: dict[str, Resource] = field(default_factory=dict)
+    # (src site, dst site) -> (resource, seconds): queues a message waits in while busy
+    queues: dict[tuple[str, str], tuple[tuple[Resource, float], ...]] = field(default_factory=dict)
 
     @classmethod
     def build(cls, sc: Scenario) -> Topology:
@@ -46,11 +50,14 @@ class Topology:
                 topo.ingress[r.name] = Resource(f"ingress[{r.name}]", mbps(r.ingress_mbps))
         intra = {r.name: r.latency_ms / 1000.0 for r in sc.regions}
         intra.setdefault(TRAINER_SITE, 0.0)
+        intra_loss = {r.name: r.loss for r in sc.regions}
+        intra_loss.setdefault(TRAINER_SITE, 0.0)
         for a in sites:
             for b in sites:
                 if a == b:
                     topo.latency[(a, b)] = intra[a]
-                    topo.flow_cap[(a, b)] = mathis_cap(sc.mss, 2 * intra[a], sc.loss)
+                    topo.loss[(a, b)] = intra_loss[a]
+                    topo.flow_cap[(a, b)] = mathis_cap(sc.mss, 2 * intra[a], intra_loss[a])
                     continue
                 link = sc.link(a, b)
                 res: list[Resource] = []
@@ -63,10 +70,26 @@ class Topology:
                 if b in topo.ingress:
                     res.append(topo.ingress[b])
                 topo.paths[(a, b)] = tuple(res)
+                q = []
+                if a in topo.egress and sc.region(a).queue_ms:
+                    q.append((topo.egress[a], sc.region(a).queue_ms / 1000.0))
+                if b in topo.ingress and sc.region(b).queue_ms:
+                    q.append((topo.ingress[b], sc.region(b).queue_ms / 1000.0))
+                if q:
+                    topo.queues[(a, b)] = tuple(q)
                 lat = link.latency_ms / 1000.0
                 topo.latency[(a, b)] = lat
-                topo.flow_cap[(a, b)] = mathis_cap(sc.mss, 2 * lat, sc.loss)
+                topo.loss[(a, b)] = link.loss
+                # a flow's RTT: this link's one-way latency there and back
+                topo.flow_cap[(a, b)] = mathis_cap(sc.mss, 2 * lat, link.loss)
         return topo
+
+    def queue_delay(self, src: str, dst: str) -> float:
+        """Queueing delay now between two sites: the busy shaped uplinks on the way."""
+        q = self.queues.get((src, dst))
+        if not q:
+            return 0.0
+        return sum(d for r, d in q if r.flows)
 
     def flow_resources(self, src: Endpoint, dst: Endpoint) -> tuple[Resource, ...]:
         if src.site == dst.site:

@@ -85,6 +85,22 @@ def test_link_pairs_are_symmetric_by_default():
         ({"protocol": {"mesh_degree": [1]}}, "protocol.mesh_degree"),
         ({"regions": []}, "at least one"),
         ({"seed": -1}, "seed: must be in"),
+        # issue 11: the link classes, the per-connection stream, the CPU
+        ({"links": {"loss": 0.7}}, "links.loss: must be <= 0.5"),
+        ({"links": {"rtt_ms": 100, "latency_ms": 50}}, "links.rtt_ms: give latency_ms"),
+        ({"links": {"pairs": [{"from": "a", "to": "b", "loss": -1}]}}, "links.pairs[0].loss: must be >= 0"),
+        ({"regions__0__loss": "some"}, "regions[0].loss: must be a number"),
+        ({"regions__0__queue_ms": -5}, "regions[0].queue_ms: must be >= 0"),
+        ({"network": {"interleave_block_bytes": "big"}}, "network.interleave_block_bytes: not a size"),
+        ({"network": {"slow_start": "yes"}}, "network.slow_start: must be true or false"),
+        ({"network": {"initial_window": 0}}, "network.initial_window: must be in"),
+        ({"cpu": {"hash_mb_s": 0}}, "cpu.hash_mb_s: must be > 0"),
+        ({"cpu": {"cores": 0}}, "cpu.cores: must be in"),
+        ({"cpu": {"sha_rate": 1}}, "cpu.sha_rate: unknown key"),
+        ({"regions__1__cpu": {"apply_mb_s": -1}}, "regions[1].cpu.apply_mb_s: must be > 0"),
+        ({"regions__1__cpu": {"host_cores": 2}}, "regions[1].cpu.host_cores: unknown key"),
+        ({"trainer": {"encode_s": -1}}, "trainer.encode_s: must be >= 0"),
+        ({"trainer": {"encode_mb_s": 0}}, "trainer.encode_mb_s: must be > 0"),
     ],
 )
 def test_validation_errors_name_the_key(change, message):
@@ -160,3 +176,49 @@ def test_bound_region_inflow_sums_links():
     # region a can take in from the trainer (100) and from b (100): F / 200 Mbit/s
     assert b.terms["inflow[a]"] == pytest.approx(100e6 / mbps(200))
     assert b.seconds == pytest.approx(100e6 / mbps(200))
+
+
+def test_link_classes_cpu_and_stream_knobs():
+    sc = parse_scenario(doc(
+        network={"loss": 0.001, "mss": 1448, "interleave_block_bytes": "64 KiB", "slow_start": True},
+        defaults={"rtt_ms": 2},
+        links={"rtt_ms": 150, "pairs": [{"from": "a", "to": "b", "latency_ms": 10, "loss": 0.0}]},
+        cpu={"hash_mb_s": 1500, "cores": 4, "host_cores": 2},
+        regions__1__cpu={"hash_mb_s": 300},
+        trainer={"encode_s": 1.0, "encode_mb_s": 8.388608},
+    ))
+    assert sc.interleave_block_bytes == 64 * 1024 and sc.slow_start and sc.mss == 1448
+    assert sc.region("a").latency_ms == 1.0 and sc.region("a").loss == 0.001  # network.loss default
+    assert sc.link("trainer", "a").latency_ms == 75.0 and sc.link("trainer", "a").loss == 0.001
+    assert sc.link("b", "a").latency_ms == 10 and sc.link("b", "a").loss == 0.0
+    assert sc.region("a").cpu.hash_mb_s == 1500 and sc.region("a").cpu.cores == 4
+    assert sc.region("b").cpu.hash_mb_s == 300 and sc.region("b").cpu.cores == 4
+    assert sc.host_cores == 2
+    assert sc.encode_s == pytest.approx(1.0 + 1.0)  # 8 MiB at 8.39 MB/s + 1 s
+
+
+def test_old_scenarios_keep_their_meaning():
+    """No new key given: no CPU cost, no loss, no slow start; chunks in 256 KiB blocks."""
+    sc = parse_scenario(doc())
+    assert sc.region("a").cpu.free and sc.host_cores == 0 and sc.encode_s == 0
+    assert not sc.slow_start and sc.interleave_block_bytes == 256 * 1024
+    assert sc.link("a", "b").loss == 0 and sc.region("a").loss == 0
+
+
+@pytest.mark.parametrize("name", ["wan-3x4", "slow-direct", "upload-bound", "lossy-long", "partition-heal"])
+def test_issue_11_scenarios_bounds(name):
+    sc = load_scenario(CONFIGS / f"{name}.toml")
+    b = lower_bound(sc, sc.patch_bytes, *caps(sc))
+    assert b.seconds > 0
+    if name == "wan-3x4":
+        # 64 MiB through a 100 Mbit/s region uplink after 4.7 s of encode, then the last
+        # 4 MiB chunk is hashed and stored (BLAKE3 8 GB/s, io 110 MB/s, 1 ms)
+        assert b.binding.startswith("inflow[")
+        tail = 4 * 2**20 / 8000e6 + 4 * 2**20 / 110e6 + 0.001
+        assert b.seconds == pytest.approx(4.7 + 64 * 2**20 / mbps(100) + 0.001 + tail, rel=1e-6)
+    if name == "lossy-long":
+        assert b.info["inflow_4_flows[us]"] > 10 * b.seconds  # the border flows alone crawl
+    if name == "partition-heal":
+        assert b.info["after_heal[cut]"] > 3.5
+    if name == "upload-bound":
+        assert b.binding == "region_upload[edge]"

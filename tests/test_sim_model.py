@@ -1,0 +1,347 @@
+"""What made the emulated network slower than the first simulator (issue #11), modelled:
+head-of-line blocking of control frames behind chunk data on one connection, the
+per-flow TCP ceiling under loss (Mathis) with a slow-start ramp, per-node CPU.
+
+Each is checked through the real driver (``Simulation``) on a hand-made connection
+between two nodes, so the numbers are the ones a run uses; the protocol core is not
+involved (its nodes are never booted).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from simulations.bounds import flow_cap, lower_bound
+from simulations.cpu import Cores, run_job
+from simulations.driver import Half, Simulation
+from simulations.network import mathis_cap, mbps
+from simulations.scenario import parse_scenario
+from swarm.protocol import events as ev
+
+MiB = 2**20
+
+
+def two_site(replace: tuple[str, ...] = (), **over):
+    """Regions a and b (4 nodes each); knobs through keyword overrides of the TOML doc
+    (tables are merged into the defaults, except those named in ``replace``)."""
+    doc = {
+        "payload": {"patch": "8 MiB", "chunk": "4 MiB"},
+        "defaults": {"uplink_mbps": 100, "downlink_mbps": 100, "latency_ms": 0.5},
+        "regions": [{"name": "a", "nodes": 4}, {"name": "b", "nodes": 4}],
+        "links": {"latency_ms": 40},
+    }
+    for k, v in over.items():
+        doc[k] = {**doc.get(k, {}), **v} if isinstance(v, dict) and k not in replace else v
+    return parse_scenario(doc)
+
+
+class Wire:
+    """A Simulation whose nodes are never booted: connections made by hand, arrivals recorded."""
+
+    def __init__(self, sc) -> None:
+        self.sim = sim = Simulation(sc, "patchswarm")
+        self.frames: list[tuple[float, bytes]] = []
+        self.chunks: list[tuple[float, int]] = []
+        self.verified: list[tuple[float, int]] = []
+        sim._frame_arrives = lambda item: self.frames.append((sim.engine.now, item[1]))
+        sim._deliver = lambda *a: None  # no cores: ChunkSent, ChunkReceived go nowhere
+        real_arrives = sim._chunk_arrives
+
+        def chunk_arrives(item):
+            self.chunks.append((sim.engine.now, item[2]))
+            real_arrives(item)
+
+        sim._chunk_arrives = chunk_arrives
+        real_verified = sim._chunk_verified
+
+        def verified(item):
+            self.verified.append((sim.engine.now, item[2]))
+            real_verified(item)
+
+        sim._chunk_verified = verified
+
+    def connect(self, src, dst, cid: int = 1) -> Half:
+        """An open connection src -> dst (as ``_accept`` builds it), returns src's end."""
+        lat = self.sim._lat(src, dst)
+        mine, theirs = Half(src, cid, lat), Half(dst, cid, lat)
+        mine.peer, theirs.peer = theirs, mine
+        src.conns[cid], dst.conns[cid] = mine, theirs
+        src.alive = dst.alive = True
+        if self.sim.sc.slow_start:
+            mine.cwnd = theirs.cwnd = self.sim.sc.initial_window * self.sim.sc.mss
+        return mine
+
+    def node(self, region: str, i: int):
+        return self.sim.region_nodes[region][i]
+
+    def chunk(self, src, size: int, index: int = 0, cid: int = 1) -> None:
+        self.sim._send_chunk(src, ev.SendChunk(cid, 2, index, size))
+
+    def frame(self, src, data: bytes = b"\x90", cid: int = 1) -> None:
+        self.sim._send_frame(src, ev.SendFrame(cid, data))
+
+    def at(self, t: float, fn, *args) -> None:
+        self.sim.engine.schedule(t, lambda _: fn(*args))
+
+    def run(self) -> None:
+        self.sim.engine.run()
+
+
+# ------------------------------------------------------------------ head-of-line
+
+
+@pytest.mark.parametrize(("block", "expected"), [
+    (0, 4 * MiB / mbps(100)),  # the whole 4 MiB message first: 0.336 s
+    (256 * 1024, 256 * 1024 / mbps(100)),  # one 256 KiB block: 21 ms
+])
+def test_control_frame_behind_a_4_mib_chunk_on_100_mbit(block, expected):
+    w = Wire(two_site(network={"interleave_block_bytes": block}))
+    a0, a1 = w.node("a", 0), w.node("a", 1)
+    w.connect(a0, a1)
+    w.chunk(a0, 4 * MiB)
+    w.frame(a0)  # sent right after the chunk was queued
+    w.run()
+    lat = 0.0005
+    assert w.frames[0][0] == pytest.approx(expected + lat, rel=1e-3)
+    assert w.chunks[0][0] == pytest.approx(4 * MiB / mbps(100) + lat, rel=1e-3)
+    if block:
+        assert w.frames[0][0] < w.chunks[0][0]  # the frame overtook the rest of the chunk
+
+
+def test_whole_chunk_messages_queue_frames_behind_every_chunk_ahead():
+    """Knob 0: a frame waits for all chunks queued before it, not for those queued after."""
+    w = Wire(two_site(network={"interleave_block_bytes": 0}))
+    a0, a1 = w.node("a", 0), w.node("a", 1)
+    w.connect(a0, a1)
+    w.chunk(a0, 1 * MiB, 0)
+    w.chunk(a0, 1 * MiB, 1)
+    w.frame(a0, b"\x91")
+    w.chunk(a0, 1 * MiB, 2)
+    w.run()
+    t = MiB / mbps(100)
+    assert [i for _, i in w.chunks] == [0, 1, 2]  # one stream: chunks leave in order
+    assert [c for c, _ in w.chunks] == pytest.approx([t + 5e-4, 2 * t + 5e-4, 3 * t + 5e-4], rel=1e-3)
+    assert w.frames[0][0] == pytest.approx(2 * t + 5e-4, rel=1e-3)
+    hol = w.sim.hol_max
+    assert hol == pytest.approx(2 * t, rel=1e-3)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    block_kib=st.sampled_from([0, 16, 64, 256, 1024]),
+    sizes=st.lists(st.integers(1, 4 * MiB), min_size=1, max_size=4),
+    sends=st.lists(st.floats(0.0, 1.5), min_size=1, max_size=6),
+)
+def test_frames_stay_in_order_and_wait_at_most_one_block(block_kib, sizes, sends):
+    block = block_kib * 1024
+    w = Wire(two_site(network={"interleave_block_bytes": block}))
+    a0, a1 = w.node("a", 0), w.node("a", 1)
+    w.connect(a0, a1)
+    for i, size in enumerate(sizes):
+        w.chunk(a0, size, i)
+    sent = sorted(sends)
+    for k, t in enumerate(sent):
+        w.at(t, w.frame, a0, bytes([k]))
+    w.run()
+    lat, rate = 0.0005, mbps(100)
+    assert [f for _, f in w.frames] == [bytes([k]) for k in range(len(sent))]  # FIFO
+    assert [t for t, _ in w.frames] == sorted(t for t, _ in w.frames)
+    ends, t = [], 0.0
+    for size in sizes:
+        t += size / rate
+        ends.append(t)  # when each chunk's last byte left
+    prev = 0.0
+    for (arrived, _), t_sent in zip(w.frames, sent, strict=True):
+        busy = any(e > t_sent for e in ends)
+        if not busy:  # an idle connection: one latency, FIFO behind earlier frames
+            assert arrived == pytest.approx(max(t_sent + lat, prev), abs=1e-9)
+        elif block:  # at most one block of the chunk on the wire ahead of it
+            assert arrived <= max(t_sent + block / rate + lat, prev) + 1e-9
+            assert arrived >= t_sent + lat - 1e-9
+        else:  # whole-chunk messages: behind every chunk byte queued before it
+            assert arrived == pytest.approx(max(ends[-1] + lat, prev), abs=1e-9)
+        prev = arrived
+
+
+def test_a_closed_connection_drops_what_was_queued():
+    w = Wire(two_site(network={"interleave_block_bytes": 0}))
+    a0, a1 = w.node("a", 0), w.node("a", 1)
+    half = w.connect(a0, a1)
+    w.chunk(a0, 4 * MiB, 0)
+    w.chunk(a0, 4 * MiB, 1)
+    w.frame(a0)
+    w.at(0.1, w.sim._teardown, half, "test", False)
+    w.run()
+    assert w.chunks == [] and w.frames == []
+    assert w.sim.net.active == 0
+
+
+# ---------------------------------------------------------------- TCP per flow
+
+
+def lossy(n: int = 8, **net):
+    return two_site(
+        defaults={"uplink_mbps": 10_000, "downlink_mbps": 10_000, "latency_ms": 0.5},
+        regions=[{"name": "a", "nodes": n}, {"name": "b", "nodes": n}],
+        links={"rtt_ms": 150, "loss": 0.01},
+        network=net,
+        replace=("links",),
+    )
+
+
+def test_one_flow_on_a_long_lossy_link_is_capped_at_the_mathis_rate():
+    sc = lossy()
+    cap = mathis_cap(1460, 0.150, 0.01)
+    assert cap == pytest.approx(1460 / 0.150 * 1.2247 / math.sqrt(0.01), rel=1e-3)  # ~0.95 Mbit/s
+    assert flow_cap(sc, "a", "b") == pytest.approx(cap)
+    w = Wire(sc)
+    a0, b0 = w.node("a", 0), w.node("b", 0)
+    w.connect(a0, b0)
+    w.chunk(a0, MiB)
+    w.run()
+    assert w.chunks[0][0] == pytest.approx(MiB / cap + 0.075, rel=1e-3)
+
+
+def test_eight_parallel_flows_get_eight_times_one():
+    sc = lossy()
+    cap = mathis_cap(1460, 0.150, 0.01)
+    w = Wire(sc)
+    for i in range(8):
+        w.connect(w.node("a", i), w.node("b", i), cid=1)
+        w.chunk(w.node("a", i), MiB)
+    w.run()
+    assert len(w.chunks) == 8
+    elapsed = max(t for t, _ in w.chunks) - 0.075
+    assert 8 * MiB / elapsed == pytest.approx(8 * cap, rel=1e-3)
+
+
+def test_chunks_on_one_connection_share_its_one_flow():
+    """Two chunks on one connection: one TCP stream, one Mathis ceiling (not two)."""
+    cap = mathis_cap(1460, 0.150, 0.01)
+    w = Wire(lossy())
+    a0, b0 = w.node("a", 0), w.node("b", 0)
+    w.connect(a0, b0)
+    w.chunk(a0, MiB, 0)
+    w.chunk(a0, MiB, 1)
+    w.run()
+    assert w.chunks[-1][0] == pytest.approx(2 * MiB / cap + 0.075, rel=1e-3)
+
+
+def test_slow_start_ramps_a_new_connection():
+    """IW10 doubling per 80 ms RTT: 1 MiB needs 6 full RTTs and a bit of the 7th."""
+    sc = two_site(defaults={"uplink_mbps": 1000, "downlink_mbps": 1000, "latency_ms": 0.5},
+                  network={"slow_start": True})
+    w = Wire(sc)
+    a0, b0 = w.node("a", 0), w.node("b", 0)
+    half = w.connect(a0, b0)
+    w.chunk(a0, MiB, 0)
+    # the window stays open: the next chunk on the same connection goes at the ramped rate
+    w.at(0.6, w.chunk, a0, MiB, 1)
+    w.run()
+    iw, rtt = 10 * 1460, 0.080
+    sent6 = iw * (2**6 - 1)
+    expected = 6 * rtt + (MiB - sent6) / (iw * 2**6 / rtt)
+    assert w.chunks[0][0] == pytest.approx(expected + 0.040, rel=1e-3)
+    assert w.chunks[1][0] - 0.6 < 0.5 * expected
+    assert half.cwnd == math.inf or half.cwnd > iw * 2**6
+
+
+def test_slow_start_off_by_default():
+    w = Wire(two_site(defaults={"uplink_mbps": 1000, "downlink_mbps": 1000}))
+    a0, b0 = w.node("a", 0), w.node("b", 0)
+    w.connect(a0, b0)
+    w.chunk(a0, MiB)
+    w.run()
+    assert w.chunks[0][0] == pytest.approx(MiB / mbps(1000) + 0.040, rel=1e-3)
+
+
+# ---------------------------------------------------------------------- CPU
+
+
+def test_hash_rate_delays_chunk_received_by_size_over_rate():
+    sc = two_site(cpu={"hash_mb_s": 100, "chunk_overhead_ms": 2})
+    w = Wire(sc)
+    a0, a1 = w.node("a", 0), w.node("a", 1)
+    w.connect(a0, a1)
+    w.chunk(a0, 4 * MiB)
+    w.run()
+    arrived = w.chunks[0][0]
+    assert w.verified[0][0] == pytest.approx(arrived + 4 * MiB / 100e6 + 0.002, rel=1e-6)
+    assert 0 in a1.have[2]  # the store holds it only once verified
+
+
+def test_one_core_serialises_chunks_two_cores_overlap():
+    for cores, factor in ((1, 2), (2, 1)):
+        sc = two_site(cpu={"hash_mb_s": 10, "cores": cores})
+        w = Wire(sc)
+        a1 = w.node("a", 1)
+        for i, src in enumerate((w.node("a", 0), w.node("a", 2))):
+            w.connect(src, a1, cid=i + 1)
+            w.chunk(src, MiB, i, cid=i + 1)
+        w.run()
+        arrived = max(t for t, _ in w.chunks)
+        assert max(t for t, _ in w.verified) == pytest.approx(arrived + factor * MiB / 10e6, rel=1e-3)
+
+
+def test_cores_and_a_shared_host():
+    own_a, own_b, host = Cores(1), Cores(1), Cores(1)
+    # two nodes with a core each, but one machine core between them: the jobs queue
+    assert run_job(0.0, 1.0, own_a, host) == 1.0
+    assert run_job(0.0, 1.0, own_b, host) == 2.0
+    assert run_job(5.0, 0.5, own_a, host) == 5.5
+    assert host.busy_s == 2.5 and own_a.busy_s == 1.5
+    two = Cores(2)
+    assert [run_job(0.0, 1.0, two) for _ in range(3)] == [1.0, 1.0, 2.0]
+
+
+def test_encode_and_cpu_enter_the_bound():
+    sc = two_site(trainer={"encode_s": 2.0}, cpu={"hash_mb_s": 10, "cores": 1})
+    ups = {r.name: [mbps(100)] * r.nodes for r in sc.regions}
+    b = lower_bound(sc, sc.patch_bytes, ups, ups)
+    # each node hashes 8 MiB at 10 MB/s on one core; the last 4 MiB chunk after it arrived
+    assert b.terms["node_cpu[a]"] == pytest.approx(8 * MiB / 10e6)
+    assert b.terms["last_chunk_cpu"] == pytest.approx(4 * MiB / 10e6)
+    assert b.terms["encode"] == 2.0
+    assert b.seconds == pytest.approx(2.0 + 8 * MiB / 10e6 + 4 * MiB / 10e6 + 0.0005, rel=1e-6)
+
+
+# --------------------------------------------------------------------- bounds
+
+
+def test_bound_counts_per_flow_caps_over_every_pair():
+    """2 x 2 nodes behind a 0.95 Mbit/s-per-flow link: inflow <= 2 senders x 2 receivers x cap."""
+    sc = lossy(n=2)
+    up = {r.name: [mbps(10_000)] * r.nodes for r in sc.regions}
+    b = lower_bound(sc, sc.patch_bytes, up, up)
+    cap = mathis_cap(1460, 0.150, 0.01)
+    # region a takes in from the trainer (2 flows, no loss there: the link default is lossy too)
+    # and from b (2 x 2 flows)
+    assert b.terms["inflow[a]"] == pytest.approx(8 * MiB / (2 * cap + 4 * cap), rel=1e-6)
+    assert b.info["inflow_4_flows[a]"] == pytest.approx(8 * MiB / (4 * cap), rel=1e-6)
+
+
+def test_bound_waits_out_a_cut():
+    sc = two_site(
+        defaults={"uplink_mbps": 1000, "downlink_mbps": 1000},
+        links={"mbps": 100},
+        payload={"start_s": 1.0},
+        faults={"cuts": [{"region": "b", "start_s": 1.5, "duration_s": 3.0}]},
+    )
+    up = {r.name: [mbps(1000)] * r.nodes for r in sc.regions}
+    b = lower_bound(sc, sc.patch_bytes, up, up)
+    # b takes in 200 Mbit/s (trainer + a); 8 MiB needs 0.336 s: 0.5 s before the cut suffice
+    assert b.terms["inflow[b]"] == pytest.approx(8 * MiB / mbps(200))
+    late = two_site(
+        defaults={"uplink_mbps": 1000, "downlink_mbps": 1000},
+        links={"mbps": 10},
+        payload={"start_s": 1.0},
+        faults={"cuts": [{"region": "b", "start_s": 1.5, "duration_s": 3.0}]},
+    )
+    b = lower_bound(late, late.patch_bytes, up, up)
+    # 20 Mbit/s in: 3.36 s of inflow, 0.5 s of it before the cut, the rest after it heals
+    assert b.terms["inflow[b]"] == pytest.approx(8 * MiB / mbps(20) + 3.0)
+    assert b.binding == "inflow[b]"
