@@ -44,7 +44,7 @@ CASES = [
 # (label, scenario file stem, field overrides): the issue-11 table of docs/simulation.md
 SCENARIOS = [
     ("wan-3x4", "wan-3x4", {}),
-    ("wan-3x4 blocks 256 KiB", "wan-3x4", {"interleave_block_bytes": 256 * 1024}),
+    ("wan-3x4 round-1 driver", "wan-3x4", {"interleave_block_bytes": 0}),
     ("slow-direct", "slow-direct", {}),
     ("upload-bound", "upload-bound", {}),
     ("lossy-long", "lossy-long", {}),

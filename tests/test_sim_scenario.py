@@ -211,11 +211,11 @@ def test_issue_11_scenarios_bounds(name):
     b = lower_bound(sc, sc.patch_bytes, *caps(sc))
     assert b.seconds > 0
     if name == "wan-3x4":
-        # 64 MiB through a 100 Mbit/s region uplink after 4.7 s of encode, then the last
+        # 64 MiB through a 100 Mbit/s region uplink after 0.37 s of encode, then the last
         # 4 MiB chunk is hashed and stored (BLAKE3 8 GB/s, io 110 MB/s, 1 ms)
         assert b.binding.startswith("inflow[")
         tail = 4 * 2**20 / 8000e6 + 4 * 2**20 / 110e6 + 0.001
-        assert b.seconds == pytest.approx(4.7 + 64 * 2**20 / mbps(100) + 0.001 + tail, rel=1e-6)
+        assert b.seconds == pytest.approx(0.37 + 64 * 2**20 / mbps(100) + 0.001 + tail, rel=1e-6)
     if name == "lossy-long":
         assert b.info["inflow_4_flows[us]"] > 10 * b.seconds  # the border flows alone crawl
     if name == "partition-heal":
