@@ -183,9 +183,9 @@ def test_issue_11_scenarios_complete_above_their_bound(name):
 
 
 def test_blocks_shorten_head_of_line_waits():
-    from simulations.scenario import load_scenario
-
     import dataclasses
+
+    from simulations.scenario import load_scenario
 
     sc = load_scenario(CONFIGS / "wan-3x4.toml")
     whole = run_strategy(dataclasses.replace(sc, interleave_block_bytes=0), "patchswarm")[1]["control_hol"]
