@@ -307,7 +307,7 @@ def test_origin_keeps_uplink_window_chunks_in_flight_into_remote_regions() -> No
     ``uplink_window`` of them until their HAVE (not merely until sent), so each arrives
     early and can be relayed on; its own region is fed regardless."""
     s = Signer()
-    o = _core("origin", "home", role="origin", signer=s, border_nodes=1, uplink_window=2,
+    o = _core("origin", "home", role="origin", signer=s, border_nodes=1, uplink_window=2, uplink_window_max=2,
               border_inflight=8, relay=False)
     a = Script(o, 1, node_id="a", region="r1")
     b = Script(o, 2, node_id="b", region="r2")
@@ -338,7 +338,7 @@ def test_origin_keeps_uplink_window_chunks_in_flight_into_remote_regions() -> No
 
 def test_origin_pushes_into_a_region_stay_on_its_warm_connection() -> None:
     s = Signer()
-    o = _core("origin", "home", role="origin", signer=s, border_nodes=3, uplink_window=1,
+    o = _core("origin", "home", role="origin", signer=s, border_nodes=3, uplink_window=1, uplink_window_max=1,
               border_inflight=1, relay=False)
     bs = [Script(o, k + 1, node_id=f"a{k}", region="r1") for k in range(3)]
     for x in bs:

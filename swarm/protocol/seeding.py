@@ -33,6 +33,7 @@ from swarm.protocol.fleet import FleetEntry, FleetTable
 from swarm.protocol.peer import Peer
 from swarm.protocol.picker import iter_bits, lowest
 from swarm.protocol.roles import FrameHandler, Host, Role
+from swarm.protocol.uplink import UplinkWindow
 
 ORIGIN_SRC = -1
 
@@ -91,6 +92,7 @@ class OriginRole(Role):
         self.push_s: dict[str, float] = {}
         self.relay_s: dict[str, float] = {}
         self.uplink_pushes = 0  # pushes into remote regions not yet confirmed by a HAVE
+        self.window = UplinkWindow(c.uplink_window, max(c.uplink_window, c.uplink_window_max))
         # (sender conn | ORIGIN_SRC, region) -> the border conn it sent to last (``_target``)
         self.warm: dict[tuple[int, str], int] = {}
 
@@ -283,6 +285,8 @@ class OriginRole(Role):
                 now = self.host.now
                 for i in iter_bits(gained & plan.infl):
                     src, _dst, _d, t0 = plan.inflight[i]
+                    if self._via_uplink(plan, src):
+                        self.window.delivered(1, now, self._uplink_busy() >= self.window.w)
                     # measured delivery time into the region, per path kind (routing)
                     table = self.push_s if src == ORIGIN_SRC else self.relay_s
                     old = table.get(p.region)
@@ -478,6 +482,16 @@ class OriginRole(Role):
         push, relay = self.push_s.get(r), self.relay_s.get(r)
         return push is not None and relay is not None and push < relay
 
+    def _via_uplink(self, plan: RegionPlan, src: int) -> bool:
+        """Whether a transfer into ``plan``'s region from ``src`` crosses the origin's
+        site uplink: a push into a remote region, or a relay by a border of its own."""
+        if not plan.remote:
+            return False
+        if src == ORIGIN_SRC:
+            return True
+        s = self.host.peers.get(src)
+        return s is not None and s.region == self.cfg.region
+
     def _uplink_busy(self) -> int:
         """Transfers through the origin's site uplink, until the HAVE: its pushes into
         remote regions and the relays its own region's borders carry."""
@@ -568,7 +582,7 @@ class OriginRole(Role):
             if r2 == r:
                 continue
             mask = missing & ~union if r2 == home else missing
-            if r2 == home and self._uplink_busy() >= self.cfg.uplink_window:
+            if r2 == home and self._uplink_busy() >= self.window.w:
                 continue  # they share the origin's site uplink with its remote pushes
             if not mask:
                 continue
@@ -597,15 +611,16 @@ class OriginRole(Role):
         """Push one chunk of ``cand`` into region ``r``.
 
         Pushes into remote regions leave through the origin's site uplink, usually the
-        thinnest link of the swarm. Only ``uplink_window`` chunks cross it at once
-        (counted until their HAVE, relays by the origin's own region included): many
+        thinnest link of the swarm. Only ``window.w`` chunks cross it at once (counted
+        until their HAVE, relays by the origin's own region included; the window adapts
+        to the measured delivery rate, ``swarm.protocol.uplink``): many
         concurrent pushes would share the uplink and all arrive late, together, while a
         chunk that has arrived can already be relayed on by its region, whose uplink
         idles until then.
         """
         if len(self.pushes) >= self.cfg.push_slots:
             return -1
-        if r != self.cfg.region and self._uplink_busy() >= self.cfg.uplink_window:
+        if r != self.cfg.region and self._uplink_busy() >= self.window.w:
             return -1
         t = self._target(bs, load, warm=self.warm.get((ORIGIN_SRC, r)))
         if t is None:

@@ -1,0 +1,91 @@
+"""How many chunks the origin keeps in flight through its site uplink, by measurement.
+
+Pushes into remote regions (and relays by the origin's own region's borders) leave
+through the origin's site uplink. Too few in flight and the uplink idles between
+chunks (each waits for its HAVE, a round trip after its last byte); too many and
+they share the uplink, all arrive late and together, and the regions that would
+relay them on idle meanwhile. The right number is about the path's
+bandwidth-delay product in chunks, which the origin does not know, and which a
+per-flow TCP ceiling (long lossy links) raises.
+
+``UplinkWindow`` finds it the way BBR's start-up does, at chunk granularity: a
+*round* is ``w`` deliveries while the window is full; its delivery rate is bytes
+delivered over the round's duration. While a round's rate beats the best by
+``startup_gain`` the window doubles; then it settles at the window of the best
+rate and every ``hold`` rounds probes one more, kept only if the rate grows by
+``probe_gain``, or (every other probe) one less, kept if the rate stays within
+``1 / probe_gain`` (fewer in flight, each chunk sooner). Deliveries while the window is not full (nothing more to send)
+say nothing about the uplink and restart the round.
+"""
+
+from __future__ import annotations
+
+
+class UplinkWindow:
+    __slots__ = ("best", "best_w", "down", "hi", "hold", "lo", "n", "nbytes", "probe_gain",
+                 "probing", "rounds", "start", "startup", "startup_gain", "w")
+
+    def __init__(self, lo: int, hi: int, *, startup_gain: float = 1.25,
+                 probe_gain: float = 1.1, hold: int = 4) -> None:
+        if not 1 <= lo <= hi:
+            raise ValueError(f"uplink window bounds {lo}..{hi}")
+        self.lo, self.hi = lo, hi
+        self.startup_gain, self.probe_gain, self.hold = startup_gain, probe_gain, hold
+        self.w = lo
+        self.best = 0.0  # bytes/s of the last round at best_w
+        self.best_w = lo
+        self.startup = True
+        self.probing = False
+        self.down = False  # the next probe is one less
+        self.rounds = 0  # rounds since the last probe
+        self.start: float | None = None
+        self.n = 0
+        self.nbytes = 0
+
+    def delivered(self, nbytes: int, now: float, full: bool) -> None:
+        """A transfer through the uplink was confirmed (HAVE). ``full``: the window was
+        full just before it (the uplink was kept as busy as the window allows)."""
+        if not full:
+            self.start, self.n, self.nbytes = now, 0, 0
+            return
+        if self.start is None:
+            self.start = now  # the round is timed from a delivery
+            return
+        self.n += 1
+        self.nbytes += nbytes
+        if self.n < self.w or now <= self.start:
+            return
+        rate = self.nbytes / (now - self.start)
+        self.start, self.n, self.nbytes = now, 0, 0
+        self._round(rate)
+
+    def _round(self, rate: float) -> None:
+        if self.startup:
+            if rate >= self.best * self.startup_gain and self.w < self.hi:
+                self.best, self.best_w = rate, self.w
+                self.w = min(self.hi, self.w * 2)
+                return
+            self.startup = False
+            if rate > self.best:
+                self.best, self.best_w = rate, self.w
+            self.w = self.best_w
+            return
+        if self.probing:
+            self.probing = False
+            keep = rate >= self.best * (1 / self.probe_gain if self.w < self.best_w
+                                        else self.probe_gain)
+            if keep:
+                self.best, self.best_w = rate, self.w
+            else:
+                self.w = self.best_w
+            return
+        if self.w == self.best_w:
+            self.best = rate  # conditions move: compare probes with the latest rate
+        self.rounds += 1
+        if self.rounds >= self.hold:
+            self.rounds = 0
+            self.down = not self.down
+            step = -1 if self.down else 1
+            if self.lo <= self.w + step <= self.hi:
+                self.probing = True
+                self.w += step
