@@ -7,7 +7,8 @@ control frame (msgpack, fed to the core as ``FrameReceived``) or a chunk
 everything the core may not touch:
 
 - chunk payloads: on ``SendChunk`` it reads the chunk from the ``ChunkStore``
-  (which re-hashes it) and sends it; on receipt it checks the chunk against the
+  (which re-hashes it, or serves a chunk received moments ago from the verified
+  copy it kept in memory) and sends it; on receipt it checks the chunk against the
   manifest hash, stores it durably, and only then reports
   ``ChunkReceived(valid=True)``;
 - time: ``loop.time()`` (monotonic) is the core's ``now``; one timer, re-armed
@@ -592,7 +593,9 @@ class Driver:
         gets (``StorePort``).
         """
         try:
-            self.store.put_chunk(v, i, payload)
+            # the payload is this chunk's own buffer (BlockAssembler, or the message):
+            # nothing changes it, so the store may serve uploads of it from memory
+            self.store.put_chunk(v, i, payload, keep=True)
             return None
         except ChunkError as exc:
             log.warning("chunk %d of version %d refused: %s", i, v, exc)
@@ -666,7 +669,7 @@ class Driver:
             # an anchor of the weights we hold (the core did not fetch it): take its number
             digest = w.adopt(version, m.target_digest)
         else:
-            payload = self.store.payload(version)
+            payload = self.store.payload_view(version)
             if getattr(m, "encryption", None) is not None:
                 # Confidential: chunks were verified as ciphertext; open them only here.
                 # AES-GCM authenticates every chunk: a failure is local, nobody is blamed.

@@ -15,6 +15,12 @@ at most a stray temp file, which the next open deletes. Chunks are still
 re-hashed against the manifest the first time a version is looked at after
 open (BLAKE3 runs at ~10 GB/s), and again on every read, so neither a torn
 file nor bit rot is ever served: a bad chunk is deleted and reported missing.
+
+A chunk handed over with ``put_chunk(..., keep=True)`` (the node driver's
+received chunks: a buffer nobody changes afterwards) is also kept in memory, up
+to ``recent_bytes`` of the most recent ones, and reads of it are served from
+that verified copy, without a disk read or a second hash: a node uploads most
+chunks to its peers right after it received them.
 """
 
 from __future__ import annotations
@@ -25,9 +31,11 @@ import fcntl
 import os
 import shutil
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import msgpack
 
@@ -42,6 +50,7 @@ from swarm.trust.manifest import (
 )
 
 STORE_FORMAT = b"patchswarm-store 1\n"
+RECENT_BYTES = 64 * 1024 * 1024  # default memory for recently received chunks (keep=True)
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
 MAX_ACTIVE_BYTES = 1024
 
@@ -73,6 +82,7 @@ class ChunkStore:
         trust: TrustStore | None = None,
         fsync: bool = True,
         lock: bool = True,
+        recent_bytes: int = RECENT_BYTES,
     ) -> None:
         self.root = Path(root)
         self.quota_bytes = quota_bytes
@@ -83,6 +93,11 @@ class ChunkStore:
         self._raw: dict[int, bytes] = {}
         self._have: dict[int, set[int]] = {}  # only versions scanned since open
         self._used = 0
+        # verified chunks kept in memory (put_chunk keep=True), oldest first
+        self._recent: OrderedDict[tuple[int, int], memoryview] = OrderedDict()
+        self._recent_size = 0
+        self.recent_bytes = recent_bytes
+        self.recent_hits = 0  # reads served from memory
         self.problems: list[str] = []
         self._lock_file = None
         try:
@@ -303,8 +318,13 @@ class ChunkStore:
 
     # --------------------------------------------------------------- chunks
 
-    def put_chunk(self, version: int, index: int, data: bytes | memoryview) -> None:
-        """Keep chunk ``index`` of ``version``; re-checks its hash (``ChunkError``)."""
+    def put_chunk(self, version: int, index: int, data: bytes | bytearray | memoryview, *,
+                  keep: bool = False) -> None:
+        """Keep chunk ``index`` of ``version``; re-checks its hash (``ChunkError``).
+
+        ``keep``: the caller hands ``data`` over and never changes it: the store
+        may keep it in memory (``recent_bytes``) and serve reads from it.
+        """
         m = self._manifest(version)
         try:
             verify_chunk(m, index, data)
@@ -321,6 +341,28 @@ class ChunkStore:
             )
             have.add(index)
             self._used += len(data)
+            if keep:
+                self._remember(version, index, memoryview(data).cast("B").toreadonly())
+
+    def _remember(self, version: int, index: int, view: memoryview) -> None:
+        """Keep a verified chunk in memory, dropping the oldest past ``recent_bytes``."""
+        n = len(view)
+        if n > self.recent_bytes:
+            return
+        old = self._recent.pop((version, index), None)
+        if old is not None:
+            self._recent_size -= len(old)
+        self._recent[(version, index)] = view
+        self._recent_size += n
+        while self._recent_size > self.recent_bytes:
+            _, gone = self._recent.popitem(last=False)
+            self._recent_size -= len(gone)
+
+    def _forget(self, version: int, index: int | None = None) -> None:
+        """Drop kept copies of one chunk, or of every chunk of ``version``."""
+        keys = [k for k in self._recent if k[0] == version and (index is None or k[1] == index)]
+        for k in keys:
+            self._recent_size -= len(self._recent.pop(k))
 
     def have(self, version: int) -> set[int]:
         """Indices of the verified chunks held for ``version`` (empty if unknown)."""
@@ -338,13 +380,20 @@ class ChunkStore:
             m = self._manifests.get(version)
             return m is not None and len(self._scan(version)) == m.chunk_count
 
-    def read_chunk(self, version: int, index: int) -> bytes:
+    def read_chunk(self, version: int, index: int) -> bytes | memoryview:
         """The verified bytes of a held chunk. A chunk that rotted on disk is
-        deleted and ``ChunkError`` raised, so the caller fetches it again."""
+        deleted and ``ChunkError`` raised, so the caller fetches it again.
+        A chunk kept in memory (``put_chunk(..., keep=True)``) is returned from
+        there, as a read-only ``memoryview``."""
         m = self._manifest(version)
         with self._mutex:
             if index not in self._scan(version):
                 raise ChunkError(f"chunk {index} of version {version} is not held")
+            kept = self._recent.get((version, index))
+            if kept is not None:
+                self._recent.move_to_end((version, index))
+                self.recent_hits += 1
+                return kept
         path = self._cpath(version, index)
         try:  # read and hash outside the lock: uploads may run in parallel threads
             data = path.read_bytes()
@@ -353,6 +402,10 @@ class ChunkStore:
             self.problems.append(f"version {version}: chunk {index} unreadable: {exc}")
         if _is_chunk(m, index, data):
             return data
+        self._drop_rotten(version, index)
+
+    def _drop_rotten(self, version: int, index: int) -> NoReturn:
+        path = self._cpath(version, index)
         with self._mutex:
             have = self._have.get(version)
             if have is not None and index in have:
@@ -362,7 +415,7 @@ class ChunkStore:
                     path.unlink()
         raise ChunkError(f"chunk {index} of version {version} was corrupt on disk; dropped")
 
-    def iter_payload(self, version: int) -> Iterator[bytes]:
+    def iter_payload(self, version: int) -> Iterator[bytes | memoryview]:
         """The verified chunks of a complete version, in order."""
         if not self.complete(version):
             raise StoreError(f"version {version} is not complete")
@@ -372,6 +425,52 @@ class ChunkStore:
     def payload(self, version: int) -> bytes:
         """The whole verified payload of a complete version."""
         return b"".join(self.iter_payload(version))
+
+    def payload_view(self, version: int) -> memoryview:
+        """``payload(version)`` as a read-only view of one buffer, read in place.
+
+        Every chunk is read straight into its slice of one buffer (or copied
+        from memory when kept there) and checked there: no per-chunk ``bytes``
+        and no final join. Same checks and errors as ``read_chunk``.
+        """
+        if not self.complete(version):
+            raise StoreError(f"version {version} is not complete")
+        m = self._manifest(version)
+        buf = bytearray(m.payload_length)
+        view = memoryview(buf)
+        off = 0
+        for i in range(m.chunk_count):
+            n = m.chunk_length(i)
+            part = view[off:off + n]
+            with self._mutex:
+                if i not in self._scan(version):
+                    raise ChunkError(f"chunk {i} of version {version} is not held")
+                kept = self._recent.get((version, i))
+            if kept is not None and len(kept) == n:
+                part[:] = kept
+                self.recent_hits += 1
+            else:
+                got = self._read_into(version, i, part)
+                if got != n or not _is_chunk(m, i, part):
+                    self._drop_rotten(version, i)
+            off += n
+        return view.toreadonly()
+
+    def _read_into(self, version: int, index: int, part: memoryview) -> int:
+        """Read a chunk file into ``part``; the byte count (-1 if it is longer)."""
+        got = 0
+        try:
+            with open(self._cpath(version, index), "rb", buffering=0) as f:
+                while got < len(part):
+                    k = f.readinto(part[got:])
+                    if not k:
+                        break
+                    got += k
+                if got == len(part) and f.read(1):
+                    return -1
+        except OSError as exc:
+            self.problems.append(f"version {version}: chunk {index} unreadable: {exc}")
+        return got
 
     @property
     def used_bytes(self) -> int:
@@ -489,6 +588,7 @@ class ChunkStore:
             d = self._vdir(version)
             size = len(self._raw[version]) + sum(f.stat().st_size for f in (d / "chunks").iterdir())
             self._discard_dir(d)
+            self._forget(version)
             self._used -= size
             del self._manifests[version], self._raw[version]
             self._have.pop(version, None)
