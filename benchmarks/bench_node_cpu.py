@@ -171,8 +171,8 @@ def pyspy_thread_names(path: Path) -> dict[int, str]:
 
 def run(args: argparse.Namespace) -> dict:
     import torch
-
     from bench_wan import dense_pair
+
     from lab.fleet import LoopbackFleet
     from node.config import load_config
     from trainer.publisher import Publisher

@@ -214,25 +214,29 @@ def install_uvloop() -> bool:
 # glibc mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
-MALLOC_MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc's ceiling for it on 64-bit
+_M_ARENA_MAX = -8
+MALLOC_MMAP_THRESHOLD = 256 * 1024 * 1024
 MALLOC_TRIM_THRESHOLD = 512 * 1024 * 1024
 
 
 def tune_malloc() -> bool:
-    """Keep freed chunk-sized buffers in the heap instead of returning them to the kernel.
+    """Reuse freed chunk- and payload-sized buffers instead of asking the kernel again.
 
-    A node allocates and frees a 4 MiB buffer per chunk received, read or
-    decoded (and 256 KiB per websocket message). glibc serves large blocks with
-    a fresh ``mmap`` or trims the heap top as soon as it is free, so every
-    such buffer came back as new pages: page faults and zeroing in the kernel
-    were the largest single share of a node's CPU per GB received
-    (docs/benchmarks.md, "Node CPU per GB received"). Blocks up to 32 MiB now
-    come from the heap and up to 512 MiB of freed heap is kept for reuse (the
-    process's resident size stays near its peak). Skipped where the C library
-    is not glibc, or where the operator set ``MALLOC_MMAP_THRESHOLD_`` /
-    ``MALLOC_TRIM_THRESHOLD_`` (their settings win).
+    A node allocates and frees a 4 MiB buffer per chunk it receives or reads,
+    256 KiB per websocket message, and payload-sized buffers per apply (the
+    payload, the decoded planes). By default glibc serves blocks that large with
+    a fresh ``mmap``, gives each worker thread an arena of its own that cannot
+    hold them, and trims the heap as soon as its top is free, so every buffer
+    came back as new pages: page faults and zeroing in the kernel were a large
+    share of a node's CPU per GB received (docs/benchmarks.md, "Node CPU per GB
+    received"). Here every thread allocates from the one main heap, blocks up
+    to 256 MiB come from it, and up to 512 MiB of freed heap is kept for reuse:
+    the process's resident size stays near its peak instead. Skipped where the
+    C library is not glibc, or where the operator set any of glibc's
+    ``MALLOC_*_`` variables (their settings win).
     """
-    if any(k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")):
+    if any(k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
+                                     "MALLOC_ARENA_MAX", "GLIBC_TUNABLES")):
         return False
     try:
         import ctypes
@@ -243,8 +247,8 @@ def tune_malloc() -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    return bool(mallopt(_M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD)
-                and mallopt(_M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD))
+    return all([mallopt(_M_ARENA_MAX, 1), mallopt(_M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD),
+                mallopt(_M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD)])
 
 
 def run_node(cfg: NodeConfig) -> int:
