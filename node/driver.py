@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import numpy
 from aiohttp import web
 
 from node.engines.base import CommitStats, Engine, EngineError, WeightUpdate
@@ -125,6 +126,11 @@ class TlsContexts:
         return cls(swarm_ca.server_context(ca, cert, key), swarm_ca.client_context(ca, cert, key))
 
 
+def _empty_buffer(n: int) -> memoryview:
+    """``n`` bytes, not zero-filled: a ``BlockAssembler`` writes every byte it returns."""
+    return memoryview(numpy.empty(n, dtype=numpy.uint8))
+
+
 @dataclass
 class Conn:
     """One websocket to a peer, with its ordered send queue."""
@@ -138,7 +144,8 @@ class Conn:
     ctrl: deque = field(default_factory=deque)
     data: deque = field(default_factory=deque)  # (version, index) chunks to send
     wake: asyncio.Event = field(default_factory=asyncio.Event)
-    blocks: wire.BlockAssembler = field(default_factory=wire.BlockAssembler)
+    blocks: wire.BlockAssembler = field(
+        default_factory=lambda: wire.BlockAssembler(alloc=_empty_buffer))
     heard_at: float = 0.0  # last Progress fed to the core (rate-limited)
     writer: asyncio.Task | None = None
     closing: bool = False
