@@ -55,7 +55,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import numpy
 from aiohttp import web
 
 from node.engines.base import CommitStats, Engine, EngineError, WeightUpdate
@@ -63,6 +62,7 @@ from node.engines.config import EngineConfig
 from node.engines.inprocess import InProcessWeights, merge_changes
 from node.guard import ConnectionGuard, GuardedSite
 from node.ports import StorePort, TrustPort
+from node.store import aligned_buffer
 from swarm.errors import ChunkError, PatchswarmError, ProtocolError, StoreError
 from swarm.protocol import events as ev
 from swarm.protocol import wire
@@ -126,11 +126,6 @@ class TlsContexts:
         return cls(swarm_ca.server_context(ca, cert, key), swarm_ca.client_context(ca, cert, key))
 
 
-def _empty_buffer(n: int) -> memoryview:
-    """``n`` bytes, not zero-filled: a ``BlockAssembler`` writes every byte it returns."""
-    return memoryview(numpy.empty(n, dtype=numpy.uint8))
-
-
 @dataclass
 class Conn:
     """One websocket to a peer, with its ordered send queue."""
@@ -144,8 +139,10 @@ class Conn:
     ctrl: deque = field(default_factory=deque)
     data: deque = field(default_factory=deque)  # (version, index) chunks to send
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    # Chunks are reassembled in aligned, not zero-filled buffers (the assembler writes
+    # every byte it returns): the store writes them to disk with O_DIRECT, no page cache.
     blocks: wire.BlockAssembler = field(
-        default_factory=lambda: wire.BlockAssembler(alloc=_empty_buffer))
+        default_factory=lambda: wire.BlockAssembler(alloc=aligned_buffer))
     heard_at: float = 0.0  # last Progress fed to the core (rate-limited)
     writer: asyncio.Task | None = None
     closing: bool = False

@@ -16,6 +16,14 @@ re-hashed against the manifest the first time a version is looked at after
 open (BLAKE3 runs at ~10 GB/s), and again on every read, so neither a torn
 file nor bit rot is ever served: a bad chunk is deleted and reported missing.
 
+Chunk files are written and read with ``O_DIRECT`` where the buffer sits at a
+4096-byte aligned address (``aligned_buffer``: the node driver reassembles
+received chunks in one) and the file system takes it: the bytes go between the
+buffer and the disk without a kernel copy through the page cache, which was a
+third of a node's CPU per GB received (docs/benchmarks.md, "Node CPU per GB
+received"). A file system that refuses ``O_DIRECT`` (tmpfs) gets ordinary
+writes; the crash-safety above is the same either way.
+
 A chunk handed over with ``put_chunk(..., keep=True)`` (the node driver's
 received chunks: a buffer nobody changes afterwards) is also kept in memory, up
 to ``recent_bytes`` of the most recent ones, and reads of it are served from
@@ -38,6 +46,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import msgpack
+import numpy
 
 from swarm.errors import ChunkError, ManifestError, StoreError
 from swarm.trust.chunks import verify_chunk
@@ -51,6 +60,28 @@ from swarm.trust.manifest import (
 
 STORE_FORMAT = b"patchswarm-store 1\n"
 RECENT_BYTES = 64 * 1024 * 1024  # default memory for recently received chunks (keep=True)
+ALIGN = 4096  # O_DIRECT alignment of addresses, offsets and lengths (safe for 512 and 4K disks)
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def aligned_buffer(n: int) -> memoryview:
+    """``n`` writable bytes at an ``ALIGN``-aligned address, not zero-filled.
+
+    The store writes such a buffer's aligned part with ``O_DIRECT`` (no copy
+    through the page cache)."""
+    return _aligned(n)[:n]
+
+
+def _aligned(n: int) -> memoryview:
+    """An aligned buffer of ``n`` rounded up to ``ALIGN`` bytes."""
+    cap = -(-n // ALIGN) * ALIGN
+    raw = numpy.empty(cap + ALIGN, dtype=numpy.uint8)
+    off = (-raw.ctypes.data) % ALIGN
+    return memoryview(raw[off:off + cap]).cast("B")
+
+
+def _address(view: memoryview) -> int:
+    return numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data if len(view) else 0
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
 MAX_ACTIVE_BYTES = 1024
 
@@ -98,6 +129,7 @@ class ChunkStore:
         self._recent_size = 0
         self.recent_bytes = recent_bytes
         self.recent_hits = 0  # reads served from memory
+        self._direct = bool(_O_DIRECT)  # cleared once the file system refuses O_DIRECT
         self.problems: list[str] = []
         self._lock_file = None
         try:
@@ -210,9 +242,14 @@ class ChunkStore:
         """Write ``dest`` via tmp/ + fsync + rename + directory fsync."""
         tmp = self.root / "tmp" / f"{dest.name}.{os.getpid()}.{threading.get_ident()}.part"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            view = memoryview(data).cast("B")
+            direct = len(view) - len(view) % ALIGN if self._direct else 0
+            if direct and _address(view) % ALIGN:
+                direct = 0
+            fd = self._open_write(tmp, direct > 0)
             try:
-                view = memoryview(data)
+                if fcntl.fcntl(fd, fcntl.F_GETFL) & _O_DIRECT:
+                    view = view[self._write_direct(fd, view[:direct]):]
                 while view:
                     n = os.write(fd, view)
                     view = view[n:]
@@ -230,6 +267,34 @@ class ChunkStore:
                     f"disk full writing {what} to {self.root}; earlier versions are intact"
                 ) from None
             raise StoreError(f"cannot write {what}: {exc.strerror or exc}") from None
+
+    def _open_write(self, tmp: Path, direct: bool) -> int:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        if direct:
+            try:
+                return os.open(tmp, flags | _O_DIRECT, 0o644)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._direct = False  # this file system does not take O_DIRECT
+        return os.open(tmp, flags, 0o644)
+
+    def _write_direct(self, fd: int, view: memoryview) -> int:
+        """Write the aligned ``view`` with O_DIRECT, then turn O_DIRECT off on ``fd``;
+        the bytes written (0 after a refusal: the caller writes them all again)."""
+        done = 0
+        try:
+            while done < len(view):
+                done += os.write(fd, view[done:])
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            self._direct = False
+            os.ftruncate(fd, 0)
+            done = 0
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
+        os.lseek(fd, done, os.SEEK_SET)
+        return done
 
     def _discard_dir(self, d: Path) -> None:
         """Remove a version directory: rename it into tmp/ first, so it vanishes at once."""
@@ -394,12 +459,11 @@ class ChunkStore:
                 self._recent.move_to_end((version, index))
                 self.recent_hits += 1
                 return kept
-        path = self._cpath(version, index)
-        try:  # read and hash outside the lock: uploads may run in parallel threads
-            data = path.read_bytes()
-        except OSError as exc:
-            data = b""
-            self.problems.append(f"version {version}: chunk {index} unreadable: {exc}")
+        # read and hash outside the lock: uploads may run in parallel threads
+        n = m.chunk_length(index)
+        buf = _aligned(n)
+        got = self._read_into(version, index, buf, n)
+        data = buf[:n].toreadonly() if got == n else b""
         if _is_chunk(m, index, data):
             return data
         self._drop_rotten(version, index)
@@ -436,8 +500,7 @@ class ChunkStore:
         if not self.complete(version):
             raise StoreError(f"version {version} is not complete")
         m = self._manifest(version)
-        buf = bytearray(m.payload_length)
-        view = memoryview(buf)
+        view = _aligned(m.payload_length)
         off = 0
         for i in range(m.chunk_count):
             n = m.chunk_length(i)
@@ -450,26 +513,48 @@ class ChunkStore:
                 part[:] = kept
                 self.recent_hits += 1
             else:
-                got = self._read_into(version, i, part)
+                # the slice up to the next ALIGN boundary: O_DIRECT reads whole blocks
+                room = view[off:min(len(view), off + -(-n // ALIGN) * ALIGN)]
+                got = self._read_into(version, i, room, n)
                 if got != n or not _is_chunk(m, i, part):
                     self._drop_rotten(version, i)
             off += n
-        return view.toreadonly()
+        return view[:m.payload_length].toreadonly()
 
-    def _read_into(self, version: int, index: int, part: memoryview) -> int:
-        """Read a chunk file into ``part``; the byte count (-1 if it is longer)."""
+    def _read_into(self, version: int, index: int, room: memoryview, n: int) -> int:
+        """Read chunk file ``index`` (``n`` bytes expected) into the start of ``room``;
+        the bytes read, or -1 when the file is not ``n`` bytes long. With O_DIRECT
+        when ``room`` is aligned and a whole number of blocks (the file system
+        permitting); ordinary reads otherwise."""
+        path = self._cpath(version, index)
+        direct = (self._direct and len(room) % ALIGN == 0 and len(room) >= n
+                  and _address(room) % ALIGN == 0)
         got = 0
         try:
-            with open(self._cpath(version, index), "rb", buffering=0) as f:
-                while got < len(part):
-                    k = f.readinto(part[got:])
+            fd = -1
+            if direct:
+                try:
+                    fd = os.open(path, os.O_RDONLY | _O_DIRECT)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                    self._direct = direct = False
+            if fd < 0:
+                fd = os.open(path, os.O_RDONLY)
+            try:
+                if os.fstat(fd).st_size != n:
+                    return -1
+                want = room if direct else room[:n]
+                while got < n:
+                    k = os.readv(fd, [want[got:]])
                     if not k:
                         break
                     got += k
-                if got == len(part) and f.read(1):
-                    return -1
+            finally:
+                os.close(fd)
         except OSError as exc:
             self.problems.append(f"version {version}: chunk {index} unreadable: {exc}")
+            return 0
         return got
 
     @property
