@@ -15,10 +15,16 @@ as the view. Per version and per node it measures:
   websockets, the core, the driver), the worker threads (``asyncio.to_thread``:
   hash + store of received chunks, reads of chunks to upload, stage + commit of
   the patch) and the rest (torch's threads, threads that exited);
+- with ``--perf`` (Linux ``perf``, root) one node is sampled during the last
+  version (``perf record``, every thread, kernel included) and the samples are
+  sorted by symbol into ``PERF_GROUPS`` (kernel page-cache copies, kernel socket
+  I/O, TLS, user-space memcpy, hashing, codec, the interpreter, ...);
 - with ``--py-spy PATH`` (a py-spy binary; not a project dependency) one node is
   sampled during the last version (``py-spy record --native``, all threads, idle
-  samples left out) and the samples are sorted into stages (TLS, websocket
-  framing, hashing, store, decode + apply, ...; ``STAGES``).
+  samples left out) and the samples are sorted into stages by their Python
+  stack (TLS, websocket framing, hashing, store, decode + apply, ...; ``STAGES``).
+  py-spy pauses the process for every sample: that node's own CPU figure is
+  inflated, the shares are what to read.
 
 Prints a table and writes ``benchmarks/results/node_cpu.json``.
 
@@ -66,6 +72,47 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("event loop / syscalls", ("uvloop", "asyncio", "epoll", "libc", "libpthread", "memcpy",
                                "memmove", "__libc", "syscall", "sock", "recv", "send")),
 ]
+
+
+# (group, substrings of "dso symbol") in priority order, for perf's flat profile
+PERF_GROUPS: list[tuple[str, tuple[str, ...]]] = [
+    ("kernel: page-cache copies (file write/read)", ("copy_folio_from_iter", "filemap_",
+                                                    "ext4_", "generic_perform_write")),
+    ("kernel: socket I/O and TCP", ("tcp_", "skb", "_copy_to_iter", "_copy_from_iter",
+                                    "sock_", "ip_", "__dev_queue", "net_rx", "loopback",
+                                    "inet_", "csum_", "copy_user")),
+    ("kernel: other", ("[kernel",)),
+    ("TLS (OpenSSL)", ("libssl", "libcrypto", "_ssl.")),
+    ("hash (BLAKE3)", ("blake3",)),
+    ("codec (zstd, numpy, XXH3, torch)", ("zstd", "_multiarray", "xxhash", "libtorch",
+                                         "libgomp", "numpy")),
+    ("memcpy/memset (user space, any caller)", ("memmove", "memcpy", "memset")),
+    ("websocket framing (aiohttp C)", ("aiohttp", "reader_c", "mask.")),
+    ("event loop (uvloop)", ("uvloop", "loop.cpython")),
+    ("msgpack", ("msgpack",)),
+    ("Python interpreter", ("libpython", "python3")),
+    ("libc other (malloc, ...)", ("libc.so",)),
+]
+
+
+def read_perf(perf: str, data: Path) -> dict[str, float]:
+    """Share of samples (%) per ``PERF_GROUPS`` group from a ``perf record`` file."""
+    out = subprocess.run([perf, "report", "-i", str(data), "--no-children", "--sort", "dso,sym",
+                          "--stdio", "-g", "none", "--percent-limit", "0"],
+                         capture_output=True, text=True, check=False).stdout
+    shares: collections.Counter = collections.Counter()
+    for line in out.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#") or "%" not in line:
+            continue
+        pct, _, rest = line.partition("%")
+        try:
+            p = float(pct)
+        except ValueError:
+            continue
+        group = next((g for g, marks in PERF_GROUPS if any(m in rest for m in marks)), "other")
+        shares[group] += p
+    return {g: round(p, 1) for g, p in shares.most_common()}
 
 
 def proc_cpu(pid: int) -> float:
@@ -182,6 +229,7 @@ def run(args: argparse.Namespace) -> dict:
     rows: list[dict] = []
     profile: dict[str, int] = {}
     profile_threads: dict = {}
+    perf_shares: dict[str, float] = {}
     env = dict(kv.split("=", 1) for kv in args.node_env)
     with LoopbackFleet(1, args.nodes, chunk_size=args.chunk_size, tls=not args.no_tls,
                        swarm={"redial_s": 1.0},
@@ -201,6 +249,14 @@ def run(args: argparse.Namespace) -> dict:
                     view = dense_next(view, k + 1)
                 spy = None
                 spy_out = fleet.workdir / f"pyspy-{k}.txt"
+                perf_proc = None
+                perf_out = fleet.workdir / "perf.data"
+                if args.perf and k == args.versions - 1:
+                    perf_proc = subprocess.Popen(
+                        [args.perf, "record", "-F", "999", "-p", str(pids[fleet.nodes[-1].name]),
+                         "-o", str(perf_out)], stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL)
+                    time.sleep(1.0)
                 if args.py_spy and k == args.versions - 1:
                     victim = pids[fleet.nodes[-1].name]
                     spy = subprocess.Popen(
@@ -220,6 +276,14 @@ def run(args: argparse.Namespace) -> dict:
                 cpu1 = {n: proc_cpu(p) for n, p in pids.items()}
                 det1 = {n: proc_detail(p) for n, p in pids.items()}
                 thr1 = {n: thread_cpu(p) for n, p in pids.items()}
+                if perf_proc is not None:
+                    perf_proc.send_signal(signal.SIGINT)
+                    try:
+                        perf_proc.wait(60)
+                    except subprocess.TimeoutExpired:
+                        perf_proc.kill()
+                        perf_proc.wait()
+                    perf_shares = read_perf(args.perf, perf_out)
                 if spy is not None:
                     spy.send_signal(signal.SIGINT)
                     try:
@@ -267,7 +331,8 @@ def run(args: argparse.Namespace) -> dict:
                       f"median {rows[-1]['cpu_s_per_gb_median']} CPU-s/GB", flush=True)
         finally:
             pub.close()
-    return {"rows": rows, "profile": profile, "profile_threads": profile_threads}
+    return {"rows": rows, "profile": profile, "profile_threads": profile_threads,
+            "perf": perf_shares}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -279,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-size", type=int, default=4 * 1024 * 1024)
     ap.add_argument("--no-tls", action="store_true")
     ap.add_argument("--py-spy", default=None, help="py-spy binary: profile one node")
+    ap.add_argument("--perf", nargs="?", const="perf", default=None,
+                    help="profile one node with Linux perf (optionally its path)")
     ap.add_argument("--keep-profile", default=None, help="copy py-spy's raw stacks here")
     ap.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     ap.add_argument("--timeout", type=float, default=120.0)
@@ -307,6 +374,10 @@ def main(argv: list[str] | None = None) -> int:
              for k in ("loop", "threads")}
     print(f"median CPU-s per GB received (versions {steady[0]['version']}..): {med:.2f}  "
           f"by thread: {split}")
+    if res["perf"]:
+        print("perf, one node, last version (share of samples, kernel included):")
+        for group, pct in res["perf"].items():
+            print(f"  {group:44s} {pct:5.1f}%  ~{med * pct / 100:.2f} CPU-s/GB")
     if profile:
         total = sum(profile.values())
         print("py-spy, one node, last version (share of on-CPU samples):")
@@ -317,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
               "chunk_size": args.chunk_size, "tls": not args.no_tls, "cpus": os.cpu_count(),
               "load_avg": os.getloadavg(), "cpu_s_per_gb_median": round(med, 2),
               "by_thread_s_per_gb_median": split, "profile_samples": profile,
-              "profile_threads": res["profile_threads"], "versions": rows}
+              "profile_threads": res["profile_threads"], "perf_shares_pct": res["perf"], "versions": rows}
     out = Path(args.out or ROOT / "benchmarks" / "results" / "node_cpu.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -130,6 +130,9 @@ class ChunkStore:
         self.recent_bytes = recent_bytes
         self.recent_hits = 0  # reads served from memory
         self._direct = bool(_O_DIRECT)  # cleared once the file system refuses O_DIRECT
+        # chunks this process wrote with O_DIRECT: not in the page cache, so they are
+        # read back with O_DIRECT too; any other file may be cached: ordinary reads
+        self._direct_written: set[tuple[int, int]] = set()
         self.problems: list[str] = []
         self._lock_file = None
         try:
@@ -238,8 +241,9 @@ class ChunkStore:
                 f"({self._used} used, {extra} more needed); earlier versions are intact"
             )
 
-    def _atomic_write(self, dest: Path, data: bytes | memoryview, *, what: str) -> None:
-        """Write ``dest`` via tmp/ + fsync + rename + directory fsync."""
+    def _atomic_write(self, dest: Path, data: bytes | memoryview, *, what: str) -> bool:
+        """Write ``dest`` via tmp/ + fsync + rename + directory fsync; True when its
+        aligned part went with O_DIRECT."""
         tmp = self.root / "tmp" / f"{dest.name}.{os.getpid()}.{threading.get_ident()}.part"
         try:
             view = memoryview(data).cast("B")
@@ -248,8 +252,11 @@ class ChunkStore:
                 direct = 0
             fd = self._open_write(tmp, direct > 0)
             try:
+                wrote_direct = False
                 if fcntl.fcntl(fd, fcntl.F_GETFL) & _O_DIRECT:
-                    view = view[self._write_direct(fd, view[:direct]):]
+                    done = self._write_direct(fd, view[:direct])
+                    wrote_direct = done > 0
+                    view = view[done:]
                 while view:
                     n = os.write(fd, view)
                     view = view[n:]
@@ -259,6 +266,7 @@ class ChunkStore:
                 os.close(fd)
             os.replace(tmp, dest)
             self._sync_dir(dest.parent)
+            return wrote_direct
         except OSError as exc:
             with contextlib.suppress(OSError):
                 tmp.unlink()
@@ -401,9 +409,10 @@ class ChunkStore:
             if index in have:
                 return
             self._check_quota(len(data), f"chunk {index} of version {version}")
-            self._atomic_write(
+            if self._atomic_write(
                 self._cpath(version, index), data, what=f"chunk {index} of version {version}"
-            )
+            ):
+                self._direct_written.add((version, index))
             have.add(index)
             self._used += len(data)
             if keep:
@@ -471,6 +480,7 @@ class ChunkStore:
     def _drop_rotten(self, version: int, index: int) -> NoReturn:
         path = self._cpath(version, index)
         with self._mutex:
+            self._direct_written.discard((version, index))
             have = self._have.get(version)
             if have is not None and index in have:
                 have.discard(index)
@@ -527,7 +537,8 @@ class ChunkStore:
         when ``room`` is aligned and a whole number of blocks (the file system
         permitting); ordinary reads otherwise."""
         path = self._cpath(version, index)
-        direct = (self._direct and len(room) % ALIGN == 0 and len(room) >= n
+        direct = (self._direct and (version, index) in self._direct_written
+                  and len(room) % ALIGN == 0 and len(room) >= n
                   and _address(room) % ALIGN == 0)
         got = 0
         try:
@@ -674,6 +685,7 @@ class ChunkStore:
             size = len(self._raw[version]) + sum(f.stat().st_size for f in (d / "chunks").iterdir())
             self._discard_dir(d)
             self._forget(version)
+            self._direct_written = {k for k in self._direct_written if k[0] != version}
             self._used -= size
             del self._manifests[version], self._raw[version]
             self._have.pop(version, None)
