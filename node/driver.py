@@ -673,8 +673,12 @@ class Driver:
             # an anchor of the weights we hold (the core did not fetch it): take its number
             digest = w.adopt(version, m.target_digest)
         else:
-            payload = self.store.payload_view(version)
-            if getattr(m, "encryption", None) is not None:
+            encrypted = getattr(m, "encryption", None) is not None
+            # a plain patch is decoded straight from one buffer read in place; a full
+            # checkpoint (safetensors) and a confidential payload want bytes
+            payload = (self.store.payload_view(version) if m.kind == "patch" and not encrypted
+                       else self.store.payload(version))
+            if encrypted:
                 # Confidential: chunks were verified as ciphertext; open them only here.
                 # AES-GCM authenticates every chunk: a failure is local, nobody is blamed.
                 node_key = self.node_key
