@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import random
 import shutil
@@ -107,8 +108,19 @@ class Meter:
     def __init__(self, lab: Any, args: argparse.Namespace) -> None:
         self.lab, self.args = lab, args
         self.poll_into = self.poll_out = 0.0  # uplink bytes of one /status poll, per direction
+        self.tracer: UplinkTrace | None = None
+        self.last_trace: list[dict[str, Any]] | None = None
 
     def snapshot(self) -> dict[str, Any]:
+        """Counters now. With ``--trace`` the first snapshot of a transfer starts sampling
+        the uplinks and the second stops it (``last_trace``)."""
+        if getattr(self.args, "trace", False):
+            if self.tracer is None:
+                self.tracer = UplinkTrace(self.lab)
+                self.tracer.start(time.time())
+            else:
+                self.last_trace = self.tracer.stop()
+                self.tracer = None
         return {"uplinks": self.lab.uplink_bytes(), "drops": self.lab.uplink_drops(),
                 "holders": self.lab.delay_stats(), "t": time.monotonic()}
 
@@ -144,6 +156,54 @@ class Meter:
             "processes": len(hold)}}
 
 
+class UplinkTrace:
+    """Samples every region uplink's byte counters (one ``ip -s -j link`` in the core
+    namespace) every ``period`` seconds in a thread: Mbit/s into and out of each region
+    over time, to see whether the uplinks stay busy (``--trace``)."""
+
+    def __init__(self, lab: Any, period: float = 0.25) -> None:
+        self.lab, self.period = lab, period
+        self.samples: list[tuple[float, dict[int, tuple[int, int]]]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _read(self) -> dict[int, tuple[int, int]]:
+        rows = json.loads(self.lab._run("ip", "-s", "-j", "link", ns=self.lab.ns_core))
+        out = {}
+        for row in rows:
+            name = row.get("ifname", "")
+            if name.startswith("r") and name[1:].isdigit():
+                st = row.get("stats64") or row["stats"]
+                # core side: tx = into the region, rx = out of it
+                out[int(name[1:])] = (int(st["tx"]["bytes"]), int(st["rx"]["bytes"]))
+        return out
+
+    def start(self, t0: float) -> None:
+        self.t0 = t0
+
+        def loop() -> None:
+            while not self._stop.is_set():
+                self.samples.append((time.time() - self.t0, self._read()))
+                self._stop.wait(self.period)
+
+        self._thread = threading.Thread(target=loop, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> list[dict[str, Any]]:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        rows = []
+        for (ta, a), (tb, b) in zip(self.samples, self.samples[1:], strict=False):
+            dt = tb - ta
+            if dt <= 0:
+                continue
+            rows.append({"t": round(tb, 2), **{
+                f"{k}{r}": round((b[r][i] - a[r][i]) * 8 / dt / 1e6, 1)
+                for r in sorted(b) if r in a for i, k in ((0, "in"), (1, "out"))}})
+        return rows
+
+
 def verify_delay(lab: Any, args: argparse.Namespace) -> dict[str, float]:
     """TCP connect round trips across regions and inside one, against the configuration."""
     cross = lab.tcp_rtt_ms(lab.ns_trainer, lab.ip_host(1, 0))
@@ -165,8 +225,12 @@ def verify_delay(lab: Any, args: argparse.Namespace) -> dict[str, float]:
 def _fleet(lab: Any, args: argparse.Namespace, workdir: Path) -> Any:
     from lab.fleet import LoopbackFleet
 
+    knobs = {}
+    for kv in args.swarm or []:
+        k, _, v = kv.partition("=")
+        knobs[k.strip()] = json.loads(v)
     fleet = LoopbackFleet(lab.regions, lab.hosts_per_region, chunk_size=args.chunk_size,
-                          lab=lab, tls=args.tls, workdir=workdir)
+                          lab=lab, tls=args.tls, workdir=workdir, swarm=knobs)
     # the trainer occupies the last host of region 0: no node there
     fleet.nodes = [n for n in fleet.nodes
                    if (n.host, n.netns) != (lab.ip_trainer, lab.ns_trainer)]
@@ -259,6 +323,11 @@ def run_patchswarm(lab: Any, args: argparse.Namespace, meter: Meter, oneshot: bo
                 threading.Thread(target=lambda: [None for _ in cli.stdout], daemon=True).start()
             else:
                 cfg = load_config(workdir / "trainer.toml")
+                if args.keep_logs:
+                    h = logging.FileHandler(workdir / "origin.log")
+                    h.setFormatter(logging.Formatter("%(created).3f %(name)s %(message)s"))
+                    logging.getLogger().addHandler(h)
+                    logging.getLogger().setLevel(logging.INFO)
                 pub = Publisher(cfg, base=base, persist_view=False)
                 pub.start()
                 deadline = time.monotonic() + 60
@@ -283,6 +352,11 @@ def run_patchswarm(lab: Any, args: argparse.Namespace, meter: Meter, oneshot: bo
     finally:
         if pub is not None:
             pub.close()
+        if args.keep_logs:
+            dest = Path(args.keep_logs) / f"run{seed}-{'oneshot' if oneshot else 'patchswarm'}"
+            dest.mkdir(parents=True, exist_ok=True)
+            for f in workdir.glob("*.log"):
+                shutil.copy(f, dest / f.name)
         shutil.rmtree(workdir, ignore_errors=True)
     per_node = {}
     regions: dict[str, float] = {}
@@ -299,7 +373,9 @@ def run_patchswarm(lab: Any, args: argparse.Namespace, meter: Meter, oneshot: bo
         r = n.region.rsplit("-", 1)[1]
         cross_app[r] = cross_app.get(r, 0) + cross
         cpu = cpu1[n.name] - cpu0[n.name]
-        per_node[n.name] = {"s": round(t_act - t0, 3), "received": recv, "cpu_s": round(cpu, 2),
+        per_node[n.name] = {"s": round(t_act - t0, 3), "received": recv,
+                            "received_by_kind": {k: got[k] - got0.get(k, 0) for k in got},
+                            "cpu_s": round(cpu, 2),
                             "cpu_s_per_gb": round(cpu / (recv / 1e9), 2) if recv else None}
         regions[r] = max(regions.get(r, 0.0), t_act - t0)
     last = max(v["s"] for v in per_node.values())
@@ -454,7 +530,7 @@ def inner(args: argparse.Namespace) -> int:
         "chunk_size": args.chunk_size, "tls": args.tls, "lt_piece_kib": args.lt_piece_kib,
         "lt_cross_peers": args.lt_cross_peers, "lt_pex": not args.lt_no_pex,
         "uplink_burst_kib": args.uplink_burst_kib, "flow_bound_s": round(bound, 3),
-        "cpus": os.cpu_count(), "runs": []}
+        "swarm_knobs": args.swarm or [], "cpus": os.cpu_count(), "runs": []}
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     for k in range(args.runs):
         for system in systems:
@@ -470,6 +546,9 @@ def inner(args: argparse.Namespace) -> int:
                                          seed=k + 1)
             except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
                 row = {"error": str(exc)[-800:]}
+            if meter.last_trace is not None:
+                row["trace"], meter.last_trace = meter.last_trace, None
+                print_trace(row["trace"])
             row.update(system=system, run=k + 1, delay_check=check,
                        load_avg_before=[round(x, 2) for x in load0],
                        load_avg_after=[round(x, 2) for x in os.getloadavg()])
@@ -481,6 +560,16 @@ def inner(args: argparse.Namespace) -> int:
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
     return 0 if all(r.get("converged") for r in result["runs"]) else 1
+
+
+def print_trace(rows: list[dict[str, Any]]) -> None:
+    """Uplink Mbit/s over time, one line per sample."""
+    if not rows:
+        return
+    keys = [k for k in rows[0] if k != "t"]
+    print("    t s  " + " ".join(f"{k:>6}" for k in keys))
+    for r in rows:
+        print(f"  {r['t']:6.2f} " + " ".join(f"{r.get(k, 0):6.1f}" for k in keys))
 
 
 def summary_line(row: dict[str, Any]) -> str:
@@ -616,6 +705,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--poll-s", type=float, default=0.5, metavar="S",
                     help="seconds between /status polls; times come from the nodes' own "
                          "clocks (default 0.5)")
+    ap.add_argument("--trace", action="store_true",
+                    help="sample the uplinks every 0.25 s during each transfer: Mbit/s into "
+                         "and out of every region over time, printed and kept in the JSON")
+    ap.add_argument("--swarm", action="append", metavar="KNOB=VALUE",
+                    help="a protocol knob for the trainer and every node ([swarm] of their "
+                         "configs; VALUE in JSON), e.g. --swarm uplink_window=3; repeatable")
+    ap.add_argument("--keep-logs", default=None, metavar="DIR",
+                    help="copy every node's log (and the origin's, logged at INFO) to "
+                         "DIR/run<k>-<system>/ before the run's files are removed")
     ap.add_argument("--timeout", type=float, default=300.0, metavar="S",
                     help="give up on a transfer after this long (default 300)")
     ap.add_argument("--out", default=None, metavar="FILE",

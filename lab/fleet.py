@@ -149,6 +149,11 @@ class LoopbackFleet:
         self.gateway = gateway
         self.model_config = model_config
         self.trainer_host = lab.ip_trainer if lab else "127.0.0.1"
+        # a trainer placed on a host of a region (lab ``trainer_in_region``) is of that
+        # region: the origin then feeds it over its LAN and counts only the others as
+        # remote (behind its site uplink); else it is a region of its own
+        placed = getattr(lab, "trainer_in_region", None) if lab else None
+        self.trainer_region = f"region-{placed}" if placed is not None else "trainer"
         self.trainer_prefix = NetLab.exec_prefix(lab.ns_trainer) if lab else []
         self.nodes: list[NodeProc] = []
 
@@ -242,13 +247,14 @@ class LoopbackFleet:
         if unknown:
             raise FleetError(f"trainer_sections: cannot add to {sorted(unknown)}")
         (w / "trainer.toml").write_text(
-            f'[node]\nid = "trainer"\nregion = "trainer"\nmodel = "{self.model}"\nrole = "origin"\n\n'
+            f'[node]\nid = "trainer"\nregion = "{self.trainer_region}"\nmodel = "{self.model}"\n'
+            f'role = "origin"\n\n'
             f'{common}listen = "{self.trainer_addr}"\n\n'
             f'[store]\ndir = "trainer-store"\nfsync = false\n{extra.get("store", "")}\n'
             f'[weights]\nbase = "base.safetensors"\nbase_version = 1\n\n'
             f'[publish]\nsigning_key = "trainer.key"\nchunk_size = {self.chunk_size}\n'
             f'served_dtype = "bf16"\n{extra.get("publish", "")}\n{recipients}\n'
-            f'{self._tls_sections("trainer", "trainer", self.trainer_host, "origin")}'
+            f'{self._tls_sections("trainer", self.trainer_region, self.trainer_host, "origin")}'
             f'[swarm]\n{knobs}'
         )
         for n in self.nodes:

@@ -198,6 +198,13 @@ class Driver:
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task] = set()
         self._apply_task: asyncio.Task | None = None
+        # decoding the verified prefix of a patch while the rest downloads (``_prestage``)
+        self._pre_task: asyncio.Task | None = None
+        self._pre_again = False
+        self._applying = False
+        self._ahead_bytes = 0  # of the last apply's payload, decoded while it downloaded
+        self.apply_split: dict[str, float] = {}
+        self._truth_split: dict[str, float] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
         self.session: aiohttp.ClientSession | None = None
         self.runner: web.AppRunner | None = None
@@ -586,6 +593,60 @@ class Driver:
             self.store_fault = None
         if c.id in self.conns or valid:
             self.feed(ev.ChunkReceived(self.now(), c.id, v, i, valid))
+        if valid:
+            self._prestage_kick(v)
+
+    # ------------------------------------------------------------ prestage
+
+    def _prestage_kick(self, v: int) -> None:
+        """A chunk of ``v`` was stored: decode what it extends of the patch's verified
+        prefix, in a worker thread, while later chunks still download. The apply then
+        decodes only the tail (``InProcessWeights.prefeed``); at most one such task
+        runs, and none during an apply."""
+        if self.weights is None or self._applying:
+            return
+        if self._pre_task is not None:
+            self._pre_again = True
+            return
+        self._pre_task = self._spawn(self._prestage(v))
+
+    async def _prestage(self, v: int) -> None:
+        try:
+            while True:
+                self._pre_again = False
+                await asyncio.to_thread(self._prestage_step, v)
+                if not self._pre_again or self._applying:
+                    return
+        except Exception:  # an optimisation only: the apply decodes everything itself
+            log.exception("decoding version %d ahead of its apply failed", v)
+        finally:
+            self._pre_task = None
+
+    def _prestage_step(self, v: int) -> None:
+        """Feed every stored chunk that continues the decoded prefix (worker thread)."""
+        w = self.weights
+        try:
+            m = self.store.manifest(v)
+        except (StoreError, KeyError):
+            return
+        if w is None or m.kind != "patch" or getattr(m, "encryption", None) is not None \
+                or m.parent_digest is None or m.parent_digest != w.digest:
+            return
+        fed = w.prefed(v)
+        if fed % m.chunk_size:
+            return
+        i = fed // m.chunk_size
+        held = self.store.have(v)
+        while i < m.chunk_count and i in held and not self._applying:
+            try:
+                data = self.store.read_chunk(v, i)
+            except (ChunkError, StoreError, OSError):
+                return  # the apply reads it again and reports
+            now = w.prefeed(v, m.parent_digest, fed, data)
+            if now != fed + len(data):
+                return
+            fed = now
+            i += 1
 
     def _check_and_store(self, v: int, i: int, payload: memoryview) -> bool | str | None:
         """Keep the chunk durably if it is the one its manifest names.
@@ -620,13 +681,24 @@ class Driver:
 
     async def _apply(self, version: int) -> None:
         t0 = time.perf_counter()
+        self._applying = True
+        try:
+            if self._pre_task is not None:  # its thread finishes its current chunk
+                await asyncio.shield(self._pre_task)
+            await self._apply_locked(version, t0)
+        finally:
+            self._applying = False
+
+    async def _apply_locked(self, version: int, t0: float) -> None:
         async with self._engine_lock:
+            t_lock = time.perf_counter()
             try:
                 if self.weights is None:
                     raise StoreError("this node has no weights to apply versions to")
                 async with self._gated(version, self.engine is not None
                                        and self.engine.kind == "inprocess"):
                     digest = await asyncio.to_thread(self._apply_truth, version)
+                t_truth = time.perf_counter()
             except NoKeyError as exc:
                 # Confidential version not for us: the chunks are held and verified
                 # (ciphertext), so the core moves on and relays this version and later
@@ -653,12 +725,18 @@ class Driver:
             # The truth holds `version`, bitwise checked: only now does the engine hear of it.
             if self.engine is not None:
                 await self._sync_engine()
-        self.apply_seconds[version] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.apply_seconds[version] = t1 - t0
+        # where the time went: waiting (decode ahead, engine lock), the truth, the engine
+        self.apply_split = {"wait_s": round(t_lock - t0, 4), "truth_s": round(t_truth - t_lock, 4),
+                            **self._truth_split, "engine_s": round(t1 - t_truth, 4)}
         self.activated_at[version] = time.time()
         st = self.engine_state
         if st.healthy:
-            log.info("version %d active (digest %s, %.3f s)", version, digest.hex()[:16],
-                     self.apply_seconds[version])
+            log.info("version %d active (digest %s, %.3f s: %s; %d bytes decoded ahead)",
+                     version, digest.hex()[:16], self.apply_seconds[version],
+                     ", ".join(f"{k} {v}" for k, v in self.apply_split.items()),
+                     self._ahead_bytes)
         else:
             log.warning("version %d verified (digest %s) but the %s engine does not serve it: %s",
                         version, digest.hex()[:16], st.kind, st.reason)
@@ -669,27 +747,45 @@ class Driver:
         m = self.store.manifest(version)
         w = self.weights
         t0 = time.perf_counter()
+        self._ahead_bytes = 0
+        self._truth_split = {}
         if m.kind == "full" and m.target_digest == w.digest:
             # an anchor of the weights we hold (the core did not fetch it): take its number
             digest = w.adopt(version, m.target_digest)
+            self._truth_commit_s = time.perf_counter() - t0
+            return self._after_truth_commit(version, digest)
+        skip = w.prefed(version) if getattr(m, "encryption", None) is None else 0
+        self._ahead_bytes = skip
+        if skip:  # decoded while it downloaded: only the rest is read and decoded
+            payload = b"".join(self.store.read_chunk(version, i)
+                               for i in range(skip // m.chunk_size, m.chunk_count))
         else:
-            encrypted = getattr(m, "encryption", None) is not None
             # a plain patch is decoded straight from one buffer read in place; a full
             # checkpoint (safetensors) and a confidential payload want bytes
-            payload = (self.store.payload_view(version) if m.kind == "patch" and not encrypted
-                       else self.store.payload(version))
-            if encrypted:
-                # Confidential: chunks were verified as ciphertext; open them only here.
-                # AES-GCM authenticates every chunk: a failure is local, nobody is blamed.
-                node_key = self.node_key
-                if node_key is None:
-                    raise NoKeyError(f"no key for version {version}: it is confidential and "
-                                     "this node has no [trust] node_key")
-                payload = bytes(decrypt_payload(m, payload, node_key))
-            w.stage(version, m.kind, payload, m.parent_digest)
-            t0 = time.perf_counter()
-            digest = w.commit(version, m.target_digest)
-        self._truth_commit_s = time.perf_counter() - t0
+            plain = m.kind == "patch" and getattr(m, "encryption", None) is None
+            payload = self.store.payload_view(version) if plain else self.store.payload(version)
+        if getattr(m, "encryption", None) is not None:
+            # Confidential: chunks were verified as ciphertext; open them only here.
+            # AES-GCM authenticates every chunk: a failure is local, nobody is blamed.
+            node_key = self.node_key
+            if node_key is None:
+                raise NoKeyError(f"no key for version {version}: it is confidential and "
+                                 "this node has no [trust] node_key")
+            payload = bytes(decrypt_payload(m, payload, node_key))
+        t1 = time.perf_counter()
+        w.stage(version, m.kind, payload, m.parent_digest, offset=skip)
+        t2 = time.perf_counter()
+        digest = w.commit(version, m.target_digest)
+        t3 = time.perf_counter()
+        self._truth_commit_s = t3 - t2
+        out = self._after_truth_commit(version, digest)
+        self._truth_split = {"read_s": round(t1 - t0, 4), "stage_s": round(t2 - t1, 4),
+                             "commit_s": round(t3 - t2, 4),
+                             "record_s": round(time.perf_counter() - t3, 4)}
+        return out
+
+    def _after_truth_commit(self, version: int, digest: bytes) -> bytes:
+        w = self.weights
         st = self.engine_state
         nothing_owed = st.served_version is not None and not st.uncertain and self._owed == {}
         self._owed = merge_changes(self._owed, w.last_changes, first=nothing_owed)

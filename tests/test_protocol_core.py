@@ -148,8 +148,9 @@ def test_per_region_and_direct_and_flat_strategies_converge() -> None:
 
 def test_corrupt_sender_is_dropped_and_chunks_come_from_elsewhere() -> None:
     # a small mesh, so the liar (the last to join, holding only what it fetched) is the
-    # one peer some nodes can fetch from now and then
-    s, net, o, hosts = fleet(1, 12, border_nodes=2, mesh_degree=6)
+    # one peer some nodes can fetch from now and then; one corrupt chunk is enough for a
+    # ban, so whoever fetched from it drops it
+    s, net, o, hosts = fleet(1, 12, border_nodes=2, mesh_degree=6, max_bad_chunks=1)
     liar = hosts[11]
     assert not liar.core.is_border
     liar.corrupt = lambda v, i: True

@@ -294,3 +294,65 @@ def test_a_new_border_links_to_the_borders_the_origin_named_before_its_role() ->
     o.send(wire.Peers((("z", "r2", "z:1", wire.PEER_BORDER), ("b", "r", "b:1", 0))))
     acts = n.handle(ev.FrameReceived(n.now, 1, wire.Role(wire.ROLE_KEEP).encode()))
     assert ev.Connect("z:1") in acts
+
+
+# ---------------------------------------------------------------- origin side: the site uplink
+
+def _pushes(actions: list[ev.Action]) -> list[tuple[int, int]]:
+    return [(x.conn, x.index) for x in actions if isinstance(x, ev.SendChunk)]
+
+
+def test_origin_keeps_uplink_window_chunks_in_flight_into_remote_regions() -> None:
+    """Pushes into remote regions cross the origin's site uplink: at most
+    ``uplink_window`` of them until their HAVE (not merely until sent), so each arrives
+    early and can be relayed on; its own region is fed regardless."""
+    s = Signer()
+    o = _core("origin", "home", role="origin", signer=s, border_nodes=1, uplink_window=2,
+              border_inflight=8, relay=False)
+    a = Script(o, 1, node_id="a", region="r1")
+    b = Script(o, 2, node_id="b", region="r2")
+    h = Script(o, 3, node_id="h", region="home")
+    for x in (a, b, h):
+        x.handshake()
+    acts = o.handle(ev.Publish(o.now, s.manifest(2, 8)))
+    for x in (a, b, h):
+        x.send(wire.Announce(s.manifest(2, 8)))
+        acts += x.actions
+    sent = _pushes(acts)
+    remote = [p for p in sent if p[0] in (1, 2)]
+    assert len(remote) == 2, sent
+    assert len([p for p in sent if p[0] == 3]) >= 4  # the home region is not held back
+    # leaving the origin does not free the window: only the HAVE does
+    more = []
+    for conn, i in remote:
+        more += _pushes(o.handle(ev.ChunkSent(o.now, conn, 2, i)))
+    assert [p for p in more if p[0] in (1, 2)] == []
+    conn, i = remote[0]
+    (a if conn == 1 else b).send(wire.Have(2, (i,)))
+    nxt = [p for p in _pushes((a if conn == 1 else b).actions) if p[0] in (1, 2)]
+    assert len(nxt) == 1
+    # the next push into that region goes over the same (warm) connection
+    if nxt[0][0] == conn:
+        assert nxt[0][1] not in (i, remote[1][1])
+
+
+def test_origin_pushes_into_a_region_stay_on_its_warm_connection() -> None:
+    s = Signer()
+    o = _core("origin", "home", role="origin", signer=s, border_nodes=3, uplink_window=1,
+              border_inflight=1, relay=False)
+    bs = [Script(o, k + 1, node_id=f"a{k}", region="r1") for k in range(3)]
+    for x in bs:
+        x.handshake()
+    pushes = _pushes(o.handle(ev.Publish(o.now, s.manifest(2, 6))))
+    used = []
+    for x in bs:
+        x.send(wire.Announce(s.manifest(2, 6)))
+        pushes += _pushes(x.actions)
+    for _ in range(5):
+        assert len(pushes) == 1, pushes
+        conn, i = pushes[0]
+        used.append(conn)
+        o.handle(ev.ChunkSent(o.now, conn, 2, i))
+        bs[conn - 1].send(wire.Have(2, (i,)))
+        pushes = _pushes(bs[conn - 1].actions)
+    assert len(set(used)) == 1, used

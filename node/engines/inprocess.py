@@ -88,6 +88,9 @@ class InProcessWeights(EngineAdapter):
         self.lock = threading.RLock()
         self._staged: tuple[int, str, object] | None = None
         self._staged_changes: dict[str, object] | None = None
+        # A patch decoded while it downloads (``prefeed``): [version, base digest,
+        # applier in stage mode, payload bytes fed]
+        self._pre: list | None = None
         # What the last commit changed: name -> flat int64 indices, None (whole tensor)
         # or False (deleted); None as a whole after a full checkpoint (everything).
         self.last_changes: dict[str, object] | None = None
@@ -109,8 +112,53 @@ class InProcessWeights(EngineAdapter):
             raise ConfigError(f"weights.base: {path} is not a readable safetensors file: {exc}") from None
         return cls(dict(weights), version, dev)
 
-    def stage(self, version: int, kind: str, payload: bytes, base_digest: bytes | None) -> None:
-        """Decode the patch against the served weights (they keep serving meanwhile)."""
+    def prefeed(self, version: int, base_digest: bytes | None, offset: int,
+                data: bytes | memoryview) -> int:
+        """Decode the next verified bytes of patch ``version`` (from payload ``offset``)
+        while the rest downloads, so that ``stage`` only has the tail left to decode.
+
+        Nothing served changes (stage mode). Only a patch of exactly the state held
+        now is decoded; bytes that do not continue what was fed are ignored. Any
+        failure forgets the prefix: ``stage`` then decodes the whole payload and
+        reports the error itself. Returns the bytes fed so far (0: none kept)."""
+        from swarm.codec.apply import PatchApplier
+
+        with self.lock:
+            pre = self._pre
+            if pre is not None and (pre[0] != version or pre[1] != self.digest):
+                pre = self._pre = None  # another version, or the state moved on
+            if pre is None:
+                if offset != 0 or version <= self.version or base_digest is None \
+                        or base_digest != self.digest:
+                    return 0
+                pre = self._pre = [version, base_digest,
+                                   PatchApplier(self.weights, stage=True,
+                                                digests=self.tensor_digests), 0]
+            if offset != pre[3]:
+                return pre[3]
+            try:
+                pre[2].feed(data)
+            except Exception:  # stage() decodes it all again and reports the error
+                self._pre = None
+                return 0
+            pre[3] += len(data)
+            return pre[3]
+
+    def prefed(self, version: int) -> int:
+        """Payload bytes of ``version`` already decoded by ``prefeed`` on the state
+        held now (0: none)."""
+        with self.lock:
+            pre = self._pre
+            if pre is None or pre[0] != version or pre[1] != self.digest:
+                return 0
+            return pre[3]
+
+    def stage(self, version: int, kind: str, payload: bytes, base_digest: bytes | None,
+              offset: int = 0) -> None:
+        """Decode the patch against the served weights (they keep serving meanwhile).
+
+        ``offset``: ``payload`` starts there, the bytes before it were decoded by
+        ``prefeed`` (``prefed(version)`` of them, else this refuses)."""
         if version <= self.version:
             raise PatchApplyError(f"version {version} is not newer than active {self.version}")
         if kind == "patch":
@@ -121,7 +169,20 @@ class InProcessWeights(EngineAdapter):
                     f"version {version} patches another state than the active version {self.version}")
             with self.lock:
                 # base digest checked, nothing changed
-                applier = stage_patch(self.weights, payload, digests=self.tensor_digests)
+                pre, self._pre = self._pre, None
+                if offset:
+                    if pre is None or pre[0] != version or pre[1] != self.digest \
+                            or pre[3] != offset:
+                        raise PatchApplyError(
+                            f"version {version}: {offset} bytes were to be decoded already")
+                    applier = pre[2]
+                    try:
+                        applier.feed(payload)
+                    except BaseException:
+                        applier.staged = None
+                        raise
+                else:
+                    applier = stage_patch(self.weights, payload, digests=self.tensor_digests)
             header = applier.header
             if header is None:
                 raise PatchFormatError(f"version {version}: truncated patch (no complete header)")

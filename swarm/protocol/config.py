@@ -35,6 +35,7 @@ KNOB_RANGES: dict[str, tuple[float, float]] = {
     "endgame_chunks": (0, 1 << 20), "slow_factor": (1.0, 1e6), "slow_min_samples": (1, 1 << 20),
     "max_bad_chunks": (1, 1 << 20), "ban_s": (0.0, 365 * _DAY), "max_timeouts": (1, 1 << 20),
     "border_inflight": (1, 4096), "push_slots": (1, 65_536), "relay_slots": (1, 4096),
+    "uplink_window": (1, 65_536),
     "border_grace_s": (0.0, _DAY), "keep_versions": (1, 1 << 20), "apply_retries": (0, 1000),
     "apply_retry_s": (0.0, _DAY), "status_interval_s": (0.0, _DAY), "status_delay_s": (0.0, 3600.0),
     "fleet_max": (1, 10_000_000), "unavailable_s": (0.0, _DAY),
@@ -83,6 +84,7 @@ class CoreConfig:
     # ---- seeding (origin)
     border_inflight: int = 2  # chunks in flight into a region per border node
     push_slots: int = 24  # origin: chunks it pushes into regions at once (counted until sent)
+    uplink_window: int = 4  # origin: chunks in flight through its site uplink until their HAVE (seeding._push_one)
     relay_slots: int = 1  # concurrent cross-region relays per border node
     border_grace_s: float = 5.0  # wait before re-sending what a departed border held
     relay_wait_s: float = 5.0  # origin: push a chunk a linked region could relay only after relays into the region stalled this long

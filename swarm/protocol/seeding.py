@@ -55,9 +55,10 @@ DIRECT, FLAT, REGIONS = SeedMode.DIRECT, SeedMode.FLAT, SeedMode.REGIONS
 class RegionPlan:
     """One version in one region: what entered it and what is on its way."""
 
-    __slots__ = ("infl", "inflight", "relayed_at", "sent")
+    __slots__ = ("infl", "inflight", "relayed_at", "remote", "sent")
 
-    def __init__(self, now: float = 0.0) -> None:
+    def __init__(self, now: float = 0.0, remote: bool = False) -> None:
+        self.remote = remote  # not the origin's own region: its pushes cross the site uplink
         self.sent = 0
         self.infl = 0
         self.inflight: dict[int, list] = {}  # index -> [source conn | -1, target conn, deadline | None, started]
@@ -89,6 +90,9 @@ class OriginRole(Role):
         # from the origin, by relay from another region (``_direct_faster``)
         self.push_s: dict[str, float] = {}
         self.relay_s: dict[str, float] = {}
+        self.uplink_pushes = 0  # pushes into remote regions not yet confirmed by a HAVE
+        # (sender conn | ORIGIN_SRC, region) -> the border conn it sent to last (``_target``)
+        self.warm: dict[tuple[int, str], int] = {}
 
     # ------------------------------------------------------------------ role hooks
     def frame_handlers(self) -> dict[type[wire.Frame], FrameHandler]:
@@ -312,7 +316,10 @@ class OriginRole(Role):
     def _drop_inflight(self, plan: RegionPlan, i: int) -> None:
         src, _dst, _d, _t0 = plan.inflight.pop(i)
         plan.infl &= ~(1 << i)
-        if src != ORIGIN_SRC:
+        if src == ORIGIN_SRC:
+            if plan.remote:
+                self.uplink_pushes -= 1
+        else:
             s = self.host.peers.get(src)
             if s is not None and s.relay_busy > 0:
                 s.relay_busy -= 1
@@ -425,7 +432,7 @@ class OriginRole(Role):
                     bits |= b.bits.get(v, 0)
                 plan = plans.get(r)
                 if plan is None and hs:
-                    plan = plans[r] = RegionPlan(now)
+                    plan = plans[r] = RegionPlan(now, remote=r != c.region)
                 if plan is not None:
                     bits |= plan.sent | plan.infl
                 rbits[r] = bits
@@ -470,6 +477,14 @@ class OriginRole(Role):
         relayed from another region (measured; unknown counts as no)."""
         push, relay = self.push_s.get(r), self.relay_s.get(r)
         return push is not None and relay is not None and push < relay
+
+    def _uplink_busy(self) -> int:
+        """Transfers through the origin's site uplink, until the HAVE: its pushes into
+        remote regions and the relays its own region's borders carry."""
+        n = self.uplink_pushes
+        for b in self.borders.get(self.cfg.region, []):
+            n += b.relay_busy
+        return n
 
     def _pushing_remote(self) -> bool:
         """Whether pushes into remote regions are still leaving the origin."""
@@ -521,14 +536,20 @@ class OriginRole(Role):
         return load
 
     def _target(self, bs: list[Peer], load: dict[int, int],
-                allowed: set[str] | None = None) -> Peer | None:
-        """The least-loaded border of ``bs`` with a free inbound slot."""
+                allowed: set[str] | None = None, warm: int | None = None) -> Peer | None:
+        """The border of ``bs`` with a free inbound slot to send to: ``warm`` (the
+        connection the sender used last into this region) if it has one, else the least
+        loaded. Staying on one connection keeps its TCP window open: a connection left
+        idle restarts from slow start (Linux's default), which on a long link costs
+        several round trips per chunk."""
         best = None
         best_n = self.cfg.border_inflight
         for b in bs:
             if allowed is not None and b.node_id not in allowed:
                 continue
             n = load.get(b.conn, 0)
+            if b.conn == warm and n < self.cfg.border_inflight:
+                return b
             if n < best_n:
                 best = b
                 best_n = n
@@ -547,6 +568,8 @@ class OriginRole(Role):
             if r2 == r:
                 continue
             mask = missing & ~union if r2 == home else missing
+            if r2 == home and self._uplink_busy() >= self.cfg.uplink_window:
+                continue  # they share the origin's site uplink with its remote pushes
             if not mask:
                 continue
             for b in lst:
@@ -555,9 +578,10 @@ class OriginRole(Role):
                 cand = b.bits.get(v, 0) & mask
                 if not cand:
                     continue
-                t = self._target(bs, load, b.links)
+                t = self._target(bs, load, b.links, self.warm.get((b.conn, r)))
                 if t is None:
                     continue
+                self.warm[(b.conn, r)] = t.conn
                 i = lowest(cand)
                 b.relay_busy += 1
                 load[t.conn] = load.get(t.conn, 0) + 1
@@ -570,13 +594,27 @@ class OriginRole(Role):
 
     def _push_one(self, v: int, r: str, bs: list[Peer], plan: RegionPlan, load: dict[int, int],
                   cand: int) -> int:
+        """Push one chunk of ``cand`` into region ``r``.
+
+        Pushes into remote regions leave through the origin's site uplink, usually the
+        thinnest link of the swarm. Only ``uplink_window`` chunks cross it at once
+        (counted until their HAVE, relays by the origin's own region included): many
+        concurrent pushes would share the uplink and all arrive late, together, while a
+        chunk that has arrived can already be relayed on by its region, whose uplink
+        idles until then.
+        """
         if len(self.pushes) >= self.cfg.push_slots:
             return -1
-        t = self._target(bs, load)
+        if r != self.cfg.region and self._uplink_busy() >= self.cfg.uplink_window:
+            return -1
+        t = self._target(bs, load, warm=self.warm.get((ORIGIN_SRC, r)))
         if t is None:
             return -1
+        self.warm[(ORIGIN_SRC, r)] = t.conn
         i = lowest(cand)
         load[t.conn] = load.get(t.conn, 0) + 1
+        if plan.remote:
+            self.uplink_pushes += 1
         plan.inflight[i] = [ORIGIN_SRC, t.conn, None, self.host.now]
         plan.infl |= 1 << i
         self._push(t, v, i, r)
