@@ -211,6 +211,46 @@ def install_uvloop() -> bool:
     return True
 
 
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
+MALLOC_MMAP_THRESHOLD = 256 * 1024 * 1024
+MALLOC_TRIM_THRESHOLD = 512 * 1024 * 1024
+
+
+def tune_malloc() -> bool:
+    """Reuse freed chunk- and payload-sized buffers instead of asking the kernel again.
+
+    A node allocates and frees a 4 MiB buffer per chunk it receives or reads,
+    256 KiB per websocket message, and payload-sized buffers per apply (the
+    payload, the decoded planes). By default glibc serves blocks that large with
+    a fresh ``mmap``, gives each worker thread an arena of its own that cannot
+    hold them, and trims the heap as soon as its top is free, so every buffer
+    came back as new pages: page faults and zeroing in the kernel were a large
+    share of a node's CPU per GB received (docs/benchmarks.md, "Node CPU per GB
+    received"). Here every thread allocates from the one main heap, blocks up
+    to 256 MiB come from it, and up to 512 MiB of freed heap is kept for reuse:
+    the process's resident size stays near its peak instead. Skipped where the
+    C library is not glibc, or where the operator set any of glibc's
+    ``MALLOC_*_`` variables (their settings win).
+    """
+    if any(k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
+                                     "MALLOC_ARENA_MAX", "GLIBC_TUNABLES")):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    return all([mallopt(_M_ARENA_MAX, 1), mallopt(_M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD),
+                mallopt(_M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD)])
+
+
 def run_node(cfg: NodeConfig) -> int:
     """Blocking entry point of ``patchswarm node``."""
     setup_logging(cfg.node_id, cfg.log_level, cfg.log_format)
@@ -218,6 +258,7 @@ def run_node(cfg: NodeConfig) -> int:
 
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     uv = install_uvloop()
+    tuned = tune_malloc()
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -225,7 +266,8 @@ def run_node(cfg: NodeConfig) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         node = build_node(cfg, loop_now=loop.time())
-        log.info("event loop: %s", "uvloop" if uv else "asyncio")
+        log.info("event loop: %s; malloc tuned for chunk buffers: %s",
+                 "uvloop" if uv else "asyncio", tuned)
         await serve(node, stop)
 
     asyncio.run(main())

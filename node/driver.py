@@ -7,7 +7,8 @@ control frame (msgpack, fed to the core as ``FrameReceived``) or a chunk
 everything the core may not touch:
 
 - chunk payloads: on ``SendChunk`` it reads the chunk from the ``ChunkStore``
-  (which re-hashes it) and sends it; on receipt it checks the chunk against the
+  (which re-hashes it, or serves a chunk received moments ago from the verified
+  copy it kept in memory) and sends it; on receipt it checks the chunk against the
   manifest hash, stores it durably, and only then reports
   ``ChunkReceived(valid=True)``;
 - time: ``loop.time()`` (monotonic) is the core's ``now``; one timer, re-armed
@@ -61,6 +62,7 @@ from node.engines.config import EngineConfig
 from node.engines.inprocess import InProcessWeights, merge_changes
 from node.guard import ConnectionGuard, GuardedSite
 from node.ports import StorePort, TrustPort
+from node.store import aligned_buffer
 from swarm.errors import ChunkError, PatchswarmError, ProtocolError, StoreError
 from swarm.protocol import events as ev
 from swarm.protocol import wire
@@ -137,7 +139,10 @@ class Conn:
     ctrl: deque = field(default_factory=deque)
     data: deque = field(default_factory=deque)  # (version, index) chunks to send
     wake: asyncio.Event = field(default_factory=asyncio.Event)
-    blocks: wire.BlockAssembler = field(default_factory=wire.BlockAssembler)
+    # Chunks are reassembled in aligned, not zero-filled buffers (the assembler writes
+    # every byte it returns): the store writes them to disk with O_DIRECT, no page cache.
+    blocks: wire.BlockAssembler = field(
+        default_factory=lambda: wire.BlockAssembler(alloc=aligned_buffer))
     heard_at: float = 0.0  # last Progress fed to the core (rate-limited)
     writer: asyncio.Task | None = None
     closing: bool = False
@@ -653,7 +658,9 @@ class Driver:
         gets (``StorePort``).
         """
         try:
-            self.store.put_chunk(v, i, payload)
+            # the payload is this chunk's own buffer (BlockAssembler, or the message):
+            # nothing changes it, so the store may serve uploads of it from memory
+            self.store.put_chunk(v, i, payload, keep=True)
             return None
         except ChunkError as exc:
             log.warning("chunk %d of version %d refused: %s", i, v, exc)
@@ -753,7 +760,10 @@ class Driver:
             payload = b"".join(self.store.read_chunk(version, i)
                                for i in range(skip // m.chunk_size, m.chunk_count))
         else:
-            payload = self.store.payload(version)
+            # a plain patch is decoded straight from one buffer read in place; a full
+            # checkpoint (safetensors) and a confidential payload want bytes
+            plain = m.kind == "patch" and getattr(m, "encryption", None) is None
+            payload = self.store.payload_view(version) if plain else self.store.payload(version)
         if getattr(m, "encryption", None) is not None:
             # Confidential: chunks were verified as ciphertext; open them only here.
             # AES-GCM authenticates every chunk: a failure is local, nobody is blamed.

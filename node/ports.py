@@ -51,15 +51,18 @@ class StorePort(Protocol):
         """Indices of the verified chunks held for ``version`` (empty if unknown)."""
         ...
 
-    def put_chunk(self, version: int, index: int, data: bytes | memoryview) -> None:
+    def put_chunk(self, version: int, index: int, data: bytes | memoryview, *,
+                  keep: bool = False) -> None:
         """Verify chunk ``index`` against the stored manifest and keep it durably.
 
         ``ChunkError`` if it is not that chunk: nothing is stored. This is the
-        one check a received chunk gets before the core hears of it.
+        one check a received chunk gets before the core hears of it. ``keep``:
+        the caller hands the buffer over unchanged for good; the store may serve
+        reads of the chunk from it.
         """
         ...
 
-    def read_chunk(self, version: int, index: int) -> bytes:
+    def read_chunk(self, version: int, index: int) -> bytes | memoryview:
         """The verified bytes of a held chunk (``ChunkError`` if it rotted: then dropped)."""
         ...
 
@@ -68,6 +71,10 @@ class StorePort(Protocol):
 
     def payload(self, version: int) -> bytes:
         """The whole verified payload of a complete version."""
+        ...
+
+    def payload_view(self, version: int) -> memoryview:
+        """``payload`` as a read-only view of one buffer (no per-chunk copies)."""
         ...
 
     def set_active(self, version: int, digest: bytes) -> None:

@@ -15,6 +15,20 @@ at most a stray temp file, which the next open deletes. Chunks are still
 re-hashed against the manifest the first time a version is looked at after
 open (BLAKE3 runs at ~10 GB/s), and again on every read, so neither a torn
 file nor bit rot is ever served: a bad chunk is deleted and reported missing.
+
+Chunk files are written and read with ``O_DIRECT`` where the buffer sits at a
+4096-byte aligned address (``aligned_buffer``: the node driver reassembles
+received chunks in one) and the file system takes it: the bytes go between the
+buffer and the disk without a kernel copy through the page cache, which was a
+third of a node's CPU per GB received (docs/benchmarks.md, "Node CPU per GB
+received"). A file system that refuses ``O_DIRECT`` (tmpfs) gets ordinary
+writes; the crash-safety above is the same either way.
+
+A chunk handed over with ``put_chunk(..., keep=True)`` (the node driver's
+received chunks: a buffer nobody changes afterwards) is also kept in memory, up
+to ``recent_bytes`` of the most recent ones, and reads of it are served from
+that verified copy, without a disk read or a second hash: a node uploads most
+chunks to its peers right after it received them.
 """
 
 from __future__ import annotations
@@ -25,11 +39,14 @@ import fcntl
 import os
 import shutil
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import msgpack
+import numpy
 
 from swarm.errors import ChunkError, ManifestError, StoreError
 from swarm.trust.chunks import verify_chunk
@@ -42,6 +59,29 @@ from swarm.trust.manifest import (
 )
 
 STORE_FORMAT = b"patchswarm-store 1\n"
+RECENT_BYTES = 64 * 1024 * 1024  # default memory for recently received chunks (keep=True)
+ALIGN = 4096  # O_DIRECT alignment of addresses, offsets and lengths (safe for 512 and 4K disks)
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def aligned_buffer(n: int) -> memoryview:
+    """``n`` writable bytes at an ``ALIGN``-aligned address, not zero-filled.
+
+    The store writes such a buffer's aligned part with ``O_DIRECT`` (no copy
+    through the page cache)."""
+    return _aligned(n)[:n]
+
+
+def _aligned(n: int) -> memoryview:
+    """An aligned buffer of ``n`` rounded up to ``ALIGN`` bytes."""
+    cap = -(-n // ALIGN) * ALIGN
+    raw = numpy.empty(cap + ALIGN, dtype=numpy.uint8)
+    off = (-raw.ctypes.data) % ALIGN
+    return memoryview(raw[off:off + cap]).cast("B")
+
+
+def _address(view: memoryview) -> int:
+    return numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data if len(view) else 0
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
 MAX_ACTIVE_BYTES = 1024
 
@@ -73,6 +113,7 @@ class ChunkStore:
         trust: TrustStore | None = None,
         fsync: bool = True,
         lock: bool = True,
+        recent_bytes: int = RECENT_BYTES,
     ) -> None:
         self.root = Path(root)
         self.quota_bytes = quota_bytes
@@ -83,6 +124,15 @@ class ChunkStore:
         self._raw: dict[int, bytes] = {}
         self._have: dict[int, set[int]] = {}  # only versions scanned since open
         self._used = 0
+        # verified chunks kept in memory (put_chunk keep=True), oldest first
+        self._recent: OrderedDict[tuple[int, int], memoryview] = OrderedDict()
+        self._recent_size = 0
+        self.recent_bytes = recent_bytes
+        self.recent_hits = 0  # reads served from memory
+        self._direct = bool(_O_DIRECT)  # cleared once the file system refuses O_DIRECT
+        # chunks this process wrote with O_DIRECT: not in the page cache, so they are
+        # read back with O_DIRECT too; any other file may be cached: ordinary reads
+        self._direct_written: set[tuple[int, int]] = set()
         self.problems: list[str] = []
         self._lock_file = None
         try:
@@ -191,13 +241,22 @@ class ChunkStore:
                 f"({self._used} used, {extra} more needed); earlier versions are intact"
             )
 
-    def _atomic_write(self, dest: Path, data: bytes | memoryview, *, what: str) -> None:
-        """Write ``dest`` via tmp/ + fsync + rename + directory fsync."""
+    def _atomic_write(self, dest: Path, data: bytes | memoryview, *, what: str) -> bool:
+        """Write ``dest`` via tmp/ + fsync + rename + directory fsync; True when its
+        aligned part went with O_DIRECT."""
         tmp = self.root / "tmp" / f"{dest.name}.{os.getpid()}.{threading.get_ident()}.part"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            view = memoryview(data).cast("B")
+            direct = len(view) - len(view) % ALIGN if self._direct else 0
+            if direct and _address(view) % ALIGN:
+                direct = 0
+            fd = self._open_write(tmp, direct > 0)
             try:
-                view = memoryview(data)
+                wrote_direct = False
+                if fcntl.fcntl(fd, fcntl.F_GETFL) & _O_DIRECT:
+                    done = self._write_direct(fd, view[:direct])
+                    wrote_direct = done > 0
+                    view = view[done:]
                 while view:
                     n = os.write(fd, view)
                     view = view[n:]
@@ -207,6 +266,7 @@ class ChunkStore:
                 os.close(fd)
             os.replace(tmp, dest)
             self._sync_dir(dest.parent)
+            return wrote_direct
         except OSError as exc:
             with contextlib.suppress(OSError):
                 tmp.unlink()
@@ -215,6 +275,34 @@ class ChunkStore:
                     f"disk full writing {what} to {self.root}; earlier versions are intact"
                 ) from None
             raise StoreError(f"cannot write {what}: {exc.strerror or exc}") from None
+
+    def _open_write(self, tmp: Path, direct: bool) -> int:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        if direct:
+            try:
+                return os.open(tmp, flags | _O_DIRECT, 0o644)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._direct = False  # this file system does not take O_DIRECT
+        return os.open(tmp, flags, 0o644)
+
+    def _write_direct(self, fd: int, view: memoryview) -> int:
+        """Write the aligned ``view`` with O_DIRECT, then turn O_DIRECT off on ``fd``;
+        the bytes written (0 after a refusal: the caller writes them all again)."""
+        done = 0
+        try:
+            while done < len(view):
+                done += os.write(fd, view[done:])
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            self._direct = False
+            os.ftruncate(fd, 0)
+            done = 0
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
+        os.lseek(fd, done, os.SEEK_SET)
+        return done
 
     def _discard_dir(self, d: Path) -> None:
         """Remove a version directory: rename it into tmp/ first, so it vanishes at once."""
@@ -303,8 +391,13 @@ class ChunkStore:
 
     # --------------------------------------------------------------- chunks
 
-    def put_chunk(self, version: int, index: int, data: bytes | memoryview) -> None:
-        """Keep chunk ``index`` of ``version``; re-checks its hash (``ChunkError``)."""
+    def put_chunk(self, version: int, index: int, data: bytes | bytearray | memoryview, *,
+                  keep: bool = False) -> None:
+        """Keep chunk ``index`` of ``version``; re-checks its hash (``ChunkError``).
+
+        ``keep``: the caller hands ``data`` over and never changes it: the store
+        may keep it in memory (``recent_bytes``) and serve reads from it.
+        """
         m = self._manifest(version)
         try:
             verify_chunk(m, index, data)
@@ -316,11 +409,34 @@ class ChunkStore:
             if index in have:
                 return
             self._check_quota(len(data), f"chunk {index} of version {version}")
-            self._atomic_write(
+            if self._atomic_write(
                 self._cpath(version, index), data, what=f"chunk {index} of version {version}"
-            )
+            ):
+                self._direct_written.add((version, index))
             have.add(index)
             self._used += len(data)
+            if keep:
+                self._remember(version, index, memoryview(data).cast("B").toreadonly())
+
+    def _remember(self, version: int, index: int, view: memoryview) -> None:
+        """Keep a verified chunk in memory, dropping the oldest past ``recent_bytes``."""
+        n = len(view)
+        if n > self.recent_bytes:
+            return
+        old = self._recent.pop((version, index), None)
+        if old is not None:
+            self._recent_size -= len(old)
+        self._recent[(version, index)] = view
+        self._recent_size += n
+        while self._recent_size > self.recent_bytes:
+            _, gone = self._recent.popitem(last=False)
+            self._recent_size -= len(gone)
+
+    def _forget(self, version: int, index: int | None = None) -> None:
+        """Drop kept copies of one chunk, or of every chunk of ``version``."""
+        keys = [k for k in self._recent if k[0] == version and (index is None or k[1] == index)]
+        for k in keys:
+            self._recent_size -= len(self._recent.pop(k))
 
     def have(self, version: int) -> set[int]:
         """Indices of the verified chunks held for ``version`` (empty if unknown)."""
@@ -338,22 +454,33 @@ class ChunkStore:
             m = self._manifests.get(version)
             return m is not None and len(self._scan(version)) == m.chunk_count
 
-    def read_chunk(self, version: int, index: int) -> bytes:
+    def read_chunk(self, version: int, index: int) -> bytes | memoryview:
         """The verified bytes of a held chunk. A chunk that rotted on disk is
-        deleted and ``ChunkError`` raised, so the caller fetches it again."""
+        deleted and ``ChunkError`` raised, so the caller fetches it again.
+        A chunk kept in memory (``put_chunk(..., keep=True)``) is returned from
+        there, as a read-only ``memoryview``."""
         m = self._manifest(version)
         with self._mutex:
             if index not in self._scan(version):
                 raise ChunkError(f"chunk {index} of version {version} is not held")
-        path = self._cpath(version, index)
-        try:  # read and hash outside the lock: uploads may run in parallel threads
-            data = path.read_bytes()
-        except OSError as exc:
-            data = b""
-            self.problems.append(f"version {version}: chunk {index} unreadable: {exc}")
+            kept = self._recent.get((version, index))
+            if kept is not None:
+                self._recent.move_to_end((version, index))
+                self.recent_hits += 1
+                return kept
+        # read and hash outside the lock: uploads may run in parallel threads
+        n = m.chunk_length(index)
+        buf = _aligned(n)
+        got = self._read_into(version, index, buf, n)
+        data = buf[:n].toreadonly() if got == n else b""
         if _is_chunk(m, index, data):
             return data
+        self._drop_rotten(version, index)
+
+    def _drop_rotten(self, version: int, index: int) -> NoReturn:
+        path = self._cpath(version, index)
         with self._mutex:
+            self._direct_written.discard((version, index))
             have = self._have.get(version)
             if have is not None and index in have:
                 have.discard(index)
@@ -362,7 +489,7 @@ class ChunkStore:
                     path.unlink()
         raise ChunkError(f"chunk {index} of version {version} was corrupt on disk; dropped")
 
-    def iter_payload(self, version: int) -> Iterator[bytes]:
+    def iter_payload(self, version: int) -> Iterator[bytes | memoryview]:
         """The verified chunks of a complete version, in order."""
         if not self.complete(version):
             raise StoreError(f"version {version} is not complete")
@@ -372,6 +499,74 @@ class ChunkStore:
     def payload(self, version: int) -> bytes:
         """The whole verified payload of a complete version."""
         return b"".join(self.iter_payload(version))
+
+    def payload_view(self, version: int) -> memoryview:
+        """``payload(version)`` as a read-only view of one buffer, read in place.
+
+        Every chunk is read straight into its slice of one buffer (or copied
+        from memory when kept there) and checked there: no per-chunk ``bytes``
+        and no final join. Same checks and errors as ``read_chunk``.
+        """
+        if not self.complete(version):
+            raise StoreError(f"version {version} is not complete")
+        m = self._manifest(version)
+        view = _aligned(m.payload_length)
+        off = 0
+        for i in range(m.chunk_count):
+            n = m.chunk_length(i)
+            part = view[off:off + n]
+            with self._mutex:
+                if i not in self._scan(version):
+                    raise ChunkError(f"chunk {i} of version {version} is not held")
+                kept = self._recent.get((version, i))
+            if kept is not None and len(kept) == n:
+                part[:] = kept
+                self.recent_hits += 1
+            else:
+                # the slice up to the next ALIGN boundary: O_DIRECT reads whole blocks
+                room = view[off:min(len(view), off + -(-n // ALIGN) * ALIGN)]
+                got = self._read_into(version, i, room, n)
+                if got != n or not _is_chunk(m, i, part):
+                    self._drop_rotten(version, i)
+            off += n
+        return view[:m.payload_length].toreadonly()
+
+    def _read_into(self, version: int, index: int, room: memoryview, n: int) -> int:
+        """Read chunk file ``index`` (``n`` bytes expected) into the start of ``room``;
+        the bytes read, or -1 when the file is not ``n`` bytes long. With O_DIRECT
+        when ``room`` is aligned and a whole number of blocks (the file system
+        permitting); ordinary reads otherwise."""
+        path = self._cpath(version, index)
+        direct = (self._direct and (version, index) in self._direct_written
+                  and len(room) % ALIGN == 0 and len(room) >= n
+                  and _address(room) % ALIGN == 0)
+        got = 0
+        try:
+            fd = -1
+            if direct:
+                try:
+                    fd = os.open(path, os.O_RDONLY | _O_DIRECT)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                    self._direct = direct = False
+            if fd < 0:
+                fd = os.open(path, os.O_RDONLY)
+            try:
+                if os.fstat(fd).st_size != n:
+                    return -1
+                want = room if direct else room[:n]
+                while got < n:
+                    k = os.readv(fd, [want[got:]])
+                    if not k:
+                        break
+                    got += k
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            self.problems.append(f"version {version}: chunk {index} unreadable: {exc}")
+            return 0
+        return got
 
     @property
     def used_bytes(self) -> int:
@@ -489,6 +684,8 @@ class ChunkStore:
             d = self._vdir(version)
             size = len(self._raw[version]) + sum(f.stat().st_size for f in (d / "chunks").iterdir())
             self._discard_dir(d)
+            self._forget(version)
+            self._direct_written = {k for k in self._direct_written if k[0] != version}
             self._used -= size
             del self._manifests[version], self._raw[version]
             self._have.pop(version, None)

@@ -26,6 +26,9 @@ class FakeStore:
     def payload(self, v: int) -> bytes:
         return self.m[v][1]
 
+    def payload_view(self, v: int) -> memoryview:
+        return memoryview(self.payload(v))
+
     def set_active(self, v: int, digest: bytes) -> None:
         self.recorded.append(v)
 

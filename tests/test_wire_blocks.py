@@ -32,6 +32,31 @@ def test_any_split_reassembles_exactly(payload, cuts, v, i) -> None:
     assert asm.pending is None
 
 
+@given(payloads=st.lists(st.binary(max_size=3000), min_size=1, max_size=4),
+       cuts=st.lists(st.integers(0, 3000), max_size=6), fill=st.integers(0, 255))
+def test_uninitialised_buffers_never_leak_old_bytes(payloads, cuts, fill) -> None:
+    """``alloc`` may hand back dirty memory (the driver's ``numpy.empty``): every chunk
+    returned is exactly its blocks, whatever the buffer held before."""
+    made: list[bytearray] = []
+
+    def dirty(n: int) -> bytearray:
+        made.append(bytearray([fill]) * n)
+        return made[-1]
+
+    asm = wire.BlockAssembler(alloc=dirty)
+    for idx, payload in enumerate(payloads):
+        got = None
+        for m in blocks(1, idx, payload, cuts):
+            got = asm.feed(m)
+        assert got is not None and got[:2] == (1, idx) and bytes(got[2]) == payload
+
+
+def test_alloc_of_the_wrong_size_is_refused() -> None:
+    asm = wire.BlockAssembler(alloc=lambda n: bytearray(n + 1))
+    with pytest.raises(ValueError, match="alloc"):
+        asm.feed(blocks(1, 0, b"x" * 100, [50])[0])
+
+
 def test_blocks_of_two_chunks_one_after_the_other() -> None:
     asm = wire.BlockAssembler()
     out = []

@@ -15,6 +15,7 @@ the core and the same ``bytes`` object is sent to each of them.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -478,13 +479,20 @@ class BlockAssembler:
     connection has at most one chunk in progress and every block must continue it:
     anything else is a ``ProtocolError`` (the link is closed, the partial chunk
     dropped). Memory is bounded by one chunk per connection.
+
+    ``alloc(n)`` makes the buffer a chunk of ``n`` bytes is reassembled in (default
+    ``bytearray``, zero-filled). It may hand back uninitialised memory (a driver
+    passes ``numpy.empty``, to skip zero-filling 4 MiB per chunk): a chunk is
+    returned only once consecutive blocks covered every byte from 0 to its
+    length, so no byte of the buffer's old contents is ever part of it.
     """
 
-    __slots__ = ("_buf", "_got", "_key", "_length")
+    __slots__ = ("_alloc", "_buf", "_got", "_key", "_length")
 
-    def __init__(self) -> None:
+    def __init__(self, alloc: Callable[[int], Any] | None = None) -> None:
+        self._alloc = alloc or bytearray
         self._key: tuple[int, int] | None = None
-        self._buf: bytearray | None = None
+        self._buf: Any = None  # a writable buffer of the chunk's length, from alloc
         self._length = 0
         self._got = 0
 
@@ -500,7 +508,11 @@ class BlockAssembler:
             if offset != 0:
                 raise ProtocolError(f"chunk {i}: first block at offset {offset}")
             self._key, self._length, self._got = (v, i), length, 0
-            self._buf = bytearray(length) if len(payload) < length else None
+            self._buf = None
+            if len(payload) < length:
+                self._buf = memoryview(self._alloc(length)).cast("B")
+                if len(self._buf) != length:
+                    raise ValueError(f"alloc({length}) made a buffer of {len(self._buf)} bytes")
         elif (v, i) != self._key or length != self._length or offset != self._got:
             raise ProtocolError(f"block of chunk {i} v{v} at {offset} interrupts chunk "
                                 f"{self._key[1]} v{self._key[0]} at {self._got}")
@@ -513,6 +525,6 @@ class BlockAssembler:
         self._got += n
         if self._got < self._length:
             return None
-        out = whole if whole is not None else memoryview(self._buf)  # type: ignore[arg-type]
+        out = whole if whole is not None else self._buf
         self._key, self._buf = None, None
         return v, i, out

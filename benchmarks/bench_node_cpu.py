@@ -1,0 +1,400 @@
+"""Node CPU per GB received: real ``patchswarm node`` processes on loopback, TLS on.
+
+Starts ``--nodes`` real node processes in one region (``lab.fleet.LoopbackFleet``,
+mutual TLS as shipped, in-process engine on CPU) and runs the origin in this
+process (``trainer.publisher.Publisher``). Each version is a *dense* patch of a
+``--mib`` MiB BF16 view in which every value changed to a random finite BF16
+(``bench_wan.dense_pair``), so the patch barely compresses and is about as large
+as the view. Per version and per node it measures:
+
+- CPU-seconds per GB received: utime + stime of the node process
+  (``/proc/<pid>/stat``) from the publish until every node is active, divided by
+  the chunk bytes that node received (``/status`` bytes.received). The node also
+  uploads to its peers, hashes, stores and applies: all of it is in the numerator;
+- the same split by thread (``/proc/<pid>/task/*``): the event-loop thread (TLS,
+  websockets, the core, the driver), the worker threads (``asyncio.to_thread``:
+  hash + store of received chunks, reads of chunks to upload, stage + commit of
+  the patch) and the rest (torch's threads, threads that exited);
+- with ``--perf`` (Linux ``perf``, root) one node is sampled during the last
+  version (``perf record``, every thread, kernel included) and the samples are
+  sorted by symbol into ``PERF_GROUPS`` (kernel page-cache copies, kernel socket
+  I/O, TLS, user-space memcpy, hashing, codec, the interpreter, ...);
+- with ``--py-spy PATH`` (a py-spy binary; not a project dependency) one node is
+  sampled during the last version (``py-spy record --native``, all threads, idle
+  samples left out) and the samples are sorted into stages by their Python
+  stack (TLS, websocket framing, hashing, store, decode + apply, ...; ``STAGES``).
+  py-spy pauses the process for every sample: that node's own CPU figure is
+  inflated, the shares are what to read.
+
+Prints a table and writes ``benchmarks/results/node_cpu.json``.
+
+    python benchmarks/bench_node_cpu.py                      # 4 nodes, 128 MiB, 3 versions
+    python benchmarks/bench_node_cpu.py --mib 64 --versions 2 --py-spy "$(which py-spy)"
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+# (stage, substrings of a frame) in priority order: a sample goes to the first stage
+# one of whose markers appears in any of its frames, scanning from the leaf up.
+STAGES: list[tuple[str, tuple[str, ...]]] = [
+    ("hash (BLAKE3)", ("blake3",)),
+    ("decode + apply (codec)", ("swarm/codec", "zstd", "ZSTD", "xxh", "XXH", "torch", "libtorch",
+                                "inprocess.py", "at::", "c10::")),
+    ("store write", ("_atomic_write", "put_manifest")),
+    ("store read", ("read_chunk", "read_bytes", "iter_payload")),
+    ("TLS (OpenSSL)", ("libssl", "libcrypto", "SSL_", "ssl_", "_ssl", "sslproto", "aes", "gcm",
+                       "chacha", "ossl_", "EVP_")),
+    ("websocket framing", ("_websocket", "websocket_mask", "http_websocket", "web_ws",
+                           "client_ws")),
+    ("msgpack", ("msgpack",)),
+    ("block reassembly (wire)", ("wire.py",)),
+    ("protocol core", ("swarm/protocol",)),
+    ("status API / metrics", ("node/api.py", "metrics", "web_protocol", "http_parser",
+                              "web_response")),
+    ("driver (Python)", ("node/driver.py",)),
+    ("event loop / syscalls", ("uvloop", "asyncio", "epoll", "libc", "libpthread", "memcpy",
+                               "memmove", "__libc", "syscall", "sock", "recv", "send")),
+]
+
+
+# (group, substrings of "dso symbol") in priority order, for perf's flat profile
+PERF_GROUPS: list[tuple[str, tuple[str, ...]]] = [
+    ("kernel: page-cache copies (file write/read)", ("copy_folio_from_iter", "filemap_",
+                                                    "ext4_", "generic_perform_write")),
+    ("kernel: socket I/O and TCP", ("tcp_", "skb", "_copy_to_iter", "_copy_from_iter",
+                                    "sock_", "ip_", "__dev_queue", "net_rx", "loopback",
+                                    "inet_", "csum_", "copy_user")),
+    ("kernel: other", ("[kernel",)),
+    ("TLS (OpenSSL)", ("libssl", "libcrypto", "_ssl.")),
+    ("hash (BLAKE3)", ("blake3",)),
+    ("codec (zstd, numpy, XXH3, torch)", ("zstd", "_multiarray", "xxhash", "libtorch",
+                                         "libgomp", "numpy")),
+    ("memcpy/memset (user space, any caller)", ("memmove", "memcpy", "memset")),
+    ("websocket framing (aiohttp C)", ("aiohttp", "reader_c", "mask.")),
+    ("event loop (uvloop)", ("uvloop", "loop.cpython")),
+    ("msgpack", ("msgpack",)),
+    ("Python interpreter", ("libpython", "python3")),
+    ("libc other (malloc, ...)", ("libc.so",)),
+]
+
+
+def read_perf(perf: str, data: Path) -> dict[str, float]:
+    """Share of samples (%) per ``PERF_GROUPS`` group from a ``perf record`` file."""
+    out = subprocess.run([perf, "report", "-i", str(data), "--no-children", "--sort", "dso,sym",
+                          "--stdio", "-g", "none", "--percent-limit", "0"],
+                         capture_output=True, text=True, check=False).stdout
+    shares: collections.Counter = collections.Counter()
+    for line in out.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#") or "%" not in line:
+            continue
+        pct, _, rest = line.partition("%")
+        try:
+            p = float(pct)
+        except ValueError:
+            continue
+        group = next((g for g, marks in PERF_GROUPS if any(m in rest for m in marks)), "other")
+        shares[group] += p
+    return {g: round(p, 1) for g, p in shares.most_common()}
+
+
+def proc_cpu(pid: int) -> float:
+    """utime + stime of one process (threads that exited included)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def proc_detail(pid: int) -> dict[str, float]:
+    """user and system CPU-seconds and minor page faults of one process."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return {"user_s": int(fields[11]) / CLK_TCK, "sys_s": int(fields[12]) / CLK_TCK,
+            "minflt": int(fields[7])}
+
+
+def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
+    """tid -> (thread name, utime + stime) for every live thread of ``pid``."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                raw = f.read()
+        except OSError:
+            continue
+        name = raw[raw.index("(") + 1:raw.rindex(")")]
+        fields = raw.rsplit(")", 1)[1].split()
+        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / CLK_TCK)
+    return out
+
+
+def split_threads(pid: int, t0: dict, t1: dict, total: float) -> dict[str, float]:
+    """CPU of a process between two ``thread_cpu`` snapshots: the event-loop (main)
+    thread and every other thread (Python does not name OS threads, so the
+    ``asyncio.to_thread`` workers and torch's threads are one figure)."""
+    loop = 0.0
+    if pid in t1:
+        loop = t1[pid][1] - t0.get(pid, ("", 0.0))[1]
+    return {"loop": loop, "threads": max(0.0, total - loop)}
+
+
+def dense_next(prev: dict, seed: int) -> dict:
+    """A view in which every value of ``prev`` moved to a random finite BF16."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, b in prev.items():
+        m = b.numel()
+        bits = torch.randint(-32768, 32768, (m,), generator=g, dtype=torch.int32).to(torch.int16)
+        bits = torch.where((bits & 0x7F80) == 0x7F80, bits & ~0x0080, bits)  # no inf/NaN
+        flat = b.reshape(-1)
+        same = bits == flat.view(torch.int16)
+        nb = torch.where(same, (flat.float() * 2 + 1).to(torch.bfloat16), bits.view(torch.bfloat16))
+        out[name] = nb.reshape(b.shape)
+    return out
+
+
+# a sample whose stack holds one of these is a thread waiting, not running (py-spy's
+# idle detection does not work with --native)
+WAITING = ("PyThread_acquire_lock_timed", "pthread_cond_timedwait", "pthread_cond_wait",
+           "epoll_pwait", "epoll_wait", "take_gil", "sem_wait", "sem_timedwait", "futex",
+           "select (", "poll (")
+
+
+def classify(stack: list[str]) -> str:
+    if any(w in frame for frame in stack[-4:] for w in WAITING):
+        return "(waiting)"
+    for stage, marks in STAGES:
+        for frame in reversed(stack):
+            if any(m in frame for m in marks):
+                return stage
+    return "other"
+
+
+def read_pyspy(path: Path) -> dict[str, int]:
+    """Samples per stage from a py-spy ``raw`` (collapsed stacks) file."""
+    counts: collections.Counter = collections.Counter()
+    if not path.exists():
+        return {}
+    for line in path.read_text(errors="replace").splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        counts[classify(stack.split(";"))] += int(n)
+    counts.pop("(waiting)", None)
+    return dict(counts.most_common())
+
+
+def pyspy_thread_names(path: Path) -> dict[int, str]:
+    """tid -> Python thread name, from the ``thread (TID): NAME`` roots of py-spy's stacks."""
+    out = {}
+    if path.exists():
+        for line in path.read_text(errors="replace").splitlines():
+            root = line.split(";", 1)[0]
+            if root.startswith("thread (") and "): " in root:
+                tid, _, name = root[len("thread ("):].partition("): ")
+                if tid.isdigit():
+                    out[int(tid)] = name.strip()
+    return out
+
+
+def run(args: argparse.Namespace) -> dict:
+    import torch
+    from bench_wan import dense_pair
+
+    from lab.fleet import LoopbackFleet
+    from node.config import load_config
+    from trainer.publisher import Publisher
+
+    torch.set_num_threads(1)
+    base, view = dense_pair(args.mib * 1024 * 1024, 0)
+    rows: list[dict] = []
+    profile: dict[str, int] = {}
+    profile_threads: dict = {}
+    perf_shares: dict[str, float] = {}
+    env = dict(kv.split("=", 1) for kv in args.node_env)
+    with LoopbackFleet(1, args.nodes, chunk_size=args.chunk_size, tls=not args.no_tls,
+                       swarm={"redial_s": 1.0},
+                       node_env={f"n0-{i}": env for i in range(args.nodes)}) as fleet:
+        fleet.start_nodes_only(base, timeout=args.timeout)
+        cfg = load_config(fleet.workdir / "trainer.toml")
+        pub = Publisher(cfg, base=base, persist_view=False)
+        pub.start()
+        try:
+            deadline = time.monotonic() + 60
+            while len(pub.regions()) < 1 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            time.sleep(2.0)  # let every node get its region's peers from the tracker
+            pids = {n.name: n.proc.pid for n in fleet.nodes if n.proc is not None}
+            for k in range(args.versions):
+                if k:
+                    view = dense_next(view, k + 1)
+                spy = None
+                spy_out = fleet.workdir / f"pyspy-{k}.txt"
+                perf_proc = None
+                perf_out = fleet.workdir / "perf.data"
+                if args.perf and k == args.versions - 1:
+                    perf_proc = subprocess.Popen(
+                        [args.perf, "record", "-F", "999", "-p", str(pids[fleet.nodes[-1].name]),
+                         "-o", str(perf_out)], stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL)
+                    time.sleep(1.0)
+                if args.py_spy and k == args.versions - 1:
+                    victim = pids[fleet.nodes[-1].name]
+                    spy = subprocess.Popen(
+                        [args.py_spy, "record", "-p", str(victim), "-r", str(args.rate), "-f",
+                         "raw", "-o", str(spy_out), "--native", "--threads"],
+                        stdout=subprocess.DEVNULL,
+                        stderr=(fleet.workdir / "pyspy.log").open("wb"))
+                    time.sleep(1.0)
+                before = {n.name: fleet.status(n) for n in fleet.nodes}
+                cpu0 = {n: proc_cpu(p) for n, p in pids.items()}
+                det0 = {n: proc_detail(p) for n, p in pids.items()}
+                thr0 = {n: thread_cpu(p) for n, p in pids.items()}
+                t0 = time.monotonic()
+                r = pub.publish_served(view)
+                sts = fleet.wait_version(r.version, timeout=args.timeout)
+                wall = time.monotonic() - t0
+                cpu1 = {n: proc_cpu(p) for n, p in pids.items()}
+                det1 = {n: proc_detail(p) for n, p in pids.items()}
+                thr1 = {n: thread_cpu(p) for n, p in pids.items()}
+                if perf_proc is not None:
+                    perf_proc.send_signal(signal.SIGINT)
+                    try:
+                        perf_proc.wait(60)
+                    except subprocess.TimeoutExpired:
+                        perf_proc.kill()
+                        perf_proc.wait()
+                    perf_shares = read_perf(args.perf, perf_out)
+                if spy is not None:
+                    spy.send_signal(signal.SIGINT)
+                    try:
+                        spy.wait(60)
+                    except subprocess.TimeoutExpired:
+                        spy.kill()
+                        spy.wait()
+                    profile = read_pyspy(spy_out)
+                    names = pyspy_thread_names(spy_out)
+                    vp = pids[fleet.nodes[-1].name]
+                    t0s, t1s = thr0[fleet.nodes[-1].name], thr1[fleet.nodes[-1].name]
+                    per_tid = {f"{tid} {names.get(tid, nm)}": round(c - t0s.get(tid, (nm, 0.0))[1], 3)
+                               for tid, (nm, c) in t1s.items()}
+                    profile_threads = {"pid": vp, "cpu_s": dict(sorted(
+                        per_tid.items(), key=lambda kv: -kv[1]))}
+                    if args.keep_profile and spy_out.exists():
+                        Path(args.keep_profile).write_bytes(spy_out.read_bytes())
+                    if not profile:
+                        print("py-spy: no samples;",
+                              (fleet.workdir / "pyspy.log").read_text()[-500:], file=sys.stderr)
+                thread_names = sorted({nm for t in thr1.values() for nm, _ in t.values()})
+                nodes = {}
+                for name, pid in pids.items():
+                    got = (sum(sts[name]["bytes"]["received"].values())
+                           - sum(before[name]["bytes"]["received"].values()))
+                    cpu = cpu1[name] - cpu0[name]
+                    split = split_threads(pid, thr0[name], thr1[name], cpu)
+                    gb = got / 1e9
+                    nodes[name] = {
+                        "received_bytes": got, "cpu_s": round(cpu, 3),
+                        **{k2: round(det1[name][k2] - det0[name][k2], 3) for k2 in det0[name]},
+                        "cpu_s_per_gb": round(cpu / gb, 2) if got else None,
+                        "by_thread_s_per_gb": {k2: round(v / gb, 2) for k2, v in split.items()}
+                        if got else None,
+                    }
+                per_gb = [x["cpu_s_per_gb"] for x in nodes.values() if x["cpu_s_per_gb"]]
+                rows.append({
+                    "version": r.version, "patch_bytes": r.patch_bytes, "chunks": r.chunks,
+                    "wall_s": round(wall, 2), "nodes": nodes, "thread_names": thread_names,
+                    "cpu_s_per_gb_median": round(statistics.median(per_gb), 2),
+                    "converged": all(st["active_digest"] == r.target_digest.hex()
+                                     for st in sts.values()),
+                })
+                print(f"version {r.version}: {r.patch_bytes / 1e6:.1f} MB patch, {wall:.1f} s, "
+                      f"median {rows[-1]['cpu_s_per_gb_median']} CPU-s/GB", flush=True)
+        finally:
+            pub.close()
+    return {"rows": rows, "profile": profile, "profile_threads": profile_threads,
+            "perf": perf_shares}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nodes", type=int, default=4)
+    ap.add_argument("--mib", type=int, default=128, help="served view (and ~patch) size")
+    ap.add_argument("--versions", type=int, default=3)
+    ap.add_argument("--chunk-size", type=int, default=4 * 1024 * 1024)
+    ap.add_argument("--no-tls", action="store_true")
+    ap.add_argument("--py-spy", default=None, help="py-spy binary: profile one node")
+    ap.add_argument("--perf", nargs="?", const="perf", default=None,
+                    help="profile one node with Linux perf (optionally its path)")
+    ap.add_argument("--keep-profile", default=None, help="copy py-spy's raw stacks here")
+    ap.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
+    ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--node-env", action="append", default=[], metavar="K=V",
+                    help="environment variable for every node process (A/B experiments)")
+    ap.add_argument("--label", default="")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    res = run(args)
+    rows, profile = res["rows"], res["profile"]
+    print("ver | patch MB | wall s | CPU-s/GB per node (loop thread / other threads) | median | ok")
+    for row in rows:
+        per = ", ".join(
+            f"{x['cpu_s_per_gb']} ({x['by_thread_s_per_gb']['loop']}/"
+            f"{x['by_thread_s_per_gb']['threads']})"
+            for x in row["nodes"].values() if x["cpu_s_per_gb"])
+        print(f"{row['version']} | {row['patch_bytes'] / 1e6:.1f} | {row['wall_s']} | {per} | "
+              f"{row['cpu_s_per_gb_median']} | {row['converged']}")
+    # the first version also pays connection warm-up; the summary is over the rest when any
+    steady = rows[1:] or rows
+    med = statistics.median(x["cpu_s_per_gb"] for r in steady for x in r["nodes"].values()
+                            if x["cpu_s_per_gb"])
+    split = {k: round(statistics.median(x["by_thread_s_per_gb"][k] for r in steady
+                                        for x in r["nodes"].values() if x["by_thread_s_per_gb"]), 2)
+             for k in ("loop", "threads")}
+    print(f"median CPU-s per GB received (versions {steady[0]['version']}..): {med:.2f}  "
+          f"by thread: {split}")
+    if res["perf"]:
+        print("perf, one node, last version (share of samples, kernel included):")
+        for group, pct in res["perf"].items():
+            print(f"  {group:44s} {pct:5.1f}%  ~{med * pct / 100:.2f} CPU-s/GB")
+    if profile:
+        total = sum(profile.values())
+        print("py-spy, one node, last version (share of on-CPU samples):")
+        for stage, n in profile.items():
+            print(f"  {stage:28s} {100 * n / total:5.1f}%  ~{med * n / total:.2f} CPU-s/GB")
+        print("CPU-s by thread of that node:", res["profile_threads"].get("cpu_s"))
+    result = {"bench": "node_cpu", "label": args.label, "nodes": args.nodes, "mib": args.mib,
+              "chunk_size": args.chunk_size, "tls": not args.no_tls, "cpus": os.cpu_count(),
+              "load_avg": os.getloadavg(), "cpu_s_per_gb_median": round(med, 2),
+              "by_thread_s_per_gb_median": split, "profile_samples": profile,
+              "profile_threads": res["profile_threads"], "perf_shares_pct": res["perf"], "versions": rows}
+    out = Path(args.out or ROOT / "benchmarks" / "results" / "node_cpu.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0 if all(r["converged"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
