@@ -251,16 +251,18 @@ def shuffle_range(u: np.ndarray, x2: np.ndarray | None, out: np.ndarray, start: 
     return changed
 
 
-def shuffle_planes(bits: np.ndarray, itemsize: int, xor_with: np.ndarray | None = None
-                   ) -> np.ndarray:
+def shuffle_planes(bits: np.ndarray, itemsize: int, xor_with: np.ndarray | None = None,
+                   out: np.ndarray | None = None) -> np.ndarray:
     """Byte planes of ``bits`` (or of ``bits ^ xor_with``): an (itemsize, n) uint8
-    array holding all first (least significant) bytes, then all second bytes..."""
+    array holding all first (least significant) bytes, then all second bytes...
+    Written into ``out`` (a contiguous uint8 array of that shape) if given."""
     n = bits.size
     u = _uview(bits.reshape(-1))
     if itemsize == 1 and xor_with is None:
         return u.reshape(1, n)
     x2 = None if xor_with is None else _uview(xor_with.reshape(-1))
-    out = np.empty((itemsize, n), dtype=np.uint8)
+    if out is None:
+        out = np.empty((itemsize, n), dtype=np.uint8)
     shuffle_range(u, x2, out, 0, n)
     return out
 
@@ -400,6 +402,7 @@ def compress_planes(planes: np.ndarray, level: int = ZSTD_DENSE_LEVEL) -> bytes:
         return cctx.compress(planes)
     flat = planes.reshape(-1)
     raw, rest = flat[: nraw * n], flat[nraw * n:]
+    rawview = memoryview(raw)  # the raw blocks go into the join below without a copy each
     sub, window = b"", None
     if rest.size:
         sub = cctx.compress(rest)
@@ -415,13 +418,15 @@ def compress_planes(planes: np.ndarray, level: int = ZSTD_DENSE_LEVEL) -> bytes:
         size = min(RAW_BLOCK, raw.size - off)
         last = int(off + size == raw.size and not rest.size)
         out.append((last | size << 3).to_bytes(3, "little"))
-        out.append(raw[off:off + size].tobytes())
+        out.append(rawview[off:off + size])
     out.append(sub)
     return b"".join(out)
 
 
-def encode_blob(bits: np.ndarray, dt: DType, level: int = ZSTD_DENSE_LEVEL) -> bytes:
-    return compress_planes(shuffle_planes(bits, dt.itemsize), level)
+def encode_blob(bits: np.ndarray, dt: DType, level: int = ZSTD_DENSE_LEVEL,
+                out: np.ndarray | None = None) -> bytes:
+    """FULL payload: zstd of the byte planes of ``bits`` (built in ``out`` if given)."""
+    return compress_planes(shuffle_planes(bits, dt.itemsize, out=out), level)
 
 
 def encode_xor_blob(old_bits: np.ndarray, new_bits: np.ndarray, dt: DType,
