@@ -324,7 +324,7 @@ def xor_planes_into(flat: np.ndarray, planes: np.ndarray, hasher=None) -> int:
 # byte is stored raw: zstd would spend ~1 ns/byte to save under 10% of it. Low
 # mantissa planes of a dense update or a redrawn tensor are like that.
 RAW_PLANE_BITS = 7.2
-PLANE_SAMPLE = 1 << 16
+PLANE_SAMPLE = 1 << 14  # plug-in entropy bias at 2^14 samples: ~0.01 bit/byte
 RAW_BLOCK = 128 * 1024  # zstd's Block_Maximum_Size
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
