@@ -100,6 +100,19 @@ class Scratch:
             buf = self._local.buf = np.empty(size, dtype=np.uint8)
         return buf[:size].reshape(itemsize, n)
 
+    def release(self) -> None:
+        """The planes last taken are kept by their caller: the next ones get a new buffer."""
+        self._local.buf = None
+
+
+def _frame_parts(planes: np.ndarray, scratch: Scratch | None) -> list[bytes | memoryview]:
+    """DENSE/FULL payload of ``planes`` as pieces for the patch's one join; raw
+    blocks are views of ``planes``, which then must not be reused until it."""
+    parts = records.compress_planes_parts(planes)
+    if scratch is not None and len(parts) > 1:
+        scratch.release()
+    return parts
+
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").contiguous()
@@ -213,7 +226,8 @@ def _encode_sparse(old_bits: np.ndarray, new_bits: np.ndarray, idx: np.ndarray, 
 
 def _encode_one(name: str, old: torch.Tensor | None, new: torch.Tensor | None,
                 context: str = "auto", hash_old: bool = True, scratch: Scratch | None = None
-                ) -> tuple[TableEntry, list[bytes] | None, TensorStats, bytes | None, bytes | None]:
+                ) -> tuple[TableEntry, list[bytes | memoryview] | None, TensorStats, bytes | None,
+                           bytes | None]:
     """-> (table entry, record body as parts to concatenate or None when unchanged,
     stats, new tensor digest, old tensor digest or None when not computed)."""
     if new is None:
@@ -228,7 +242,8 @@ def _encode_one(name: str, old: torch.Tensor | None, new: torch.Tensor | None,
         digest = tensor_digest(new)
         entry = TableEntry(name, Op.FULL, dt, tuple(new.shape))
         out = scratch.planes(dt.itemsize, new_bits.size) if scratch is not None else None
-        body = [digest[:DIGEST_BYTES], records.encode_blob(new_bits, dt, out=out)]
+        planes = records.shuffle_planes(new_bits, dt.itemsize, out=out)
+        body = [digest[:DIGEST_BYTES], *_frame_parts(planes, scratch)]
         stats = TensorStats(name, "FULL", new.numel(), new.numel(), 0, full_bytes)
         return entry, body, stats, digest, None
     old_bits = _bits(old, dt)
@@ -237,19 +252,24 @@ def _encode_one(name: str, old: torch.Tensor | None, new: torch.Tensor | None,
     if k == 0:
         return TableEntry(name, Op.SPARSE, dt, tuple(new.shape)), None, stats, digest, old_digest
     plan, dense = plan_op(old_bits, new_bits, k, dt, planes)
+    parts: list[bytes | memoryview]
     if plan == "sparse":
         idx = np.flatnonzero(mask if mask is not None else old_bits != new_bits)
         del mask, planes
         payload, op = _encode_sparse(old_bits, new_bits, idx, dt, context)
+        parts = [payload]
     else:
         del mask
-        if dense is None:
-            dense = (records.compress_planes(planes) if planes is not None
-                     else records.encode_xor_blob(old_bits, new_bits, dt))
-        payload, op = dense, Op.DENSE
+        op = Op.DENSE
+        if dense is not None:
+            parts = [dense]
+        elif planes is not None:
+            parts = _frame_parts(planes, scratch)
+        else:
+            parts = [records.encode_xor_blob(old_bits, new_bits, dt)]
     stats.op = op.name
     entry = TableEntry(name, op, dt, tuple(new.shape))
-    return entry, [digest[:DIGEST_BYTES], payload], stats, digest, old_digest
+    return entry, [digest[:DIGEST_BYTES], *parts], stats, digest, old_digest
 
 
 def encode_patch(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], *,
@@ -294,7 +314,7 @@ def encode_patch(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor
     target_digest = state_digest(news, new_digests)
 
     entries: list[TableEntry] = []
-    framed: list[bytes] = []
+    framed: list[bytes | memoryview] = []
     stats: list[TensorStats] = []
     for entry, body, st, _, _ in results:
         stats.append(st)

@@ -395,38 +395,50 @@ def compress_planes(planes: np.ndarray, level: int = ZSTD_DENSE_LEVEL) -> bytes:
     change no decoder state (repeat offsets, entropy tables), so the compressed
     blocks decode after them exactly as at the start of their own frame, and
     their matches reach back only inside their own planes."""
+    parts = compress_planes_parts(planes, level)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def compress_planes_parts(planes: np.ndarray, level: int = ZSTD_DENSE_LEVEL
+                          ) -> list[bytes | memoryview]:
+    """``compress_planes`` as the list of pieces whose concatenation is the
+    frame, so that the caller joins them once, with the rest of the patch: the
+    raw blocks are memoryviews of ``planes`` (keep it unchanged until then)
+    instead of copies (a raw-heavy record is otherwise written twice to fresh
+    memory, once per join)."""
     cctx = _compressor(level)
     n = planes.shape[1]
     nraw = raw_planes(planes) if n else 0
     if nraw == 0:
-        return cctx.compress(planes)
+        return [cctx.compress(planes)]
     flat = planes.reshape(-1)
     raw, rest = flat[: nraw * n], flat[nraw * n:]
-    rawview = memoryview(raw)  # the raw blocks go into the join below without a copy each
-    sub, window = b"", None
+    rawview = memoryview(raw)
+    sub: bytes | memoryview = b""
+    window = None
     if rest.size:
-        sub = cctx.compress(rest)
-        head, window = _frame_header_size(sub)
-        sub = sub[head:]
+        frame = cctx.compress(rest)
+        head, window = _frame_header_size(frame)
+        sub = memoryview(frame)[head:]
     if window is None:  # window >= 128 KiB and >= the compressed part (when single-segment)
         wlog = max(17, int(rest.size - 1).bit_length())
         window = (wlog - 10) << 3
     total = flat.size
     fcs_flag, fcs = (2, struct.pack("<I", total)) if total < 1 << 32 else (3, struct.pack("<Q", total))
-    out = [_ZSTD_MAGIC, bytes([fcs_flag << 6, window]), fcs]
+    out: list[bytes | memoryview] = [_ZSTD_MAGIC + bytes([fcs_flag << 6, window]) + fcs]
     for off in range(0, raw.size, RAW_BLOCK):
         size = min(RAW_BLOCK, raw.size - off)
         last = int(off + size == raw.size and not rest.size)
         out.append((last | size << 3).to_bytes(3, "little"))
         out.append(rawview[off:off + size])
-    out.append(sub)
-    return b"".join(out)
+    if rest.size:
+        out.append(sub)
+    return out
 
 
-def encode_blob(bits: np.ndarray, dt: DType, level: int = ZSTD_DENSE_LEVEL,
-                out: np.ndarray | None = None) -> bytes:
-    """FULL payload: zstd of the byte planes of ``bits`` (built in ``out`` if given)."""
-    return compress_planes(shuffle_planes(bits, dt.itemsize, out=out), level)
+def encode_blob(bits: np.ndarray, dt: DType, level: int = ZSTD_DENSE_LEVEL) -> bytes:
+    """FULL payload: zstd of the byte planes of ``bits``."""
+    return compress_planes(shuffle_planes(bits, dt.itemsize), level)
 
 
 def encode_xor_blob(old_bits: np.ndarray, new_bits: np.ndarray, dt: DType,
