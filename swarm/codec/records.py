@@ -338,24 +338,29 @@ _local = threading.local()
 # level 1's defaults (8K-entry table, 6-byte matches) find many short ones on
 # mid-entropy planes (sign/exponent planes of redrawn or new tensors, ~3 bits
 # per byte), each costing a sequence to code and decode, for nothing: this is
-# 2-3x faster on those planes and 1-8% smaller, and the same on the others
-# (docs/benchmarks.md). Standard zstd frames: decoders need nothing new.
+# 2-3x faster on those planes and 1-8% smaller, and on high-entropy (mantissa)
+# planes no slower. Where the compressed part starts with a nearly empty plane
+# (below NARROW_MIN_BITS: e.g. the second plane of an FP32 update, mostly zero
+# runs between small carries) level 1's own table is ~6% faster, so it is kept
+# there (docs/benchmarks.md). Standard zstd frames: decoders need nothing new.
 PLANE_HASH_LOG = 6
 PLANE_MIN_MATCH = 7
+NARROW_MIN_BITS = 2.0
 
 
-def _compressor(level: int) -> zstandard.ZstdCompressor:
-    """A compressor per thread and level, reused: a fresh one costs an allocation
-    (and page faults) of its context on every record."""
+def _compressor(level: int, narrow: bool = True) -> zstandard.ZstdCompressor:
+    """A compressor per thread, level and match finder (``narrow``: the plane
+    settings above), reused: a fresh one costs an allocation (and page faults)
+    of its context on every record."""
     cache = getattr(_local, "cctx", None)
     if cache is None:
         cache = _local.cctx = {}
-    cctx = cache.get(level)
+    cctx = cache.get((level, narrow))
     if cctx is None:
+        extra = {"hash_log": PLANE_HASH_LOG, "min_match": PLANE_MIN_MATCH} if narrow else {}
         params = zstandard.ZstdCompressionParameters(
-            compression_level=level, hash_log=PLANE_HASH_LOG, min_match=PLANE_MIN_MATCH,
-            write_checksum=False, write_dict_id=False)
-        cctx = cache[level] = zstandard.ZstdCompressor(compression_params=params)
+            compression_level=level, write_checksum=False, write_dict_id=False, **extra)
+        cctx = cache[(level, narrow)] = zstandard.ZstdCompressor(compression_params=params)
     return cctx
 
 
@@ -369,10 +374,18 @@ def plane_entropy_bits(plane: np.ndarray) -> float:
 
 def raw_planes(planes: np.ndarray) -> int:
     """How many leading (least significant) byte planes to store raw."""
+    return _raw_planes(planes)[0]
+
+
+def _raw_planes(planes: np.ndarray) -> tuple[int, float]:
+    """(``raw_planes``, sampled entropy of the first plane after them, 8.0 if none)."""
     count = 0
-    while count < planes.shape[0] and plane_entropy_bits(planes[count]) > RAW_PLANE_BITS:
+    while count < planes.shape[0]:
+        bits = plane_entropy_bits(planes[count])
+        if bits <= RAW_PLANE_BITS:
+            return count, bits
         count += 1
-    return count
+    return count, 8.0
 
 
 def _frame_header_size(frame: bytes) -> tuple[int, int | None]:
@@ -406,9 +419,9 @@ def compress_planes_parts(planes: np.ndarray, level: int = ZSTD_DENSE_LEVEL
     raw blocks are memoryviews of ``planes`` (keep it unchanged until then)
     instead of copies (a raw-heavy record is otherwise written twice to fresh
     memory, once per join)."""
-    cctx = _compressor(level)
     n = planes.shape[1]
-    nraw = raw_planes(planes) if n else 0
+    nraw, next_bits = _raw_planes(planes) if n else (0, 8.0)
+    cctx = _compressor(level, narrow=next_bits >= NARROW_MIN_BITS)
     if nraw == 0:
         return [cctx.compress(planes)]
     flat = planes.reshape(-1)
