@@ -108,8 +108,8 @@ class Scratch:
 def _frame_parts(planes: np.ndarray, scratch: Scratch | None) -> list[bytes | memoryview]:
     """DENSE/FULL payload of ``planes`` as pieces for the patch's one join; raw
     blocks are views of ``planes``, which then must not be reused until it."""
-    parts = records.compress_planes_parts(planes)
-    if scratch is not None and len(parts) > 1:
+    parts, views = records.compress_planes_parts(planes)
+    if scratch is not None and views:
         scratch.release()
     return parts
 

@@ -408,25 +408,29 @@ def compress_planes(planes: np.ndarray, level: int = ZSTD_DENSE_LEVEL) -> bytes:
     change no decoder state (repeat offsets, entropy tables), so the compressed
     blocks decode after them exactly as at the start of their own frame, and
     their matches reach back only inside their own planes."""
-    parts = compress_planes_parts(planes, level)
+    parts, _ = compress_planes_parts(planes, level)
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def compress_planes_parts(planes: np.ndarray, level: int = ZSTD_DENSE_LEVEL
-                          ) -> list[bytes | memoryview]:
-    """``compress_planes`` as the list of pieces whose concatenation is the
-    frame, so that the caller joins them once, with the rest of the patch: the
-    raw blocks are memoryviews of ``planes`` (keep it unchanged until then)
-    instead of copies (a raw-heavy record is otherwise written twice to fresh
-    memory, once per join)."""
+                          ) -> tuple[list[bytes | memoryview], bool]:
+    """``compress_planes`` as (the pieces whose concatenation is the frame,
+    whether they are views of ``planes``), so that the caller joins them once,
+    with the rest of the patch. Where at least half the planes are stored raw
+    (a redrawn or new tensor) the raw blocks are memoryviews of ``planes``:
+    keep it unchanged until the join (a raw-heavy record is otherwise written
+    twice to fresh memory, once per join). Where fewer are, they are copied
+    once, so that the caller can reuse ``planes``' memory instead of holding
+    mostly compressible planes."""
     n = planes.shape[1]
     nraw, next_bits = _raw_planes(planes) if n else (0, 8.0)
     cctx = _compressor(level, narrow=next_bits >= NARROW_MIN_BITS)
     if nraw == 0:
-        return [cctx.compress(planes)]
+        return [cctx.compress(planes)], False
     flat = planes.reshape(-1)
     raw, rest = flat[: nraw * n], flat[nraw * n:]
-    rawview = memoryview(raw)
+    views = 2 * nraw >= planes.shape[0]
+    rawview = memoryview(raw if views else raw.tobytes())
     sub: bytes | memoryview = b""
     window = None
     if rest.size:
@@ -446,7 +450,7 @@ def compress_planes_parts(planes: np.ndarray, level: int = ZSTD_DENSE_LEVEL
         out.append(rawview[off:off + size])
     if rest.size:
         out.append(sub)
-    return out
+    return out, views
 
 
 def encode_blob(bits: np.ndarray, dt: DType, level: int = ZSTD_DENSE_LEVEL) -> bytes:
