@@ -37,6 +37,17 @@ machine does not count; the ratios are what to compare across runs.
     python benchmarks/bench_dense.py [--repeat 3] [--cases all] [--out PATH]
 
 Prints a table and writes benchmarks/results/dense.json.
+
+A/B against another checkout (e.g. main's worktree), this script's measurement
+code on both sides, the codec imported from each checkout in turn (PYTHONPATH):
+
+    python benchmarks/bench_dense.py --ab BEFORE_ROOT --rounds 3 --repeat 3 \
+        --cases "bf16 dense 93%,fp8 dense 90%" --out benchmarks/results/dense-ab.json
+
+Each round runs every case once per side in its own process, the sides'
+order alternating case by case and round by round (ABBA...), so the load of a
+shared machine falls on both alike; per side and case the medians over rounds
+of each run's medians are reported.
 """
 
 from __future__ import annotations
@@ -46,6 +57,9 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -288,6 +302,63 @@ def end_to_end(old: dict, new: dict, dtype: str, repeat: int) -> dict:
     return out
 
 
+AB_KEYS = ("patch_bytes", "baseline_bytes", "size_vs_baseline", "encode_mbps", "apply_mbps",
+           "baseline_encode_mbps", "baseline_apply_mbps", "encode_x_baseline",
+           "apply_x_baseline", "node_cpu_s_per_gb", "memcpy_mbps")
+
+
+def run_ab(before: Path, names: list[str], rounds: int, repeat: int, mib: int, out: Path) -> None:
+    """Interleaved A/B: every (round, case) runs this script once per side."""
+    after = Path(__file__).resolve().parent.parent
+    sides = {"before": before.resolve(), "after": after}
+    runs: dict[str, dict[str, list[dict]]] = {s: {c: [] for c in names} for s in sides}
+    load_before = list(os.getloadavg())
+    flip = False
+    with tempfile.TemporaryDirectory(prefix="bench-dense-ab-") as tmp:
+        for rnd in range(rounds):
+            for case in names:
+                order = ["before", "after"] if not flip else ["after", "before"]
+                flip = not flip
+                for side in order:
+                    path = Path(tmp) / f"{side}.json"
+                    env = dict(os.environ, PYTHONPATH=str(sides[side]))
+                    subprocess.run(
+                        [sys.executable, __file__, "--cases", case, "--repeat", str(repeat),
+                         "--mib", str(mib), "--e2e", "", "--out", str(path)],
+                        env=env, check=True, stdout=subprocess.DEVNULL, timeout=1800)
+                    result = json.loads(path.read_text())
+                    if not result["codec"].startswith(str(sides[side])):
+                        raise SystemExit(f"{side}: imported the codec from {result['codec']}")
+                    row = result["rows"][0]
+                    runs[side][case].append({k: row[k] for k in AB_KEYS})
+                    print(f"round {rnd + 1} {case:<24} {side:<6} encode {row['encode_mbps']:5.0f} "
+                          f"MB/s ({row['encode_x_baseline']:.2f}x)  apply "
+                          f"{row['apply_mbps']:5.0f} MB/s ({row['apply_x_baseline']:.2f}x)  "
+                          f"patch {row['patch_bytes'] / 1e6:.2f} MB", flush=True)
+    summary = {}
+    print(f"\n{'case':<24} {'side':<6} {'patch MB':>8} {'enc MB/s':>8} {'x base':>6} "
+          f"{'apply MB/s':>10} {'x base':>6}  (medians over {rounds} rounds)")
+    for case in names:
+        summary[case] = {}
+        for side in sides:
+            rs = runs[side][case]
+            med = {k: statistics.median(r[k] for r in rs) for k in AB_KEYS}
+            med["encode_mbps_min"] = min(r["encode_mbps"] for r in rs)
+            med["apply_mbps_min"] = min(r["apply_mbps"] for r in rs)
+            summary[case][side] = med
+            print(f"{case:<24} {side:<6} {med['patch_bytes'] / 1e6:>8.2f} "
+                  f"{med['encode_mbps']:>8.0f} {med['encode_x_baseline']:>6.2f} "
+                  f"{med['apply_mbps']:>10.0f} {med['apply_x_baseline']:>6.2f}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "note": "A/B: before = the codec of the --ab checkout, after = this checkout's, the same "
+                "measurement script; per (round, case) one process per side, order alternating",
+        "machine": platform.machine(), "repeat": repeat, "rounds": rounds, "mib": mib,
+        "timer": "process_time", "load_avg_before": load_before,
+        "load_avg_after": list(os.getloadavg()), "summary": summary, "runs": runs}, indent=1))
+    print(f"wrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3)
@@ -296,9 +367,15 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS / "dense.json")
     ap.add_argument("--e2e", default=",".join(E2E_CASES),
                     help="cases also timed end to end (trainer publish, node apply); '' for none")
+    ap.add_argument("--ab", type=Path, default=None, metavar="BEFORE_ROOT",
+                    help="A/B: time the codec of this checkout against BEFORE_ROOT's, interleaved")
+    ap.add_argument("--rounds", type=int, default=3, help="A/B rounds (with --ab)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     names = list(CASES) if args.cases == "all" else [c.strip() for c in args.cases.split(",")]
+    if args.ab is not None:
+        run_ab(args.ab, names, args.rounds, args.repeat, args.mib, args.out)
+        return
     print(f"{'case':<24} {'chg%':>6} {'op':<13} {'patch MB':>8} {'x base':>6} "
           f"{'enc MB/s':>8} {'x base':>6} {'x mcpy':>6} {'apply MB/s':>10} {'x base':>6} "
           f"{'x mcpy':>6} {'node s/GB':>9} {'base enc':>8} {'base app':>8} {'memcpy':>7}")
@@ -328,7 +405,9 @@ def main() -> None:
     args.out.write_text(json.dumps({
         "machine": platform.machine(), "processor": platform.processor(),
         "cpu_threads_torch": 1, "repeat": args.repeat, "mib": args.mib,
-        "timer": "process_time", "load_avg": list(os.getloadavg()), "rows": rows}, indent=1))
+        "timer": "process_time", "load_avg": list(os.getloadavg()),
+        "codec": str(Path(encode_patch.__code__.co_filename).resolve().parent), "rows": rows},
+        indent=1))
     print(f"wrote {args.out}")
 
 

@@ -214,3 +214,55 @@ def test_scan_switches_to_planes_after_a_dense_start(rest):
     w = {"t": old.clone()}
     apply_patch(w, encode_patch({"t": old}, {"t": new}).patch)
     assert same_bits(w, {"t": new})
+
+
+def test_reused_plane_buffers_keep_every_record_exact(monkeypatch):
+    """One encode_patch reuses its byte-plane buffer from tensor to tensor unless
+    a record keeps views of it (raw blocks joined straight into the patch): a mix
+    of raw-heavy (redrawn, new, random low byte) and compressible (dense update)
+    tensors large enough for the scan's planes, in an order that alternates them,
+    on one thread and two, gives the same patch as fresh buffers everywhere, and
+    it applies exactly."""
+    rng = np.random.default_rng(11)
+    bf16, f32 = BY_TORCH[torch.bfloat16], BY_TORCH[torch.float32]
+    n = 3 * enc.SCAN_BLOCK_BYTES // 2 + 77  # > one scan block: the scan writes planes
+    old, new = {}, {}
+    for i in range(3):
+        o = random_tensor(rng, bf16, (n,))
+        old[f"{i}a-redrawn"], new[f"{i}a-redrawn"] = o, random_tensor(rng, bf16, (n,))
+        w = torch.from_numpy(rng.standard_normal(n, dtype=np.float32) * 0.02)
+        step = torch.from_numpy(rng.standard_normal(n, dtype=np.float32)) * 2.0 ** -5
+        old[f"{i}b-dense"] = w.to(torch.bfloat16)
+        new[f"{i}b-dense"] = (w * (1 + step)).to(torch.bfloat16)
+        low = bits_view(o.clone(), bf16).numpy().copy()
+        low.view(np.uint8).reshape(-1, 2)[:, 0] ^= rng.integers(0, 256, n, dtype=np.uint8)
+        old[f"{i}c-low"], new[f"{i}c-low"] = o.clone(), torch.from_numpy(low).view(torch.bfloat16)
+        new[f"{i}d-new"] = random_tensor(rng, f32, (n // 2,))
+        old[f"{i}e-redrawn32"] = random_tensor(rng, f32, (n // 2,))
+        new[f"{i}e-redrawn32"] = random_tensor(rng, f32, (n // 2,))  # every plane raw
+    one = encode_patch(old, new, threads=1)
+    two = encode_patch(old, new, threads=2)
+    ops = {t.name: t.op for t in one.tensors}
+    assert {ops[f"0{s}"] for s in ("a-redrawn", "b-dense", "c-low", "e-redrawn32")} == {"DENSE"}
+    assert ops["0d-new"] == "FULL"
+    monkeypatch.setattr(enc.Scratch, "planes", lambda self, w, m: np.empty((w, m), np.uint8))
+    fresh = encode_patch(old, new, threads=1)
+    assert one.patch == two.patch == fresh.patch
+    w = clone(old)
+    apply_patch(w, one.patch)
+    assert same_bits(w, new)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from([1, 2, 4]), st.sampled_from([1, 300, 200_000]), st.integers(0, 4),
+       st.integers(0, 2**32 - 1))
+def test_frame_parts_join_to_the_frame(itemsize, n, random_planes, seed):
+    rng = np.random.default_rng(seed)
+    planes = rng.integers(0, 3, (itemsize, n), dtype=np.uint8)
+    k = min(random_planes, itemsize)
+    planes[:k] = rng.integers(0, 256, (k, n), dtype=np.uint8)
+    parts, views = records.compress_planes_parts(planes)
+    assert views == (k > 0 and 2 * records.raw_planes(planes) >= itemsize)
+    frame = b"".join(parts)
+    assert frame == records.compress_planes(planes)
+    assert zstandard.ZstdDecompressor().decompress(frame) == planes.tobytes()

@@ -251,16 +251,18 @@ def shuffle_range(u: np.ndarray, x2: np.ndarray | None, out: np.ndarray, start: 
     return changed
 
 
-def shuffle_planes(bits: np.ndarray, itemsize: int, xor_with: np.ndarray | None = None
-                   ) -> np.ndarray:
+def shuffle_planes(bits: np.ndarray, itemsize: int, xor_with: np.ndarray | None = None,
+                   out: np.ndarray | None = None) -> np.ndarray:
     """Byte planes of ``bits`` (or of ``bits ^ xor_with``): an (itemsize, n) uint8
-    array holding all first (least significant) bytes, then all second bytes..."""
+    array holding all first (least significant) bytes, then all second bytes...
+    Written into ``out`` (a contiguous uint8 array of that shape) if given."""
     n = bits.size
     u = _uview(bits.reshape(-1))
     if itemsize == 1 and xor_with is None:
         return u.reshape(1, n)
     x2 = None if xor_with is None else _uview(xor_with.reshape(-1))
-    out = np.empty((itemsize, n), dtype=np.uint8)
+    if out is None:
+        out = np.empty((itemsize, n), dtype=np.uint8)
     shuffle_range(u, x2, out, 0, n)
     return out
 
@@ -322,7 +324,7 @@ def xor_planes_into(flat: np.ndarray, planes: np.ndarray, hasher=None) -> int:
 # byte is stored raw: zstd would spend ~1 ns/byte to save under 10% of it. Low
 # mantissa planes of a dense update or a redrawn tensor are like that.
 RAW_PLANE_BITS = 7.2
-PLANE_SAMPLE = 1 << 16
+PLANE_SAMPLE = 1 << 14  # plug-in entropy bias at 2^14 samples: ~0.01 bit/byte
 RAW_BLOCK = 128 * 1024  # zstd's Block_Maximum_Size
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
@@ -330,16 +332,35 @@ _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _local = threading.local()
 
 
-def _compressor(level: int) -> zstandard.ZstdCompressor:
-    """A compressor per thread and level, reused: a fresh one costs an allocation
-    (and page faults) of its context on every record."""
+# Match finder of the byte-plane frames: level ``ZSTD_DENSE_LEVEL``'s "fast"
+# strategy with a 64-entry hash table and matches of 7+ bytes (repeat-offset
+# matches, i.e. runs, are still found). Byte planes have almost no long matches;
+# level 1's defaults (8K-entry table, 6-byte matches) find many short ones on
+# mid-entropy planes (sign/exponent planes of redrawn or new tensors, ~3 bits
+# per byte), each costing a sequence to code and decode, for nothing: this is
+# 2-3x faster on those planes and 1-8% smaller, and on high-entropy (mantissa)
+# planes no slower. Where the compressed part starts with a nearly empty plane
+# (below NARROW_MIN_BITS: e.g. the second plane of an FP32 update, mostly zero
+# runs between small carries) level 1's own table is ~6% faster, so it is kept
+# there (docs/benchmarks.md). Standard zstd frames: decoders need nothing new.
+PLANE_HASH_LOG = 6
+PLANE_MIN_MATCH = 7
+NARROW_MIN_BITS = 2.0
+
+
+def _compressor(level: int, narrow: bool = True) -> zstandard.ZstdCompressor:
+    """A compressor per thread, level and match finder (``narrow``: the plane
+    settings above), reused: a fresh one costs an allocation (and page faults)
+    of its context on every record."""
     cache = getattr(_local, "cctx", None)
     if cache is None:
         cache = _local.cctx = {}
-    cctx = cache.get(level)
+    cctx = cache.get((level, narrow))
     if cctx is None:
-        cctx = cache[level] = zstandard.ZstdCompressor(
-            level=level, write_checksum=False, write_dict_id=False)
+        extra = {"hash_log": PLANE_HASH_LOG, "min_match": PLANE_MIN_MATCH} if narrow else {}
+        params = zstandard.ZstdCompressionParameters(
+            compression_level=level, write_checksum=False, write_dict_id=False, **extra)
+        cctx = cache[(level, narrow)] = zstandard.ZstdCompressor(compression_params=params)
     return cctx
 
 
@@ -353,10 +374,18 @@ def plane_entropy_bits(plane: np.ndarray) -> float:
 
 def raw_planes(planes: np.ndarray) -> int:
     """How many leading (least significant) byte planes to store raw."""
+    return _raw_planes(planes)[0]
+
+
+def _raw_planes(planes: np.ndarray) -> tuple[int, float]:
+    """(``raw_planes``, sampled entropy of the first plane after them, 8.0 if none)."""
     count = 0
-    while count < planes.shape[0] and plane_entropy_bits(planes[count]) > RAW_PLANE_BITS:
+    while count < planes.shape[0]:
+        bits = plane_entropy_bits(planes[count])
+        if bits <= RAW_PLANE_BITS:
+            return count, bits
         count += 1
-    return count
+    return count, 8.0
 
 
 def _frame_header_size(frame: bytes) -> tuple[int, int | None]:
@@ -379,34 +408,53 @@ def compress_planes(planes: np.ndarray, level: int = ZSTD_DENSE_LEVEL) -> bytes:
     change no decoder state (repeat offsets, entropy tables), so the compressed
     blocks decode after them exactly as at the start of their own frame, and
     their matches reach back only inside their own planes."""
-    cctx = _compressor(level)
+    parts, _ = compress_planes_parts(planes, level)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def compress_planes_parts(planes: np.ndarray, level: int = ZSTD_DENSE_LEVEL
+                          ) -> tuple[list[bytes | memoryview], bool]:
+    """``compress_planes`` as (the pieces whose concatenation is the frame,
+    whether they are views of ``planes``), so that the caller joins them once,
+    with the rest of the patch. Where at least half the planes are stored raw
+    (a redrawn or new tensor) the raw blocks are memoryviews of ``planes``:
+    keep it unchanged until the join (a raw-heavy record is otherwise written
+    twice to fresh memory, once per join). Where fewer are, they are copied
+    once, so that the caller can reuse ``planes``' memory instead of holding
+    mostly compressible planes."""
     n = planes.shape[1]
-    nraw = raw_planes(planes) if n else 0
+    nraw, next_bits = _raw_planes(planes) if n else (0, 8.0)
+    cctx = _compressor(level, narrow=next_bits >= NARROW_MIN_BITS)
     if nraw == 0:
-        return cctx.compress(planes)
+        return [cctx.compress(planes)], False
     flat = planes.reshape(-1)
     raw, rest = flat[: nraw * n], flat[nraw * n:]
-    sub, window = b"", None
+    views = 2 * nraw >= planes.shape[0]
+    rawview = memoryview(raw if views else raw.tobytes())
+    sub: bytes | memoryview = b""
+    window = None
     if rest.size:
-        sub = cctx.compress(rest)
-        head, window = _frame_header_size(sub)
-        sub = sub[head:]
+        frame = cctx.compress(rest)
+        head, window = _frame_header_size(frame)
+        sub = memoryview(frame)[head:]
     if window is None:  # window >= 128 KiB and >= the compressed part (when single-segment)
         wlog = max(17, int(rest.size - 1).bit_length())
         window = (wlog - 10) << 3
     total = flat.size
     fcs_flag, fcs = (2, struct.pack("<I", total)) if total < 1 << 32 else (3, struct.pack("<Q", total))
-    out = [_ZSTD_MAGIC, bytes([fcs_flag << 6, window]), fcs]
+    out: list[bytes | memoryview] = [_ZSTD_MAGIC + bytes([fcs_flag << 6, window]) + fcs]
     for off in range(0, raw.size, RAW_BLOCK):
         size = min(RAW_BLOCK, raw.size - off)
         last = int(off + size == raw.size and not rest.size)
         out.append((last | size << 3).to_bytes(3, "little"))
-        out.append(raw[off:off + size].tobytes())
-    out.append(sub)
-    return b"".join(out)
+        out.append(rawview[off:off + size])
+    if rest.size:
+        out.append(sub)
+    return out, views
 
 
 def encode_blob(bits: np.ndarray, dt: DType, level: int = ZSTD_DENSE_LEVEL) -> bytes:
+    """FULL payload: zstd of the byte planes of ``bits``."""
     return compress_planes(shuffle_planes(bits, dt.itemsize), level)
 
 
