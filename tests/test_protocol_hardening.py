@@ -152,6 +152,9 @@ def test_a_border_that_cannot_keep_a_pushed_chunk_steps_down_and_it_is_re_planne
     a.handshake()
     b.handshake()
     acts = o.handle(ev.Publish(o.now, s.manifest(2, 4)))
+    for x in (a, b):  # both borders show the version (echo its ANNOUNCE)
+        x.send(wire.Announce(s.manifest(2, 4)))
+        acts += x.actions
     pushed = {(x.conn, x.index) for x in acts if isinstance(x, ev.SendChunk)}
     to_a = sorted(i for c, i in pushed if c == 1)
     assert to_a, pushed

@@ -146,6 +146,8 @@ def test_origin_orders_a_relay_and_pushes_itself_when_it_fails() -> None:
     a.send(wire.Links(("b",)))  # and a is linked to b, the border of r2 to come
     b = Script(o, 2, node_id="b", region="r2")
     b.handshake()
+    assert wire.Relay(2, 0, "b") not in a.frames(b.actions)  # b has not shown version 2
+    b.send(wire.Announce(s.manifest(2, 1)))
     # r2 takes chunk 0 from r1 (a relays it), not from the origin's uplink
     assert wire.Relay(2, 0, "b") in a.frames(b.actions)
     assert not [x for x in b.actions if isinstance(x, ev.SendChunk)]
@@ -278,6 +280,7 @@ def test_origin_cancels_relays_over_a_link_that_vanished_and_pushes_itself() -> 
     a.send(wire.Links(("b",)))
     b = Script(o, 2, node_id="b", region="r2")
     b.handshake()
+    b.send(wire.Announce(s.manifest(2, 1)))
     assert wire.Relay(2, 0, "b") in a.frames(b.actions)
     # a's link to b is gone (a says so in LINKS): no RELAY_FAIL needed, no 2 x timeout wait
     a.send(wire.Links(()))

@@ -376,6 +376,7 @@ class NodeCore(ReadModel):
             if v not in p.bits:
                 p.bits[v] = 0
                 self.catch_up(p, v)
+                self.role.on_shown(p, v)
             return
         try:
             m = self._verify(raw)

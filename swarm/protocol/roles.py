@@ -98,6 +98,9 @@ class Role:
         return {}
 
     # ---- holdings and chunks
+    def on_shown(self, p: Peer, v: int) -> None:
+        """``p`` showed (ANNOUNCE) that it knows version ``v``, holding none of it yet."""
+
     def on_holdings(self, p: Peer, v: int, gained: int) -> bool:
         """``p`` showed new chunks of ``v``; True if the role took it over (no availability)."""
         return False

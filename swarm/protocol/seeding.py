@@ -129,6 +129,10 @@ class OriginRole(Role):
     def on_ban(self, node_id: str) -> None:
         self.schedule()
 
+    def on_shown(self, p: Peer, v: int) -> None:
+        if p.border:
+            self.schedule()  # its region may take chunks of v now (_schedule_regions)
+
     def on_holdings(self, p: Peer, v: int, gained: int) -> bool:
         self.on_have(p, v, gained)
         return True
@@ -427,9 +431,12 @@ class OriginRole(Role):
             rbits: dict[str, int] = {}
             union = 0  # chunks that entered (or are entering) a region remote from the origin
             for r, lst in self.borders.items():
-                # a border that has not echoed the manifest yet gets it before the
-                # chunk (ANNOUNCE went out first on the same link): do not wait a round trip
-                hs = [b for b in lst if b.ready]
+                # only borders that showed the version take its chunks: one that has
+                # not (yet) may skip it (it took a newer anchor, or the version is
+                # outside the window it accepts), and a chunk it drops would hold a
+                # slot of the uplink window until it times out; waiting for the echo
+                # of the ANNOUNCE costs one round trip per version
+                hs = [b for b in lst if b.ready and v in b.bits]
                 holders[r] = hs
                 bits = 0
                 for b in hs:
@@ -442,8 +449,12 @@ class OriginRole(Role):
                 rbits[r] = bits
                 if r != c.region:
                     union |= bits
-            # regions furthest behind first
-            order = sorted(holders, key=lambda r: rbits[r].bit_count())
+            # regions taking in the fewest transfers first (an idle downlink is the
+            # waste to avoid: a region that relays another region's chunks in should
+            # not also get the origin's next push while its neighbour idles), then
+            # those furthest behind
+            order = sorted(holders, key=lambda r: (len(plans[r].inflight) if r in plans else 0,
+                                                   rbits[r].bit_count()))
             for r in order:
                 bs = holders[r]
                 if not bs:
@@ -465,10 +476,13 @@ class OriginRole(Role):
                         cand = missing & ~union
                         if not cand:
                             relayable = self._relayable(v, r, rbits, plan, now)
-                            if self._direct_faster(r) or relayable is None:
-                                cand = missing  # no region can relay into r, or pushes are faster
-                            elif not self._pushing_remote():
-                                cand = missing & ~relayable
+                            if relayable is None:
+                                cand = missing  # no region can relay into r (or r is home)
+                            elif self.uplink_pushes == 0:
+                                # no first copy is crossing the uplink: a second one costs
+                                # no novel chunk its time (the endgame)
+                                cand = missing if self._direct_faster(r) \
+                                    else missing & ~relayable
                         i = self._push_one(v, r, bs, plan, load, cand) if cand else -1
                     if i < 0:
                         break
@@ -499,11 +513,6 @@ class OriginRole(Role):
         for b in self.borders.get(self.cfg.region, []):
             n += b.relay_busy
         return n
-
-    def _pushing_remote(self) -> bool:
-        """Whether pushes into remote regions are still leaving the origin."""
-        home = self.cfg.region
-        return any(r and r != home for r in self.pushes.values())
 
     def _relayable(self, v: int, r: str, rbits: dict[str, int], plan: RegionPlan,
                    now: float) -> int | None:
