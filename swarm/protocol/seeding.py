@@ -476,13 +476,10 @@ class OriginRole(Role):
                         cand = missing & ~union
                         if not cand:
                             relayable = self._relayable(v, r, rbits, plan, now)
-                            if relayable is None:
+                            if relayable is None or self._direct_faster(r):
                                 cand = missing  # no region can relay into r (or r is home)
-                            elif self.uplink_pushes == 0:
-                                # no first copy is crossing the uplink: a second one costs
-                                # no novel chunk its time (the endgame)
-                                cand = missing if self._direct_faster(r) \
-                                    else missing & ~relayable
+                            elif not self.pushes_leaving():
+                                cand = missing & ~relayable
                         i = self._push_one(v, r, bs, plan, load, cand) if cand else -1
                     if i < 0:
                         break
@@ -505,6 +502,10 @@ class OriginRole(Role):
             return True
         s = self.host.peers.get(src)
         return s is not None and s.region == self.cfg.region
+
+    def pushes_leaving(self) -> bool:
+        home = self.cfg.region
+        return any(r and r != home for r in self.pushes.values())
 
     def _uplink_busy(self) -> int:
         """Transfers through the origin's site uplink, until the HAVE: its pushes into
