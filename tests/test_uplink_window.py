@@ -1,0 +1,67 @@
+"""``swarm.protocol.uplink.UplinkWindow`` against modelled uplinks: a pipe of capacity C
+chunks/s and round trip R, where k chunks in flight each take k/C + R (fair sharing)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swarm.protocol.uplink import UplinkWindow
+
+
+def drive(win: UplinkWindow, capacity: float, rtt: float, deliveries: int,
+          app_limited_every: int = 0) -> list[int]:
+    """Keep the window full on a modelled pipe; return the window after each delivery."""
+    now, seen = 0.0, []
+    for k in range(deliveries):
+        w = win.w
+        per_chunk = max(w / capacity + rtt, 1e-6)
+        now += per_chunk / w  # deliveries of a full window come this far apart
+        full = not (app_limited_every and k % app_limited_every == 0)
+        win.delivered(1, now, full)
+        seen.append(win.w)
+    return seen
+
+
+def test_a_thin_uplink_keeps_few_chunks_in_flight() -> None:
+    # 100 Mbit/s, 4 MiB chunks: 3 chunks/s; 80 ms round trip: one chunk is the whole BDP
+    win = UplinkWindow(2, 256)
+    seen = drive(win, capacity=3.0, rtt=0.08, deliveries=200)
+    assert max(seen[-100:]) <= 4, seen[-20:]
+
+
+def test_a_fat_uplink_grows_the_window() -> None:
+    # 10 Gbit/s, 4 MiB chunks: 300 chunks/s; 150 ms round trip: BDP ~45 chunks
+    win = UplinkWindow(2, 256)
+    seen = drive(win, capacity=300.0, rtt=0.15, deliveries=600)
+    assert seen[-1] >= 32, seen[-20:]
+
+
+def test_deliveries_while_not_full_do_not_move_the_window() -> None:
+    win = UplinkWindow(2, 256)
+    for k in range(100):
+        win.delivered(1, k * 0.1, full=False)
+    assert win.w == 2
+
+
+def test_bad_bounds_are_refused() -> None:
+    with pytest.raises(ValueError):
+        UplinkWindow(0, 4)
+    with pytest.raises(ValueError):
+        UplinkWindow(5, 4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(lo=st.integers(1, 8), span=st.integers(0, 64),
+       events=st.lists(st.tuples(st.floats(0.0, 5.0), st.booleans(), st.integers(1, 4)),
+                       max_size=300))
+def test_window_stays_within_its_bounds(lo: int, span: int,
+                                        events: list[tuple[float, bool, int]]) -> None:
+    win = UplinkWindow(lo, lo + span)
+    now = 0.0
+    for dt, full, n in events:
+        now += dt  # time never goes back; equal instants are allowed
+        win.delivered(n, now, full)
+        assert lo <= win.w <= lo + span
+        assert lo <= win.best_w <= lo + span
