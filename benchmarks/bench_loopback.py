@@ -72,8 +72,6 @@ def run_fleet(args: argparse.Namespace, *, lab=None, relay: bool = True) -> tupl
     import torch
 
     from lab.fleet import LoopbackFleet
-    from node.config import load_config
-    from trainer.publisher import Publisher
     from trainer.served import served_view
 
     torch.set_num_threads(1)
@@ -85,14 +83,8 @@ def run_fleet(args: argparse.Namespace, *, lab=None, relay: bool = True) -> tupl
                        tls=getattr(args, "tls", False)) as fleet:
         t0 = time.monotonic()
         fleet.start_nodes_only(base, timeout=args.timeout)
-        cfg = load_config(fleet.workdir / "trainer.toml")
-        pub = Publisher(cfg, base=base, persist_view=False)
-        pub.start()
+        pub = fleet.start_origin(base, regions=args.regions, settle_s=3.0)
         try:
-            deadline = time.monotonic() + 60
-            while len(pub.regions()) < args.regions and time.monotonic() < deadline:
-                time.sleep(0.2)
-            time.sleep(3.0)  # let every node get its region's peers from the tracker
             setup_s = time.monotonic() - t0
             core = pub.node.core
             pids = {n.name: n.proc.pid for n in fleet.nodes if n.proc is not None}

@@ -95,6 +95,16 @@ PERF_GROUPS: list[tuple[str, tuple[str, ...]]] = [
 ]
 
 
+
+def _interrupt(proc: subprocess.Popen) -> None:
+    """Stop a profiler we started with ^C (it writes its output then), else kill it."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
 def read_perf(perf: str, data: Path) -> dict[str, float]:
     """Share of samples (%) per ``PERF_GROUPS`` group from a ``perf record`` file."""
     out = subprocess.run([perf, "report", "-i", str(data), "--no-children", "--sort", "dso,sym",
@@ -221,8 +231,6 @@ def run(args: argparse.Namespace) -> dict:
     from bench_wan import dense_pair
 
     from lab.fleet import LoopbackFleet
-    from node.config import load_config
-    from trainer.publisher import Publisher
 
     torch.set_num_threads(1)
     base, view = dense_pair(args.mib * 1024 * 1024, 0)
@@ -235,14 +243,8 @@ def run(args: argparse.Namespace) -> dict:
                        swarm={"redial_s": 1.0},
                        node_env={f"n0-{i}": env for i in range(args.nodes)}) as fleet:
         fleet.start_nodes_only(base, timeout=args.timeout)
-        cfg = load_config(fleet.workdir / "trainer.toml")
-        pub = Publisher(cfg, base=base, persist_view=False)
-        pub.start()
+        pub = fleet.start_origin(base, regions=1)
         try:
-            deadline = time.monotonic() + 60
-            while len(pub.regions()) < 1 and time.monotonic() < deadline:
-                time.sleep(0.2)
-            time.sleep(2.0)  # let every node get its region's peers from the tracker
             pids = {n.name: n.proc.pid for n in fleet.nodes if n.proc is not None}
             for k in range(args.versions):
                 if k:
@@ -277,20 +279,10 @@ def run(args: argparse.Namespace) -> dict:
                 det1 = {n: proc_detail(p) for n, p in pids.items()}
                 thr1 = {n: thread_cpu(p) for n, p in pids.items()}
                 if perf_proc is not None:
-                    perf_proc.send_signal(signal.SIGINT)
-                    try:
-                        perf_proc.wait(60)
-                    except subprocess.TimeoutExpired:
-                        perf_proc.kill()
-                        perf_proc.wait()
+                    _interrupt(perf_proc)
                     perf_shares = read_perf(args.perf, perf_out)
                 if spy is not None:
-                    spy.send_signal(signal.SIGINT)
-                    try:
-                        spy.wait(60)
-                    except subprocess.TimeoutExpired:
-                        spy.kill()
-                        spy.wait()
+                    _interrupt(spy)
                     profile = read_pyspy(spy_out)
                     names = pyspy_thread_names(spy_out)
                     vp = pids[fleet.nodes[-1].name]

@@ -297,6 +297,24 @@ class LoopbackFleet:
             self.start_node(n)
         self.wait_healthy(timeout)
 
+    def start_origin(self, base: dict[str, Any], regions: int, settle_s: float = 2.0,
+                     timeout: float = 60.0) -> Any:
+        """A long-running origin (``trainer.publisher.Publisher``) in this process, on the
+        fleet's ``trainer.toml``: started, once ``regions`` regions reached it (or after
+        ``timeout``), and ``settle_s`` more so that every node has its region's peers
+        from the tracker. The caller closes it."""
+        from node.config import load_config
+        from trainer.publisher import Publisher
+
+        pub = Publisher(load_config(self.workdir / "trainer.toml"), base=base,
+                        persist_view=False)
+        pub.start()
+        deadline = time.monotonic() + timeout
+        while len(pub.regions()) < regions and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(settle_s)
+        return pub
+
     def start_nodes_only(self, base: dict[str, Any], timeout: float = 120.0,
                          nodes: list[NodeProc] | None = None) -> None:
         """No trainer process: write ``base`` (served tensors) as the base checkpoint and

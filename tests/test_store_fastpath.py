@@ -31,6 +31,15 @@ def chunk_path(root, v: int, i: int):
     return root / "versions" / f"{v:020d}" / "chunks" / f"{i:08d}"
 
 
+
+def _put_version(s: ChunkStore) -> bytes:
+    """Version 1's manifest and every chunk (aligned buffers) into ``s``; its payload."""
+    payload, raw, m = version(1)
+    s.put_manifest(raw, m)
+    for i, c in enumerate(split_payload(payload, CHUNK)):
+        s.put_chunk(1, i, aligned_copy(c))
+    return payload
+
 def test_aligned_buffer_is_aligned_and_sized() -> None:
     for n in (0, 1, ALIGN - 1, ALIGN, ALIGN + 1, 3 * ALIGN + 17):
         b = aligned_buffer(n)
@@ -114,11 +123,8 @@ def test_o_direct_refused_falls_back_to_plain_io(tmp_path, monkeypatch) -> None:
         return real_open(path, flags, *a)
 
     monkeypatch.setattr(store_mod.os, "open", no_direct)
-    payload, raw, m = version(1)
     with ChunkStore(tmp_path) as s:
-        s.put_manifest(raw, m)
-        for i, c in enumerate(split_payload(payload, CHUNK)):
-            s.put_chunk(1, i, aligned_copy(c))
+        payload = _put_version(s)
         assert not s._direct
         assert bytes(s.payload_view(1)) == payload
         assert bytes(s.read_chunk(1, 3)) == bytes(split_payload(payload, CHUNK)[3])
@@ -137,11 +143,8 @@ def test_o_direct_write_refused_midway_is_rewritten_plainly(tmp_path, monkeypatc
         return real_write(fd, data)
 
     monkeypatch.setattr(store_mod.os, "write", picky)
-    payload, raw, m = version(1)
     with ChunkStore(tmp_path) as s:
-        s.put_manifest(raw, m)
-        for i, c in enumerate(split_payload(payload, CHUNK)):
-            s.put_chunk(1, i, aligned_copy(c))
+        payload = _put_version(s)
         assert not s._direct
     with ChunkStore(tmp_path) as s:
         assert bytes(s.payload_view(1)) == payload
@@ -156,11 +159,8 @@ def test_on_a_real_tmpfs(tmp_path) -> None:
     if r.returncode != 0:
         pytest.skip(f"needs root to mount a tmpfs: {r.stderr.strip()}")
     try:
-        payload, raw, m = version(1)
         with ChunkStore(mnt) as s:
-            s.put_manifest(raw, m)
-            for i, c in enumerate(split_payload(payload, CHUNK)):
-                s.put_chunk(1, i, aligned_copy(c))
+            payload = _put_version(s)
             assert bytes(s.payload_view(1)) == payload
         with ChunkStore(mnt) as s:
             assert s.payload(1) == payload
