@@ -65,3 +65,13 @@ def test_window_stays_within_its_bounds(lo: int, span: int,
         win.delivered(n, now, full)
         assert lo <= win.w <= lo + span
         assert lo <= win.best_w <= lo + span
+
+
+def test_raised_floor_lifts_the_window_and_holds_it() -> None:
+    win = UplinkWindow(2, 16)
+    win.raise_floor(5)
+    assert win.w == 5 and win.lo == 5
+    drive(win, capacity=3.0, rtt=0.08, deliveries=200)  # a thin uplink would settle lower
+    assert win.w >= 5
+    win.raise_floor(100)  # never above the most
+    assert win.w == 16 and win.lo == 16

@@ -290,7 +290,7 @@ class OriginRole(Role):
                 for i in iter_bits(gained & plan.infl):
                     src, _dst, _d, t0 = plan.inflight[i]
                     if self._via_uplink(plan, src):
-                        self.window.delivered(1, now, self._uplink_busy() >= self.window.w)
+                        self.window.delivered(1, now, self._uplink_busy() >= self._uplink_limit())
                     # measured delivery time into the region, per path kind (routing)
                     table = self.push_s if src == ORIGIN_SRC else self.relay_s
                     old = table.get(p.region)
@@ -507,6 +507,14 @@ class OriginRole(Role):
         home = self.cfg.region
         return any(r and r != home for r in self.pushes.values())
 
+    def _uplink_limit(self) -> int:
+        """Transfers allowed through the site uplink: the measured window, which never
+        drops below one per remote region with a border, so that no region's downlink
+        idles while the window is still small (its start-up, on the first version)."""
+        home = self.cfg.region
+        self.window.raise_floor(sum(1 for r, bs in self.borders.items() if r != home and bs))
+        return self.window.w
+
     def _uplink_busy(self) -> int:
         """Transfers through the origin's site uplink, until the HAVE: its pushes into
         remote regions and the relays its own region's borders carry."""
@@ -592,7 +600,7 @@ class OriginRole(Role):
             if r2 == r:
                 continue
             mask = missing & ~union if r2 == home else missing
-            if r2 == home and self._uplink_busy() >= self.window.w:
+            if r2 == home and self._uplink_busy() >= self._uplink_limit():
                 continue  # they share the origin's site uplink with its remote pushes
             if not mask:
                 continue
@@ -630,7 +638,7 @@ class OriginRole(Role):
         """
         if len(self.pushes) >= self.cfg.push_slots:
             return -1
-        if r != self.cfg.region and self._uplink_busy() >= self.window.w:
+        if r != self.cfg.region and self._uplink_busy() >= self._uplink_limit():
             return -1
         t = self._target(bs, load, warm=self.warm.get((ORIGIN_SRC, r)))
         if t is None:

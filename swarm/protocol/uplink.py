@@ -42,6 +42,14 @@ class UplinkWindow:
         self.n = 0
         self.nbytes = 0
 
+    def raise_floor(self, n: int) -> None:
+        """At least ``n`` in flight from now on (``lo``), the window and its best with it."""
+        n = min(n, self.hi)
+        if n > self.lo:
+            self.lo = n
+            self.w = max(self.w, n)
+            self.best_w = max(self.best_w, n)
+
     def delivered(self, nbytes: int, now: float, full: bool) -> None:
         """A transfer through the uplink was confirmed (HAVE). ``full``: the window was
         full just before it (the uplink was kept as busy as the window allows)."""
