@@ -359,3 +359,16 @@ def test_origin_pushes_into_a_region_stay_on_its_warm_connection() -> None:
         bs[conn - 1].send(wire.Have(2, (i,)))
         pushes = _pushes(bs[conn - 1].actions)
     assert len(set(used)) == 1, used
+
+
+def test_a_departed_border_leaves_no_warm_connection_behind() -> None:
+    s = Signer()
+    o = _core("origin", "home", role="origin", signer=s, border_nodes=2, uplink_window=1,
+              uplink_window_max=1, relay=False)
+    a = Script(o, 1, node_id="a", region="r1")
+    a.handshake()
+    o.handle(ev.Publish(o.now, s.manifest(2, 4)))
+    a.send(wire.Announce(s.manifest(2, 4)))
+    assert o.role.warm  # the push into r1 went over a's connection
+    o.handle(ev.PeerDisconnected(o.now, 1, "gone"))
+    assert not o.role.warm

@@ -203,6 +203,8 @@ class OriginRole(Role):
         for key in [k for k in self.pushes if k[0] == p.conn]:
             del self.pushes[key]
         self.pushed.pop(p.conn, None)
+        for key in [k for k, t in self.warm.items() if k[0] == p.conn or t == p.conn]:
+            del self.warm[key]  # its connections are gone: nothing is warm there
         if self.mode is not REGIONS or not p.border:
             self.schedule()
             return
