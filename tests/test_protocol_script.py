@@ -372,3 +372,66 @@ def test_a_departed_border_leaves_no_warm_connection_behind() -> None:
     assert o.role.warm  # the push into r1 went over a's connection
     o.handle(ev.PeerDisconnected(o.now, 1, "gone"))
     assert not o.role.warm
+
+
+def test_the_first_region_to_show_a_version_takes_only_its_share_of_the_uplink() -> None:
+    """At the window's floor (one transfer per remote region) the region whose border
+    echoes the ANNOUNCE first must not take the whole window: the other region's slot
+    waits for its echo, a round trip later, instead of its downlink idling until the
+    first region's HAVEs come back."""
+    s = Signer()
+    o = _core("origin", "home", role="origin", signer=s, border_nodes=1, uplink_window=1,
+              uplink_window_max=2, border_inflight=8, relay=False)  # floor: 2 remote regions
+    a = Script(o, 1, node_id="a", region="r1")
+    b = Script(o, 2, node_id="b", region="r2")
+    for x in (a, b):
+        x.handshake()
+    o.handle(ev.Publish(o.now, s.manifest(2, 8)))
+    a.send(wire.Announce(s.manifest(2, 8)))
+    first = _pushes(a.actions)
+    assert [c for c, _ in first] == [1], first  # its share: one of the window's two
+    b.send(wire.Announce(s.manifest(2, 8)))
+    second = _pushes(b.actions)
+    assert [c for c, _ in second] == [2], second
+    assert {i for _, i in first}.isdisjoint(i for _, i in second)  # novel chunks each
+
+
+def test_a_region_alone_may_use_the_whole_window() -> None:
+    """The share binds only while another remote region still wants chunks: once the
+    other region holds everything, one region may fill the window."""
+    s = Signer()
+    o = _core("origin", "home", role="origin", signer=s, border_nodes=1, uplink_window=4,
+              uplink_window_max=4, border_inflight=8, relay=False)
+    a = Script(o, 1, node_id="a", region="r1")
+    b = Script(o, 2, node_id="b", region="r2")
+    for x in (a, b):
+        x.handshake()
+    o.handle(ev.Publish(o.now, s.manifest(2, 2)))
+    b.send(wire.Announce(s.manifest(2, 2)))
+    for conn, i in _pushes(b.actions):
+        o.handle(ev.ChunkSent(o.now, conn, 2, i))
+    b.send(wire.Have(2, (0, 1)))  # r2 is complete
+    a.send(wire.Announce(s.manifest(2, 2)))
+    assert len(_pushes(a.actions)) == 2  # both chunks at once: nobody else wants the uplink
+
+
+def test_the_origin_pushes_itself_before_its_own_regions_borders_relay_out() -> None:
+    """A border of the origin's own region relaying into a remote region crosses the
+    same site uplink as the origin's own push, over a colder connection: while the
+    origin can push, it does, and its region's borders relay out only what it cannot."""
+    s = Signer()
+    o = _core("origin", "home", role="origin", signer=s, border_nodes=1, uplink_window=1,
+              uplink_window_max=1, border_inflight=1)
+    a = Script(o, 1, node_id="a", region="r1")
+    h = Script(o, 2, node_id="h", region="home")
+    for x in (a, h):
+        x.handshake()
+    a.send(wire.Links(("h",)))  # r1's border is linked to the home border: it could relay
+    h.send(wire.Links(("a",)))
+    o.handle(ev.Publish(o.now, s.manifest(2, 4)))
+    h.send(wire.Announce(s.manifest(2, 4)))
+    h.send(wire.Have(2, (0, 1, 2, 3)))  # the home border holds everything
+    a.send(wire.Announce(s.manifest(2, 4)))
+    acts = a.actions + h.actions
+    assert [c for c, _ in _pushes(acts) if c == 1], acts  # the origin pushed into r1
+    assert not [f for f in h.frames(acts) if isinstance(f, wire.Relay)]  # h did not relay

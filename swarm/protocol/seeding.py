@@ -451,43 +451,57 @@ class OriginRole(Role):
                 rbits[r] = bits
                 if r != c.region:
                     union |= bits
-            # regions taking in the fewest transfers first (an idle downlink is the
-            # waste to avoid: a region that relays another region's chunks in should
-            # not also get the origin's next push while its neighbour idles), then
-            # those furthest behind
-            order = sorted(holders, key=lambda r: (len(plans[r].inflight) if r in plans else 0,
-                                                   rbits[r].bit_count()))
-            for r in order:
-                bs = holders[r]
-                if not bs:
-                    continue
-                plan = plans[r]
-                load = self._loads(plan)
-                while True:
+            # One transfer per region per pass, regions taking in the fewest transfers
+            # first (an idle downlink is the waste to avoid: a region that relays
+            # another region's chunks in should not also get the origin's next push
+            # while its neighbour idles), then those furthest behind. Passes, not one
+            # region filled before the next: the site uplink's window is shared, and
+            # filling the first region's share would leave the others idle.
+            loads = {r: self._loads(plans[r]) for r in holders if holders[r]}
+            active = list(loads)
+            while active:
+                active.sort(key=lambda r: (len(plans[r].inflight), rbits[r].bit_count()))
+                took = []
+                for r in active:
                     missing = full & ~rbits[r]
                     if not missing:
-                        break
-                    i = self._relay_one(v, r, bs, plan, load, missing, now, union)
+                        continue
+                    i = self._feed_one(v, r, holders[r], plans[r], loads[r], missing, now,
+                                       union, rbits)
                     if i < 0:
-                        # Novel chunks first (no remote region has them): they can be relayed
-                        # on. A second copy into the remote regions only once the origin's
-                        # own pushes into them have left (its uplink is often its site's
-                        # thin uplink, shared by every region: a second copy there delays
-                        # the first of others), and not of what a region linked to this
-                        # one holds and can relay now (unless relays into it stalled).
-                        cand = missing & ~union
-                        if not cand:
-                            relayable = self._relayable(v, r, rbits, plan, now)
-                            if relayable is None or self._direct_faster(r):
-                                cand = missing  # no region can relay into r (or r is home)
-                            elif not self.pushes_leaving():
-                                cand = missing & ~relayable
-                        i = self._push_one(v, r, bs, plan, load, cand) if cand else -1
-                    if i < 0:
-                        break
+                        continue
+                    took.append(r)
                     rbits[r] |= 1 << i
                     if r != c.region:
                         union |= 1 << i
+                active = took
+
+    def _feed_one(self, v: int, r: str, bs: list[Peer], plan: RegionPlan, load: dict[int, int],
+                  missing: int, now: float, union: int, rbits: dict[str, int]) -> int:
+        """Start one transfer of a chunk region ``r`` misses: a relay if a border of
+        another region can carry one, else a push. The chunk's index, or -1."""
+        i = self._relay_one(v, r, bs, plan, load, missing, now, union, home_ok=False)
+        if i >= 0:
+            return i
+        # Novel chunks first (no remote region has them): they can be relayed on. A
+        # second copy into the remote regions only once the origin's own pushes into
+        # them have left (its uplink is often its site's thin uplink, shared by every
+        # region: a second copy there delays the first of others), and not of what a
+        # region linked to this one holds and can relay now (unless relays into it
+        # stalled).
+        cand = missing & ~union
+        if not cand:
+            relayable = self._relayable(v, r, rbits, plan, now)
+            if relayable is None or self._direct_faster(r):
+                cand = missing  # no region can relay into r (or r is home)
+            elif not self.pushes_leaving():
+                cand = missing & ~relayable
+        i = self._push_one(v, r, bs, plan, load, cand) if cand else -1
+        if i < 0 and r != self.cfg.region:
+            # the origin's own pushes are at their limit (``push_slots``, its borders'
+            # slots): its region's borders may carry novel chunks out, on the same uplink
+            i = self._relay_one(v, r, bs, plan, load, missing, now, union, home_ok=True)
+        return i
 
     def _direct_faster(self, r: str) -> bool:
         """Whether a chunk has been reaching region ``r`` sooner pushed by the origin than
@@ -516,6 +530,53 @@ class OriginRole(Role):
         home = self.cfg.region
         self.window.raise_floor(sum(1 for r, bs in self.borders.items() if r != home and bs))
         return self.window.w
+
+    def _uplink_free(self, r: str, plan: RegionPlan) -> bool:
+        """Whether one more transfer into remote region ``r`` may cross the site uplink:
+        the window has room, and ``r`` holds no more than its fair share of it while
+        another remote region (with a border) holds less. Without the share the first
+        region to show a version would take the whole window and the others' downlinks
+        would idle, on the first version with the window at its floor."""
+        limit = self._uplink_limit()
+        if self._uplink_busy() >= limit:
+            return False
+        home = self.cfg.region
+        remote = [x for x, bs in self.borders.items() if x != home and bs]
+        if len(remote) < 2:
+            return True
+        share = -(-limit // len(remote))
+        into = self._uplink_by_region()
+        if into.get(r, 0) < share:
+            return True
+        return not any(into.get(x, 0) < share and self._wants(x) for x in remote if x != r)
+
+    def _uplink_by_region(self) -> dict[str, int]:
+        """Transfers crossing the site uplink now, per remote region they go into."""
+        into: dict[str, int] = {}
+        for plans in self.plans.values():
+            for x, plan in plans.items():
+                if plan.remote and plan.infl:
+                    n = sum(1 for e in plan.inflight.values() if self._via_uplink(plan, e[0]))
+                    if n:
+                        into[x] = into.get(x, 0) + n
+        return into
+
+    def _wants(self, r: str) -> bool:
+        """Whether region ``r`` still misses chunks of a version being seeded, or has not
+        shown the newest yet (its borders' echo of the ANNOUNCE is a round trip away; an
+        older version it has not shown it may skip, so that one does not count)."""
+        newest = max(self.versions)
+        for v, plans in self.plans.items():
+            st = self.host.holding(v)
+            if st is None:
+                continue
+            plan = plans.get(r)
+            if plan is None:
+                if v == newest:
+                    return True
+            elif (plan.sent | plan.infl) != st.full:
+                return True
+        return False
 
     def _uplink_busy(self) -> int:
         """Transfers through the origin's site uplink, until the HAVE: its pushes into
@@ -590,19 +651,20 @@ class OriginRole(Role):
         return best
 
     def _relay_one(self, v: int, r: str, bs: list[Peer], plan: RegionPlan, load: dict[int, int],
-                   missing: int, now: float, union: int) -> int:
+                   missing: int, now: float, union: int, home_ok: bool) -> int:
         home = self.cfg.region
         if not self.cfg.relay or r == home:
             return -1  # the origin's own region is fed locally, never across a border
-        # Sources outside the origin's own region first: they spare its site uplink. A
-        # border of the origin's own region sends through that same uplink, so it relays
-        # only what no remote region has (as the origin would push it).
-        for r2 in sorted(self.borders, key=lambda x: x == home):
+        # Sources outside the origin's own region: they spare its site uplink. A border
+        # of the origin's own region (``home_ok``: when the origin cannot push) sends
+        # through that same uplink, so it relays only what no remote region has (as the
+        # origin would push it).
+        for r2 in self.borders:
             lst = self.borders[r2]
-            if r2 == r:
+            if r2 == r or (r2 == home and not home_ok):
                 continue
             mask = missing & ~union if r2 == home else missing
-            if r2 == home and self._uplink_busy() >= self._uplink_limit():
+            if r2 == home and not self._uplink_free(r, plan):
                 continue  # they share the origin's site uplink with its remote pushes
             if not mask:
                 continue
@@ -640,7 +702,7 @@ class OriginRole(Role):
         """
         if len(self.pushes) >= self.cfg.push_slots:
             return -1
-        if r != self.cfg.region and self._uplink_busy() >= self._uplink_limit():
+        if plan.remote and not self._uplink_free(r, plan):
             return -1
         t = self._target(bs, load, warm=self.warm.get((ORIGIN_SRC, r)))
         if t is None:
