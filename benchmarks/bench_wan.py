@@ -159,11 +159,14 @@ class Meter:
 class UplinkTrace:
     """Samples every region uplink's byte counters (one ``ip -s -j link`` in the core
     namespace) every ``period`` seconds in a thread: Mbit/s into and out of each region
-    over time, to see whether the uplinks stay busy (``--trace``)."""
+    over time, to see whether the uplinks stay busy (``--trace``), and the machine's CPU
+    busy share (``cpu``, % of all cores, ``/proc/stat``): every host and every delay
+    holder share this machine's cores, so a CPU-bound moment slows the emulated
+    network itself."""
 
     def __init__(self, lab: Any, period: float = 0.25) -> None:
         self.lab, self.period = lab, period
-        self.samples: list[tuple[float, dict[int, tuple[int, int]]]] = []
+        self.samples: list[tuple[float, dict[int, tuple[int, int]], tuple[int, int]]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -178,12 +181,19 @@ class UplinkTrace:
                 out[int(name[1:])] = (int(st["tx"]["bytes"]), int(st["rx"]["bytes"]))
         return out
 
+    @staticmethod
+    def _cpu() -> tuple[int, int]:
+        """(busy, total) jiffies of all cores since boot."""
+        f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = f[3] + (f[4] if len(f) > 4 else 0)
+        return sum(f) - idle, sum(f)
+
     def start(self, t0: float) -> None:
         self.t0 = t0
 
         def loop() -> None:
             while not self._stop.is_set():
-                self.samples.append((time.time() - self.t0, self._read()))
+                self.samples.append((time.time() - self.t0, self._read(), self._cpu()))
                 self._stop.wait(self.period)
 
         self._thread = threading.Thread(target=loop, daemon=True)
@@ -194,13 +204,14 @@ class UplinkTrace:
         if self._thread is not None:
             self._thread.join(5)
         rows = []
-        for (ta, a), (tb, b) in zip(self.samples, self.samples[1:], strict=False):
+        for (ta, a, ca), (tb, b, cb) in zip(self.samples, self.samples[1:], strict=False):
             dt = tb - ta
             if dt <= 0:
                 continue
+            busy = round(100 * (cb[0] - ca[0]) / (cb[1] - ca[1]), 0) if cb[1] > ca[1] else 0.0
             rows.append({"t": round(tb, 2), **{
                 f"{k}{r}": round((b[r][i] - a[r][i]) * 8 / dt / 1e6, 1)
-                for r in sorted(b) if r in a for i, k in ((0, "in"), (1, "out"))}})
+                for r in sorted(b) if r in a for i, k in ((0, "in"), (1, "out"))}, "cpu": busy})
         return rows
 
 

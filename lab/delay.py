@@ -250,7 +250,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-held-mib", type=float, default=256.0,
                     help="packet bytes held at most; more are dropped")
     ap.add_argument("--stats", type=Path, default=None, help="write counters here (JSON) on exit")
+    ap.add_argument("--nice", type=int, default=-10,
+                    help="scheduling priority of the holder (default -10: the emulated network "
+                         "keeps its delay when the hosts under test load every core; needs root, "
+                         "else it stays as it is)")
     args = ap.parse_args(argv)
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, 0, args.nice)
     stop = [False]
 
     def on_signal(*_: object) -> None:
