@@ -387,7 +387,8 @@ def run_patchswarm(lab: Any, args: argparse.Namespace, meter: Meter, oneshot: bo
         per_node[n.name] = {"s": round(t_act - t0, 3), "received": recv,
                             "received_by_kind": {k: got[k] - got0.get(k, 0) for k in got},
                             "cpu_s": round(cpu, 2),
-                            "cpu_s_per_gb": round(cpu / (recv / 1e9), 2) if recv else None}
+                            "cpu_s_per_gb": round(cpu / (recv / 1e9), 2) if recv else None,
+                            "apply": (st.get("apply_split") or {}).get(str(version))}
         regions[r] = max(regions.get(r, 0.0), t_act - t0)
     last = max(v["s"] for v in per_node.values())
     digest_ok = len({st["active_digest"] for st in sts.values()}) == 1
@@ -403,6 +404,10 @@ def run_patchswarm(lab: Any, args: argparse.Namespace, meter: Meter, oneshot: bo
     out["node_cpu_s"] = round(sum(cpus), 2)
     out["cpu_s_per_gb"] = round(sum(cpus) / (recv_total / 1e9), 2) if recv_total else None
     out["cpu_s_per_gb_max_node"] = max(v["cpu_s_per_gb"] or 0 for v in per_node.values())
+    # the apply after the last chunk, its CPU (decoded ahead meanwhile: in the rest)
+    tail = [v["apply"]["cpu_s"] for v in per_node.values()
+            if v["apply"] and "cpu_s" in v["apply"]]
+    out["apply_tail_cpu_s"] = round(statistics.median(tail), 4) if tail else None
     return out
 
 
@@ -566,6 +571,9 @@ def inner(args: argparse.Namespace) -> int:
             result["runs"].append(row)
             print(summary_line(row), flush=True)
     print_table(result)
+    sim = simulate(args, result)
+    if sim is not None:
+        result["simulator"] = sim
     out = Path(args.out or ROOT / "benchmarks" / "results" / "wan.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
@@ -592,6 +600,42 @@ def summary_line(row: dict[str, Any]) -> str:
             f"(from hand-off {row['all_from_handoff_s']} s), regions {row['regions_s']}, "
             f"copies in {into}, {row['cpu_s_per_gb']} CPU-s/GB, "
             f"holders {row['holders']['cpu_s']} CPU-s / {row['holders']['packets']} pkts")
+
+
+def simulate(args: argparse.Namespace, result: dict[str, Any]) -> dict[str, Any] | None:
+    """The simulator's ``wan-3x4`` with this run's measured node CPU, apply CPU (the
+    nodes' own: what their applies after the last chunk cost) and hand-off
+    (``simulations.emulated``) against the emulation's median: prints and returns it."""
+    rows = [r for r in result["runs"] if r.get("system") == "patchswarm" and "error" not in r]
+    if not rows:
+        return None
+    from simulations.emulated import emulated_wan, predict
+
+    tails = [r["apply_tail_cpu_s"] for r in rows if r.get("apply_tail_cpu_s")]
+    if not tails:
+        print("simulator: the nodes reported no apply CPU (an older node?): no prediction")
+        return None
+    size = statistics.median(int(r["payload_bytes"]) for r in rows)
+    sc = emulated_wan(
+        size_bytes=int(size),
+        chunk_bytes=args.chunk_size, handoff_s=statistics.median(r["handoff_s"] for r in rows),
+        node_cpu_s_per_gb=statistics.median(r["cpu_s_per_gb"] for r in rows),
+        apply_cpu_s_per_gb=statistics.median(tails) / (size / 1e9),
+        regions=result["regions"], hosts_per_region=result["hosts_per_region"],
+        uplink_mbit=args.uplink_mbit, delay_ms=args.delay_ms)
+    if sc is None:
+        print("simulator: no scenario file for this shape (configs/sim/wan-3x4.toml is 3x4, "
+              "100 Mbit, 40 ms)")
+        return None
+    sim = predict(sc)
+    emu = statistics.median(r["all_s"] for r in rows)
+    sim["emulated_s"] = emu
+    sim["difference"] = round(sim["serving_s"] / emu - 1, 4)
+    print(f"simulator (wan-3x4, calibrated to this run: io {sim['io_mb_s']} MB/s, apply "
+          f"{sim['apply_mb_s']} MB/s, hand-off "
+          f"{sim['encode_s']:.2f} s): every node serving at {sim['serving_s']:.2f} s against "
+          f"{emu:.2f} s emulated ({sim['difference']:+.1%}); holding it at {sim['held_s']:.2f} s")
+    return sim
 
 
 def print_table(result: dict[str, Any]) -> None:

@@ -82,6 +82,9 @@ def status_dict(driver: Driver, model: str) -> dict[str, Any]:
         "dup_chunks": counters["dup_chunks"],
         "wire_bytes": dict(driver.wire_bytes),
         "apply_seconds": {str(k): round(v, 6) for k, v in driver.apply_seconds.items()},
+        # where each apply's time went (wait, read, stage, commit, engine; cpu_s: the
+        # applying thread's CPU), the last 16 versions
+        "apply_split": {str(k): v for k, v in getattr(driver, "apply_splits", {}).items()},
         # confidential versions this node relays but cannot open (no key for them)
         "no_key_versions": {str(k): v for k, v in getattr(driver, "no_key_versions", {}).items()},
         "activated_at": {str(k): v for k, v in driver.activated_at.items()},

@@ -204,6 +204,7 @@ class Driver:
         self._applying = False
         self._ahead_bytes = 0  # of the last apply's payload, decoded while it downloaded
         self.apply_split: dict[str, float] = {}
+        self.apply_splits: dict[int, dict[str, float]] = {}  # the last 16 (/status)
         self._truth_split: dict[str, float] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
         self.session: aiohttp.ClientSession | None = None
@@ -730,6 +731,9 @@ class Driver:
         # where the time went: waiting (decode ahead, engine lock), the truth, the engine
         self.apply_split = {"wait_s": round(t_lock - t0, 4), "truth_s": round(t_truth - t_lock, 4),
                             **self._truth_split, "engine_s": round(t1 - t_truth, 4)}
+        self.apply_splits[version] = self.apply_split
+        while len(self.apply_splits) > 16:
+            del self.apply_splits[min(self.apply_splits)]
         self.activated_at[version] = time.time()
         st = self.engine_state
         if st.healthy:
@@ -747,6 +751,7 @@ class Driver:
         m = self.store.manifest(version)
         w = self.weights
         t0 = time.perf_counter()
+        c0 = time.thread_time()  # this worker thread's CPU: the apply's own cost
         self._ahead_bytes = 0
         self._truth_split = {}
         if m.kind == "full" and m.target_digest == w.digest:
@@ -781,7 +786,8 @@ class Driver:
         out = self._after_truth_commit(version, digest)
         self._truth_split = {"read_s": round(t1 - t0, 4), "stage_s": round(t2 - t1, 4),
                              "commit_s": round(t3 - t2, 4),
-                             "record_s": round(time.perf_counter() - t3, 4)}
+                             "record_s": round(time.perf_counter() - t3, 4),
+                             "cpu_s": round(time.thread_time() - c0, 4)}
         return out
 
     def _after_truth_commit(self, version: int, digest: bytes) -> bytes:
