@@ -46,9 +46,12 @@ import itertools
 import logging
 import os
 import ssl
+import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -151,6 +154,23 @@ class Conn:
         return len(self.ctrl) + len(self.data)
 
 
+PRESTAGE_NICE = 10  # niceness of the prestage thread (Linux: per thread)
+
+
+def lower_thread_priority() -> None:
+    """Lower the calling thread's scheduling priority to ``PRESTAGE_NICE`` (never
+    raise it). Linux only (niceness is per thread there); elsewhere, or when the
+    system refuses, the thread runs at normal priority."""
+    if not sys.platform.startswith("linux"):
+        return  # elsewhere a thread id is no target for setpriority
+    try:
+        tid = threading.get_native_id()
+        if os.getpriority(os.PRIO_PROCESS, tid) < PRESTAGE_NICE:
+            os.setpriority(os.PRIO_PROCESS, tid, PRESTAGE_NICE)
+    except (AttributeError, OSError):
+        pass
+
+
 class Driver:
     """Carry out a core's actions over real sockets; see the module docstring."""
 
@@ -201,6 +221,9 @@ class Driver:
         # decoding the verified prefix of a patch while the rest downloads (``_prestage``)
         self._pre_task: asyncio.Task | None = None
         self._pre_again = False
+        # its own low-priority thread (``_prestage_pool``), shut down by ``stop``
+        self._pre_pool: ThreadPoolExecutor | None = None
+        self._pre_closed = False
         self._applying = False
         self._ahead_bytes = 0  # of the last apply's payload, decoded while it downloaded
         self.apply_split: dict[str, float] = {}
@@ -278,6 +301,7 @@ class Driver:
             await self.runner.cleanup()
         if self.api_runner is not None:
             await self.api_runner.cleanup()
+        await self._prestage_close()
 
     def now(self) -> float:
         assert self.loop is not None
@@ -601,10 +625,11 @@ class Driver:
 
     def _prestage_kick(self, v: int) -> None:
         """A chunk of ``v`` was stored: decode what it extends of the patch's verified
-        prefix, in a worker thread, while later chunks still download. The apply then
-        decodes only the tail (``InProcessWeights.prefeed``); at most one such task
-        runs, and none during an apply."""
-        if self.weights is None or self._applying:
+        prefix, in the prestage thread (``_prestage_pool``: its own, at low priority),
+        while later chunks still download. The apply then decodes only the tail
+        (``InProcessWeights.prefeed``); at most one such task runs, none during an
+        apply, and none once the driver stopped."""
+        if self.weights is None or self._applying or self._pre_closed:
             return
         if self._pre_task is not None:
             self._pre_again = True
@@ -615,7 +640,10 @@ class Driver:
         try:
             while True:
                 self._pre_again = False
-                await asyncio.to_thread(self._prestage_step, v)
+                if self._pre_closed:  # stopped: no new pool
+                    return
+                loop = asyncio.get_running_loop()
+                await loop.run_in_executor(self._prestage_pool(), self._prestage_step, v)
                 if not self._pre_again or self._applying:
                     return
         except Exception:  # an optimisation only: the apply decodes everything itself
@@ -623,8 +651,26 @@ class Driver:
         finally:
             self._pre_task = None
 
+    def _prestage_pool(self) -> ThreadPoolExecutor:
+        """The prestage thread: one, of its own (not the default executor that chunk
+        reads, stores and applies share), at a lower scheduling priority, so decoding
+        ahead yields the CPU to the event loop (uploads, relays, heartbeats) and to
+        everything else the node does. Created on first use, shut down by ``stop``."""
+        if self._pre_pool is None:
+            self._pre_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prestage",
+                                                initializer=lower_thread_priority)
+        return self._pre_pool
+
+    async def _prestage_close(self) -> None:
+        """Stop decoding ahead and join the prestage thread (it finishes at most the
+        chunk it is feeding)."""
+        self._pre_closed = True
+        pool, self._pre_pool = self._pre_pool, None
+        if pool is not None:
+            await asyncio.to_thread(pool.shutdown, True)
+
     def _prestage_step(self, v: int) -> None:
-        """Feed every stored chunk that continues the decoded prefix (worker thread)."""
+        """Feed every stored chunk that continues the decoded prefix (prestage thread)."""
         w = self.weights
         try:
             m = self.store.manifest(v)
@@ -638,7 +684,7 @@ class Driver:
             return
         i = fed // m.chunk_size
         held = self.store.have(v)
-        while i < m.chunk_count and i in held and not self._applying:
+        while i < m.chunk_count and i in held and not self._applying and not self._pre_closed:
             try:
                 data = self.store.read_chunk(v, i)
             except (ChunkError, StoreError, OSError):

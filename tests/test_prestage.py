@@ -129,7 +129,10 @@ def test_driver_decodes_stored_chunks_ahead_of_the_apply(tmp_path) -> None:
                 await asyncio.sleep(0.001)
         assert w.prefed(2) == size * (len(chunks) - 1)
         store.put_chunk(2, len(chunks) - 1, chunks[-1])
-        return await asyncio.to_thread(drv._apply_truth, 2)
+        try:
+            return await asyncio.to_thread(drv._apply_truth, 2)
+        finally:
+            await drv.stop(drain_s=0.1)  # joins the prestage thread
 
     with ChunkStore(tmp_path, trust=TrustStore([key.public_key()])) as store:
         digest = asyncio.run(main(store))

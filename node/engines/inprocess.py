@@ -97,6 +97,11 @@ class InProcessWeights(EngineAdapter):
         # Only an external engine needs the changed positions (they cost a pass over
         # every changed element and, for dense records, an index array as large).
         self.track_changes = True
+        # Digests ahead (``swarm.codec.apply``): DENSE/FULL records' target digests and
+        # DENSE un-shuffles are done when a record is decoded (prefeed, stage), so the
+        # commit is one XOR pass per dense tensor. False: all of it at commit (the
+        # baseline of benchmarks/bench_apply_tail.py).
+        self.digests_ahead = True
 
     @classmethod
     def load(cls, path: Path, version: int, device: str = "auto") -> InProcessWeights:
@@ -117,7 +122,8 @@ class InProcessWeights(EngineAdapter):
         """Decode the next verified bytes of patch ``version`` (from payload ``offset``)
         while the rest downloads, so that ``stage`` only has the tail left to decode.
 
-        Nothing served changes (stage mode). Only a patch of exactly the state held
+        Nothing served changes (stage mode). Each complete DENSE/FULL record also gets
+        the digest its tensor will have after the commit (``digests_ahead``). Only a patch of exactly the state held
         now is decoded; bytes that do not continue what was fed are ignored. Any
         failure forgets the prefix: ``stage`` then decodes the whole payload and
         reports the error itself. Returns the bytes fed so far (0: none kept)."""
@@ -133,7 +139,8 @@ class InProcessWeights(EngineAdapter):
                     return 0
                 pre = self._pre = [version, base_digest,
                                    PatchApplier(self.weights, stage=True,
-                                                digests=self.tensor_digests), 0]
+                                                digests=self.tensor_digests,
+                                                ahead=self.digests_ahead), 0]
             if offset != pre[3]:
                 return pre[3]
             try:
@@ -182,7 +189,8 @@ class InProcessWeights(EngineAdapter):
                         applier.staged = None
                         raise
                 else:
-                    applier = stage_patch(self.weights, payload, digests=self.tensor_digests)
+                    applier = stage_patch(self.weights, payload, digests=self.tensor_digests,
+                                          ahead=self.digests_ahead)
             header = applier.header
             if header is None:
                 raise PatchFormatError(f"version {version}: truncated patch (no complete header)")
@@ -203,7 +211,10 @@ class InProcessWeights(EngineAdapter):
             raise PatchFormatError(f"unknown payload kind {kind!r}")
 
     def commit(self, version: int, target_digest: bytes) -> bytes:
-        """Apply what ``stage`` decoded: only the scatter and the digest checks run here."""
+        """Apply what ``stage`` decoded: only the scatter (one XOR pass per dense tensor)
+        and the digest checks run here; the changed tensors' digests were mostly taken
+        ahead, at decode (``digests_ahead``), and the state digest is still checked
+        against ``target_digest``, with a bitwise rollback on any failure."""
         if self._staged is None or self._staged[0] != version:
             raise PatchApplyError(f"version {version} was not staged")
         _, kind, staged = self._staged

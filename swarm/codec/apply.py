@@ -8,13 +8,30 @@ any failure â€” a corrupt or truncated record, a digest mismatch, a wrong base â
 rolls the weights back to exactly the state before the first record, then
 raises. Extra memory is bounded by the decoded records (positions plus old and
 new values), never a full-size copy of a tensor, except that DENSE records
-hold their XOR (their decoded size, as byte planes) until the apply ends.
+hold their XOR (their decoded size) until the apply ends.
 Bytes fed in are not copied while they hold whole records; only an incomplete
 tail is buffered, and copied once when its record completes.
 
 Contract for callers: while an apply is in progress the weights must not be
 served; after ``finish`` they are the target version, after an exception they
 are the base version.
+
+Digests ahead (stage mode, ``ahead=True``, the default there): the work that
+does not change the weights is done when a record is decoded, not at commit.
+A DENSE record on a CPU tensor is un-shuffled into its flat XOR, and the digest
+its tensor will have after the commit is taken then, from ``base ^ xor`` block
+by block (a scratch block, no full-size copy); a FULL record's digest is taken
+of its decoded tensor. The commit of such records is then one XOR pass (or a
+put), and ``finish`` combines digests instead of re-hashing. The ahead digest
+is of exactly the bytes the commit writes: ``base ^ xor`` with the same ``xor``
+array (owned by the applier) and the same base bits, which staging already
+relies on (sparse records' undo values are gathered at decode). It is used
+only if the base is still the very tensor it was taken from, with the same
+storage and torch version counter, and no earlier record of this commit
+touched it; otherwise the tensor is hashed at commit as before. SPARSE records
+(their digest needs the post-scatter tensor) and tensors on other devices are
+hashed at commit. The state digest is still checked against the target and any
+failure still rolls back bitwise.
 """
 
 from __future__ import annotations
@@ -60,16 +77,23 @@ class _Undo:
 class PatchApplier:
     def __init__(self, weights: MutableMapping[str, torch.Tensor], *,
                  check_base: bool = True, stage: bool = False,
-                 digests: MutableMapping[str, bytes] | None = None) -> None:
+                 digests: MutableMapping[str, bytes] | None = None,
+                 ahead: bool = True) -> None:
         """``digests``: a cache of tensor digests of ``weights`` kept by the caller
         (e.g. the node's weight holder). Unchanged tensors are then never re-hashed,
         which matters on a GPU, where hashing means reading the tensor back. It is
-        updated on success and left as it was on failure."""
+        updated on success and left as it was on failure.
+
+        ``ahead`` (stage mode only): take DENSE/FULL records' target digests and
+        un-shuffle DENSE XORs when the record is decoded, so the commit only XORs
+        (module docstring); ``False`` keeps all of it for the commit."""
         self.weights = weights
         self.check_base = check_base
         self.known = digests
         # stage=True: records are decoded as they arrive but applied only by commit().
         self.staged: list[_Edit] | None = [] if stage else None
+        self.ahead = ahead and stage
+        self._touched: set[str] = set()  # tensors changed so far by this commit
         self.header: PatchHeader | None = None
         self._buf = bytearray()
         self._next = 0
@@ -105,7 +129,10 @@ class PatchApplier:
         """Check that the patch is complete and the result is the target; else roll back.
 
         In stage mode this is the commit: every decoded record is applied here,
-        so the weights change only inside this call (the engine's pause)."""
+        so the weights change only inside this call (the engine's pause). With
+        digests ahead that is one XOR pass per DENSE record and a put per FULL one,
+        then the state digest from the per-tensor digests (SPARSE records' tensors,
+        and any whose ahead digest no longer holds, are hashed here)."""
         try:
             if self.header is None and self._buf:
                 data = bytes(self._buf)
@@ -152,6 +179,8 @@ class PatchApplier:
             name = edit.entry.name
             if edit.kind == "sparse":
                 out.append((name, "sparse", np.asarray(edit.data[0], dtype=np.int64)))  # type: ignore[index]
+            elif edit.kind == "xorflat":
+                out.append((name, "dense", np.flatnonzero(edit.data).astype(np.int64)))  # type: ignore[call-overload]
             elif edit.kind == "xor":
                 # DENSE records stay as (itemsize, count) byte planes of the XOR:
                 # element j changed iff any of its bytes differs
@@ -176,6 +205,8 @@ class PatchApplier:
                 _scatter(self.weights[u.name], idx, old)
             elif u.kind == "xor":
                 _xor_planes(self.weights[u.name], u.data)  # type: ignore[arg-type]
+            elif u.kind == "xorflat":
+                _xor_flat(self.weights[u.name], u.data)  # type: ignore[arg-type]
             elif u.kind == "put":
                 if u.data is None:
                     self.weights.pop(u.name, None)
@@ -246,11 +277,16 @@ class PatchApplier:
         if entry.op == Op.FULL:
             bits = records.decode_blob(r, entry.numel, dt)  # a new, writable array
             new = torch.from_numpy(bits).view(dt.torch_dtype).reshape(entry.shape)
-            return _Edit(entry, what, digest, "put", new)
+            # the decoded tensor is the applier's own: its digest now is the committed one's
+            return _Edit(entry, what, digest, "put", new,
+                         ahead=tensor_digest(new) if self.ahead else None)
         t = self._base_tensor(entry, what)
         if entry.op == Op.DENSE:
+            planes = records.decode_planes(r, entry.numel, dt)
+            if self.ahead and t.device.type == "cpu":
+                return _dense_ahead(entry, what, digest, t, planes)
             # Kept as byte planes: un-shuffled block by block while XORed in (commit).
-            return _Edit(entry, what, digest, "xor", records.decode_planes(r, entry.numel, dt))
+            return _Edit(entry, what, digest, "xor", planes)
         reader = _block_reader(t) if entry.op == Op.SPARSE_CTX else None
         idx, head = records.decode_sparse_positions(r, entry.numel, dt, reader)
         old = _gather(t, idx)
@@ -258,8 +294,11 @@ class PatchApplier:
         return _Edit(entry, what, digest, "sparse", (idx, old, new))
 
     def _commit_edit(self, edit: _Edit) -> None:
-        """Apply a decoded record in place, logging its undo, then check its digest."""
+        """Apply a decoded record in place, logging its undo, then check its digest
+        (taken ahead where the record has one that still holds, else hashed now)."""
         name = edit.entry.name
+        touched = name in self._touched
+        self._touched.add(name)
         if edit.kind == "delete":
             self._undo.append(_Undo(name, "put", self.weights.pop(name)))
             return
@@ -270,6 +309,20 @@ class PatchApplier:
             self.weights[name] = t
             self._undo.append(_Undo(name, "put", old))
             self._changed += edit.entry.numel
+            if edit.ahead is not None and t is edit.data:  # the very tensor hashed ahead
+                self._check_digest(edit, edit.ahead)
+                return
+        elif edit.kind == "xorflat":
+            t = self._base_tensor(edit.entry, edit.what)
+            base, version, ptr = edit.base  # type: ignore[misc]
+            sure = (not touched and t is base and t._version == version
+                    and t.data_ptr() == ptr)
+            _xor_flat(t, edit.data)  # type: ignore[arg-type]
+            self._undo.append(_Undo(name, "xorflat", edit.data))
+            self._changed += edit.changed
+            if sure:  # base ^ xor, hashed when the record was decoded
+                self._check_digest(edit, edit.ahead)  # type: ignore[arg-type]
+                return
         else:
             t = self._base_tensor(edit.entry, edit.what)
             if edit.kind == "xor":
@@ -316,6 +369,40 @@ class _Edit:
     digest: bytes
     kind: str
     data: object
+    # digests ahead: the tensor's full digest after this record's commit, taken at
+    # decode; for "xorflat" also the elements it changes and the base it was taken
+    # from (tensor, torch version counter, data pointer)
+    ahead: bytes | None = None
+    changed: int = 0
+    base: tuple | None = None
+
+
+def _dense_ahead(entry: TableEntry, what: str, digest: bytes, t: torch.Tensor,
+                 planes: np.ndarray) -> _Edit:
+    """A DENSE record on a CPU tensor, decoded ahead: the byte planes un-shuffled into
+    the flat XOR (as large as the planes, which are then dropped), the count of
+    elements it changes, and the XXH3 of ``base ^ xor``, the tensor's bytes after
+    the commit, block by block through a scratch block (the base is only read)."""
+    u = bits_view(t, dtype_of(t)).numpy()
+    u = u.view(np.dtype(f"u{u.dtype.itemsize}"))
+    n = u.size
+    xor = np.empty(n, dtype=u.dtype)
+    itemsize = planes.shape[0]
+    hasher = xxhash.xxh3_64()
+    changed = 0
+    scratch = np.empty(min(n, records.BLOCK), dtype=u.dtype)
+    for s in range(0, n, records.BLOCK):
+        e = min(n, s + records.BLOCK)
+        xb = xor[s:e]
+        if itemsize == 1:
+            xb[:] = planes[0, s:e]
+        else:
+            records._unshuffle_block(planes, s, e, xb)
+        changed += int(np.count_nonzero(xb))
+        hasher.update(np.bitwise_xor(u[s:e], xb, out=scratch[:e - s]))
+    xor.flags.writeable = False  # hashed through: nothing may change it before the commit
+    return _Edit(entry, what, digest, "xorflat", xor, ahead=hasher.digest(), changed=changed,
+                 base=(t, t._version, t.data_ptr()))
 
 
 def _default_device(weights: MutableMapping[str, torch.Tensor]) -> torch.device:
@@ -348,6 +435,13 @@ def _scatter(t: torch.Tensor, idx: np.ndarray, values: np.ndarray) -> None:
         flat[torch.from_numpy(idx).to(flat.device)] = torch.from_numpy(values).to(flat.device)
 
 
+def _xor_flat(t: torch.Tensor, xor: np.ndarray) -> None:
+    """``t ^= xor`` in place (a CPU tensor; ``xor`` its flat unsigned bit patterns)."""
+    u = bits_view(t, dtype_of(t)).numpy()
+    u = u.view(xor.dtype)
+    np.bitwise_xor(u, xor, out=u)
+
+
 def _xor_planes(t: torch.Tensor, planes: np.ndarray, hasher=None) -> int:
     """XOR the byte-shuffled ``planes`` into ``t`` in place; returns how many
     elements changed. On the CPU this is one blocked pass (un-shuffle, XOR, count,
@@ -363,10 +457,13 @@ def _xor_planes(t: torch.Tensor, planes: np.ndarray, hasher=None) -> int:
 
 def stage_patch(weights: MutableMapping[str, torch.Tensor], patch: bytes | memoryview, *,
                 check_base: bool = True,
-                digests: MutableMapping[str, bytes] | None = None) -> PatchApplier:
+                digests: MutableMapping[str, bytes] | None = None,
+                ahead: bool = True) -> PatchApplier:
     """Decode a whole patch against ``weights`` without changing them (may run while
-    they are served); ``.finish()`` on the result applies it, all or nothing."""
-    applier = PatchApplier(weights, check_base=check_base, stage=True, digests=digests)
+    they are served); ``.finish()`` on the result applies it, all or nothing.
+    ``ahead``: digests ahead (``PatchApplier``)."""
+    applier = PatchApplier(weights, check_base=check_base, stage=True, digests=digests,
+                           ahead=ahead)
     try:
         applier.feed(patch)
     except BaseException:
