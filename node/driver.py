@@ -155,6 +155,10 @@ class Conn:
 
 
 PRESTAGE_NICE = 10  # niceness of the prestage thread (Linux: per thread)
+# prestage feeds a chunk in slices of this many bytes and checks between them whether an
+# apply waits: the apply waits for one slice's decode at most, which on a loaded host (the
+# thread is niced) can be much longer than on an idle one
+PRESTAGE_SLICE = 1 << 20
 
 
 def lower_thread_priority() -> None:
@@ -680,20 +684,22 @@ class Driver:
                 or m.parent_digest is None or m.parent_digest != w.digest:
             return
         fed = w.prefed(v)
-        if fed % m.chunk_size:
-            return
-        i = fed // m.chunk_size
+        i, start = divmod(fed, m.chunk_size)  # a chunk may be fed in part (slices)
         held = self.store.have(v)
-        while i < m.chunk_count and i in held and not self._applying and not self._pre_closed:
+        while i < m.chunk_count and i in held:
             try:
-                data = self.store.read_chunk(v, i)
+                data = memoryview(self.store.read_chunk(v, i))
             except (ChunkError, StoreError, OSError):
                 return  # the apply reads it again and reports
-            now = w.prefeed(v, m.parent_digest, fed, data)
-            if now != fed + len(data):
-                return
-            fed = now
-            i += 1
+            for off in range(start, len(data), PRESTAGE_SLICE):
+                if self._applying or self._pre_closed:
+                    return
+                piece = data[off:off + PRESTAGE_SLICE]
+                now = w.prefeed(v, m.parent_digest, fed, piece)
+                if now != fed + len(piece):
+                    return
+                fed = now
+            i, start = i + 1, 0
 
     def _check_and_store(self, v: int, i: int, payload: memoryview) -> bool | str | None:
         """Keep the chunk durably if it is the one its manifest names.
@@ -808,8 +814,9 @@ class Driver:
         skip = w.prefed(version) if getattr(m, "encryption", None) is None else 0
         self._ahead_bytes = skip
         if skip:  # decoded while it downloaded: only the rest is read and decoded
-            payload = b"".join(self.store.read_chunk(version, i)
-                               for i in range(skip // m.chunk_size, m.chunk_count))
+            first, part = divmod(skip, m.chunk_size)  # from within a chunk (slices)
+            payload = memoryview(b"".join(self.store.read_chunk(version, i)
+                                          for i in range(first, m.chunk_count)))[part:]
         else:
             # a plain patch is decoded straight from one buffer read in place; a full
             # checkpoint (safetensors) and a confidential payload want bytes
