@@ -310,6 +310,9 @@ def run(args: argparse.Namespace) -> dict:
                         "cpu_s_per_gb": round(cpu / gb, 2) if got else None,
                         "by_thread_s_per_gb": {k2: round(v / gb, 2) for k2, v in split.items()}
                         if got else None,
+                        # the apply after the last chunk (/status apply_split; cpu_s: its
+                        # thread's CPU; what was decoded while downloading is not in it)
+                        "apply": (sts[name].get("apply_split") or {}).get(str(r.version)),
                     }
                 per_gb = [x["cpu_s_per_gb"] for x in nodes.values() if x["cpu_s_per_gb"]]
                 rows.append({
@@ -319,8 +322,12 @@ def run(args: argparse.Namespace) -> dict:
                     "converged": all(st["active_digest"] == r.target_digest.hex()
                                      for st in sts.values()),
                 })
+                tails = [x["apply"]["cpu_s"] for x in nodes.values()
+                         if x["apply"] and "cpu_s" in x["apply"]]
+                tail = f", apply after the last chunk {statistics.median(tails):.3f} CPU-s" \
+                    if tails else ""
                 print(f"version {r.version}: {r.patch_bytes / 1e6:.1f} MB patch, {wall:.1f} s, "
-                      f"median {rows[-1]['cpu_s_per_gb_median']} CPU-s/GB", flush=True)
+                      f"median {rows[-1]['cpu_s_per_gb_median']} CPU-s/GB{tail}", flush=True)
         finally:
             pub.close()
     return {"rows": rows, "profile": profile, "profile_threads": profile_threads,
