@@ -165,7 +165,7 @@ def test_direct_zstd_is_used_and_falls_back(monkeypatch):
     _round_trip({"t": old}, {"t": new})
 
 
-@pytest.mark.parametrize("sizes", [[], [0], [5, 0, 7], [enc.JOIN_HUGE_BYTES], [3 << 20, 1, 5 << 20, 3]])
+@pytest.mark.parametrize("sizes", [[], [0], [5, 0, 7], [enc.JOIN_HUGE_BYTES], [3 << 20, 0, 1, 5 << 20, 3, 0]])
 def test_join_bytes_equals_join(sizes):
     rng = np.random.default_rng(len(sizes))
     pieces: list[bytes | memoryview] = []

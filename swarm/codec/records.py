@@ -378,6 +378,7 @@ def _params(level: int, narrow: bool) -> dict[str, int]:
 # (tests/test_codec_encode_fast.py); without the CFFI backend, or with another
 # libzstd in it than in the C backend, the C backend's ``compress`` is used.
 DIRECT_MIN_BYTES = 1 << 20
+_HUGE_PAGE = 1 << 21
 try:
     from zstandard import backend_cffi as _zcffi
 
@@ -418,7 +419,10 @@ def zstd_compress(data: np.ndarray, level: int, narrow: bool) -> bytes | memoryv
     if _lib is None or data.size < DIRECT_MIN_BYTES:
         return _compressor(level, narrow).compress(data)
     cap = _lib.ZSTD_compressBound(data.size)
-    out = np.empty(cap, dtype=np.uint8)
+    # started on a 2 MiB boundary, so the frame's first pages are huge ones too
+    buf = np.empty(cap + _HUGE_PAGE, dtype=np.uint8)
+    start = -buf.ctypes.data % _HUGE_PAGE
+    out = buf[start:start + cap]
     n = _check(_lib.ZSTD_compress2(_direct_cctx(level, narrow), _ffi.from_buffer(out), cap,
                                    _ffi.from_buffer(data), data.size))
     return memoryview(out)[:n]
