@@ -46,8 +46,9 @@ code on both sides, the codec imported from each checkout in turn (PYTHONPATH):
 
 Each round runs every case once per side in its own process, the sides'
 order alternating case by case and round by round (ABBA...), so the load of a
-shared machine falls on both alike; per side and case the medians over rounds
-of each run's medians are reported.
+shared machine falls on both alike; per side and case the medians and minima
+over rounds of each run's medians are reported, then every round's encode
+speeds side by side (the JSON keeps every run).
 """
 
 from __future__ import annotations
@@ -336,8 +337,8 @@ def run_ab(before: Path, names: list[str], rounds: int, repeat: int, mib: int, o
                           f"{row['apply_mbps']:5.0f} MB/s ({row['apply_x_baseline']:.2f}x)  "
                           f"patch {row['patch_bytes'] / 1e6:.2f} MB", flush=True)
     summary = {}
-    print(f"\n{'case':<24} {'side':<6} {'patch MB':>8} {'enc MB/s':>8} {'x base':>6} "
-          f"{'apply MB/s':>10} {'x base':>6}  (medians over {rounds} rounds)")
+    print(f"\n{'case':<24} {'side':<6} {'patch MB':>8} {'enc MB/s':>8} {'min':>5} {'x base':>6} "
+          f"{'apply MB/s':>10} {'min':>5} {'x base':>6}  (medians and minima over {rounds} rounds)")
     for case in names:
         summary[case] = {}
         for side in sides:
@@ -345,10 +346,19 @@ def run_ab(before: Path, names: list[str], rounds: int, repeat: int, mib: int, o
             med = {k: statistics.median(r[k] for r in rs) for k in AB_KEYS}
             med["encode_mbps_min"] = min(r["encode_mbps"] for r in rs)
             med["apply_mbps_min"] = min(r["apply_mbps"] for r in rs)
+            med["encode_mbps_rounds"] = [r["encode_mbps"] for r in rs]
             summary[case][side] = med
             print(f"{case:<24} {side:<6} {med['patch_bytes'] / 1e6:>8.2f} "
-                  f"{med['encode_mbps']:>8.0f} {med['encode_x_baseline']:>6.2f} "
-                  f"{med['apply_mbps']:>10.0f} {med['apply_x_baseline']:>6.2f}")
+                  f"{med['encode_mbps']:>8.0f} {med['encode_mbps_min']:>5.0f} "
+                  f"{med['encode_x_baseline']:>6.2f} {med['apply_mbps']:>10.0f} "
+                  f"{med['apply_mbps_min']:>5.0f} {med['apply_x_baseline']:>6.2f}")
+    print("\nencode MB/s per CPU-second, every round (round i: before, after; "
+          "after/before ratio of the same round)")
+    for case in names:
+        pairs = zip(runs["before"][case], runs["after"][case], strict=True)
+        print(f"{case:<24} " + "  ".join(
+            f"{b['encode_mbps']:.0f}/{a['encode_mbps']:.0f} ({a['encode_mbps'] / b['encode_mbps']:.2f})"
+            for b, a in pairs))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "note": "A/B: before = the codec of the --ab checkout, after = this checkout's, the same "
@@ -361,10 +371,10 @@ def run_ab(before: Path, names: list[str], rounds: int, repeat: int, mib: int, o
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=3, help="timed repeats per case (medians)")
     ap.add_argument("--cases", default="all", help="comma-separated case names, or 'all'")
     ap.add_argument("--mib", type=int, default=64, help="checkpoint size per case")
-    ap.add_argument("--out", type=Path, default=RESULTS / "dense.json")
+    ap.add_argument("--out", type=Path, default=RESULTS / "dense.json", help="JSON results")
     ap.add_argument("--e2e", default=",".join(E2E_CASES),
                     help="cases also timed end to end (trainer publish, node apply); '' for none")
     ap.add_argument("--ab", type=Path, default=None, metavar="BEFORE_ROOT",

@@ -13,6 +13,8 @@ release the GIL.
 
 from __future__ import annotations
 
+import ctypes
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -105,6 +107,54 @@ class Scratch:
         self._local.buf = None
 
 
+# The patch is one ``bytes`` of tens of MB, built by one copy of its pieces.
+# Fresh memory that size is mapped by the kernel 4 KiB page by page on first
+# write (~1.5 us a page here: 11K faults, ~15 ms, for an FP8 dense patch of
+# 46 MB, 15% of its encode) whenever the allocator cannot hand back memory
+# already touched, which is the usual case in a process doing other work
+# between encodes. Above JOIN_HUGE_BYTES the bytes object is therefore
+# allocated uninitialised (``PyBytes_FromStringAndSize(NULL, n)``, the C API's
+# way to build one), its whole 2 MiB pages marked MADV_HUGEPAGE (what numpy
+# does for its own large arrays), and filled before anything else can see it.
+# Anywhere that is not possible (not CPython on Linux) ``b"".join`` does it.
+JOIN_HUGE_BYTES = 8 << 20
+_HUGE = 1 << 21
+_MADV_HUGEPAGE = 14
+try:
+    if sys.platform != "linux" or sys.implementation.name != "cpython":
+        raise OSError("no huge-page join here")
+    _new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+    _new_bytes.restype = ctypes.py_object
+    _new_bytes.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
+    _bytes_addr = ctypes.pythonapi.PyBytes_AsString
+    _bytes_addr.restype = ctypes.c_void_p
+    _bytes_addr.argtypes = (ctypes.py_object,)
+    _madvise = ctypes.CDLL(None, use_errno=True).madvise
+    _madvise.restype = ctypes.c_int
+    _madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+except (OSError, AttributeError):
+    _new_bytes = None
+
+
+def join_bytes(pieces: list[bytes | memoryview]) -> bytes:
+    """``b"".join(pieces)``, built in huge pages when large (see JOIN_HUGE_BYTES)."""
+    total = sum(len(p) for p in pieces)
+    if _new_bytes is None or total < JOIN_HUGE_BYTES:
+        return b"".join(pieces)
+    out = _new_bytes(None, total)
+    addr = _bytes_addr(out)
+    lo, hi = -(-addr // _HUGE) * _HUGE, (addr + total) // _HUGE * _HUGE
+    if hi > lo:
+        _madvise(lo, hi - lo, _MADV_HUGEPAGE)  # advice only: on failure, small pages
+    dst = np.frombuffer((ctypes.c_char * total).from_address(addr), dtype=np.uint8)
+    off = 0
+    for p in pieces:
+        m = len(p)
+        dst[off:off + m] = np.frombuffer(p, dtype=np.uint8)
+        off += m
+    return out
+
+
 def _frame_parts(planes: np.ndarray, scratch: Scratch | None) -> list[bytes | memoryview]:
     """DENSE/FULL payload of ``planes`` as pieces for the patch's one join; raw
     blocks are views of ``planes``, which then must not be reused until it."""
@@ -133,55 +183,92 @@ def use_context(mode: str, dt: DType) -> bool:
 
 
 def _scan(old_bits: np.ndarray, new_bits: np.ndarray, hash_old: bool = True,
-          scratch: Scratch | None = None
+          scratch: Scratch | None = None, samples: list[np.ndarray] | None = None
           ) -> tuple[np.ndarray | None, int, np.ndarray | None, bytes | None, bytes]:
     """One blocked pass over both tensors -> (changed-element mask, changed count,
     XOR byte planes, old digest, new digest), hashing each block while in cache.
 
-    After the first eighth of the tensor, if more than ``DENSE_SCAN_FRACTION``
-    of it changed, the pass stops writing the mask and writes the XOR's byte
-    planes instead (what DENSE compresses), so a dense tensor is read once:
-    then the mask is None; otherwise the planes are None. The old digest is
-    None when ``hash_old`` is false (the caller knows it). The planes are
-    written into ``scratch``'s buffer when given."""
+    After the first block, and again after the first eighth of the tensor, if
+    more than ``DENSE_SCAN_FRACTION`` of what was read so far changed, the pass
+    stops writing the mask and writes the XOR's byte planes instead (what DENSE
+    compresses), so a dense tensor is read once: then the mask is None;
+    otherwise the planes are None. (The first block settles a dense tensor
+    with one block redone; the eighth catches one whose start is unchanged.)
+    The old digest is None when ``hash_old`` is false (the caller knows it).
+    The planes are written into ``scratch``'s buffer when given.
+
+    ``samples``, if given, receives ``old_bits[::stride]`` and
+    ``new_bits[::stride]`` (stride ``max(1, n // SPARSE_SAMPLE)``, the sample
+    ``plan_op`` estimates SPARSE from), gathered block by block while in cache."""
     n = new_bits.size
-    mask = np.empty(n, dtype=bool)
+    w = new_bits.itemsize
+    step = SCAN_BLOCK_BYTES // w  # elements per block: ~256 KB of each input
+    # the first block's mask on its own: a dense tensor never needs the rest
+    # (a fresh n-byte array would cost its first huge page's fault and zeroing)
+    mask = np.empty(min(n, step), dtype=bool)
     planes = None
     h_old, h_new = xxhash.xxh3_64(), xxhash.xxh3_64()
     o8, n8 = old_bits.view(np.uint8), new_bits.view(np.uint8)
     uo, un = records._uview(old_bits), records._uview(new_bits)
-    w = new_bits.itemsize
-    step = SCAN_BLOCK_BYTES // w  # elements per block: ~256 KB of each input
     probe = max(step, n // 8)
+    stride = max(1, n // SPARSE_SAMPLE)
+    so: list[np.ndarray] = []
+    sn: list[np.ndarray] = []
     k = 0
     for s in range(0, n, step):
         e = min(n, s + step)
         if hash_old:
             h_old.update(o8[s * w:e * w])
         h_new.update(n8[s * w:e * w])
+        if samples is not None:
+            first = -(-s // stride) * stride
+            so.append(old_bits[first:e:stride])
+            sn.append(new_bits[first:e:stride])
         if planes is not None:
             k += records.shuffle_range(uo, un, planes, s, e)
             continue
+        if s == step:  # still sparse-looking after the first block
+            head, mask = mask, np.empty(n, dtype=bool)
+            mask[:step] = head
         np.not_equal(old_bits[s:e], new_bits[s:e], out=mask[s:e])
-        if s < probe <= e < n:
+        if (s == 0 or s < probe <= e) and e < n:
             k = int(np.count_nonzero(mask[:e]))
             if k > DENSE_SCAN_FRACTION * e:
                 planes = (scratch.planes(w, n) if scratch is not None
                           else np.empty((w, n), dtype=np.uint8))
                 records.shuffle_range(uo, un, planes, 0, e)
+    if samples is not None:
+        samples[:] = [_join(so, old_bits), _join(sn, new_bits)]
     old_digest = h_old.digest() if hash_old else None
     if planes is None:
         return mask, int(np.count_nonzero(mask)), None, old_digest, h_new.digest()
     return None, k, planes, old_digest, h_new.digest()
 
 
+def _join(pieces: list[np.ndarray], like: np.ndarray) -> np.ndarray:
+    if len(pieces) == 1:
+        return pieces[0]
+    return np.concatenate(pieces) if pieces else like[:0]
+
+
+def _block_starts(n: int) -> np.ndarray:
+    return np.linspace(0, n - SAMPLE_BLOCK, SAMPLE_BLOCKS).astype(np.int64)
+
+
 def _block_sample(bits: np.ndarray) -> np.ndarray:
-    starts = np.linspace(0, bits.size - SAMPLE_BLOCK, SAMPLE_BLOCKS).astype(np.int64)
-    return np.concatenate([bits[s:s + SAMPLE_BLOCK] for s in starts])
+    return np.concatenate([bits[s:s + SAMPLE_BLOCK] for s in _block_starts(bits.size)])
+
+
+def _plane_block_sample(planes: np.ndarray) -> np.ndarray:
+    """The byte planes of ``_block_sample(old) ^ _block_sample(new)``, taken from the
+    planes of ``old ^ new`` (the same bytes, without reading the inputs again)."""
+    return np.concatenate([planes[:, s:s + SAMPLE_BLOCK] for s in _block_starts(planes.shape[1])],
+                          axis=1)
 
 
 def plan_op(old_bits: np.ndarray, new_bits: np.ndarray, changed: int, dt: DType,
-            planes: np.ndarray | None = None) -> tuple[str, bytes | None]:
+            planes: np.ndarray | None = None,
+            sample: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[str, bytes | None]:
     """Which coder a same-shape tensor with ``changed`` elements changed gets:
     ("sparse" or "dense", the DENSE payload if it was computed on the way).
 
@@ -189,18 +276,28 @@ def plan_op(old_bits: np.ndarray, new_bits: np.ndarray, changed: int, dt: DType,
     changed is SPARSE; above it DENSE unless SPARSE is estimated more than
     ``DENSE_BIAS`` smaller. The estimates (see the constants) are within ~1% of
     the real SPARSE size and ~3% of DENSE (15% for random data) on the
-    benchmark's cases, and cost a few percent of a DENSE encode."""
+    benchmark's cases, and cost a few percent of a DENSE encode.
+
+    ``planes`` (the XOR's byte planes, from the scan) and ``sample`` (the
+    strided SPARSE sample, ``_scan(samples=)``) only save reading the inputs
+    again: the decision and the payload are the same without them."""
     n = new_bits.size
     if changed <= DENSE_TRY_FRACTION * n:
         return "sparse", None
-    stride = max(1, n // SPARSE_SAMPLE)
-    so, sn = old_bits[::stride], new_bits[::stride]
+    if sample is None:
+        stride = max(1, n // SPARSE_SAMPLE)
+        sample = old_bits[::stride], new_bits[::stride]
+    so, sn = sample
     j = np.flatnonzero(so != sn)
     sparse = records.estimate_sparse_bytes(n, changed, so[j], sn[j], dt)
     payload = None
     if n >= DENSE_SAMPLE_MIN:
-        bo, bn = _block_sample(old_bits), _block_sample(new_bits)
-        dense = len(records.encode_xor_blob(bo, bn, dt)) * n / bo.size
+        if planes is not None:
+            sp = _plane_block_sample(planes)
+            dense = len(records.compress_planes(sp)) * n / sp.shape[1]
+        else:
+            bo, bn = _block_sample(old_bits), _block_sample(new_bits)
+            dense = len(records.encode_xor_blob(bo, bn, dt)) * n / bo.size
     else:
         payload = (records.compress_planes(planes) if planes is not None
                    else records.encode_xor_blob(old_bits, new_bits, dt))
@@ -247,11 +344,12 @@ def _encode_one(name: str, old: torch.Tensor | None, new: torch.Tensor | None,
         stats = TensorStats(name, "FULL", new.numel(), new.numel(), 0, full_bytes)
         return entry, body, stats, digest, None
     old_bits = _bits(old, dt)
-    mask, k, planes, old_digest, digest = _scan(old_bits, new_bits, hash_old, scratch)
+    samples: list[np.ndarray] = []
+    mask, k, planes, old_digest, digest = _scan(old_bits, new_bits, hash_old, scratch, samples)
     stats = TensorStats(name, "SPARSE", new.numel(), k, 0, full_bytes)
     if k == 0:
         return TableEntry(name, Op.SPARSE, dt, tuple(new.shape)), None, stats, digest, old_digest
-    plan, dense = plan_op(old_bits, new_bits, k, dt, planes)
+    plan, dense = plan_op(old_bits, new_bits, k, dt, planes, (samples[0], samples[1]))
     parts: list[bytes | memoryview]
     if plan == "sparse":
         idx = np.flatnonzero(mask if mask is not None else old_bits != new_bits)
@@ -326,6 +424,6 @@ def encode_patch(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor
         framed.append(prefix)
         framed.extend(body)
     # One concatenation: a dense patch is tens of MB, every extra join is a memcpy.
-    patch = b"".join([encode_header(base_digest, target_digest, entries), *framed])
+    patch = join_bytes([encode_header(base_digest, target_digest, entries), *framed])
     return EncodeResult(patch, base_digest, target_digest, time.perf_counter() - t0, stats,
                         new_digests)

@@ -357,11 +357,75 @@ def _compressor(level: int, narrow: bool = True) -> zstandard.ZstdCompressor:
         cache = _local.cctx = {}
     cctx = cache.get((level, narrow))
     if cctx is None:
-        extra = {"hash_log": PLANE_HASH_LOG, "min_match": PLANE_MIN_MATCH} if narrow else {}
-        params = zstandard.ZstdCompressionParameters(
-            compression_level=level, write_checksum=False, write_dict_id=False, **extra)
-        cctx = cache[(level, narrow)] = zstandard.ZstdCompressor(compression_params=params)
+        cctx = cache[(level, narrow)] = zstandard.ZstdCompressor(
+            compression_params=zstandard.ZstdCompressionParameters(**_params(level, narrow)))
     return cctx
+
+
+def _params(level: int, narrow: bool) -> dict[str, int]:
+    extra = {"hash_log": PLANE_HASH_LOG, "min_match": PLANE_MIN_MATCH} if narrow else {}
+    return {"compression_level": level, "write_checksum": False, "write_dict_id": False, **extra}
+
+
+# Large planes are compressed through python-zstandard's CFFI backend (the same
+# wheel, the same bundled libzstd, the plain C API) straight into a numpy array:
+# ``ZstdCompressor.compress`` returns a fresh ``bytes`` of ZSTD_compressBound
+# size, i.e. new memory the kernel faults in and zeroes page by page (~0.45 ms
+# per MB written here, ~10% of a dense encode when the heap has been trimmed
+# since the last one), then shrinks it. A numpy array of that size is mapped
+# with transparent huge pages where the kernel allows, and only the pages the
+# frame fills are touched. Same parameters, same frames, byte for byte
+# (tests/test_codec_encode_fast.py); without the CFFI backend, or with another
+# libzstd in it than in the C backend, the C backend's ``compress`` is used.
+DIRECT_MIN_BYTES = 1 << 20
+_HUGE_PAGE = 1 << 21
+try:
+    from zstandard import backend_cffi as _zcffi
+
+    _ffi, _lib = _zcffi.ffi, _zcffi.lib
+    if _lib.ZSTD_versionNumber() != int("".join(f"{v:02d}" for v in zstandard.ZSTD_VERSION)):
+        _ffi = _lib = None
+except Exception:  # any failure to load it: the C backend does the work
+    _ffi = _lib = None
+
+_DIRECT_PARAMS = {"compression_level": "ZSTD_c_compressionLevel",
+                  "write_checksum": "ZSTD_c_checksumFlag", "write_dict_id": "ZSTD_c_dictIDFlag",
+                  "hash_log": "ZSTD_c_hashLog", "min_match": "ZSTD_c_minMatch"}
+
+
+def _direct_cctx(level: int, narrow: bool):
+    cache = getattr(_local, "direct", None)
+    if cache is None:
+        cache = _local.direct = {}
+    cctx = cache.get((level, narrow))
+    if cctx is None:
+        cctx = _ffi.gc(_lib.ZSTD_createCCtx(), _lib.ZSTD_freeCCtx)
+        for name, value in _params(level, narrow).items():
+            _check(_lib.ZSTD_CCtx_setParameter(cctx, getattr(_lib, _DIRECT_PARAMS[name]),
+                                               int(value)))
+        cache[(level, narrow)] = cctx
+    return cctx
+
+
+def _check(code: int) -> int:
+    if _lib.ZSTD_isError(code):
+        raise zstandard.ZstdError(_ffi.string(_lib.ZSTD_getErrorName(code)).decode())
+    return code
+
+
+def zstd_compress(data: np.ndarray, level: int, narrow: bool) -> bytes | memoryview:
+    """One zstd frame of the contiguous uint8 array ``data`` with the plane
+    parameters: ``bytes``, or for a large input a memoryview of a numpy array."""
+    if _lib is None or data.size < DIRECT_MIN_BYTES:
+        return _compressor(level, narrow).compress(data)
+    cap = _lib.ZSTD_compressBound(data.size)
+    # started on a 2 MiB boundary, so the frame's first pages are huge ones too
+    buf = np.empty(cap + _HUGE_PAGE, dtype=np.uint8)
+    start = -buf.ctypes.data % _HUGE_PAGE
+    out = buf[start:start + cap]
+    n = _check(_lib.ZSTD_compress2(_direct_cctx(level, narrow), _ffi.from_buffer(out), cap,
+                                   _ffi.from_buffer(data), data.size))
+    return memoryview(out)[:n]
 
 
 def plane_entropy_bits(plane: np.ndarray) -> float:
@@ -409,7 +473,7 @@ def compress_planes(planes: np.ndarray, level: int = ZSTD_DENSE_LEVEL) -> bytes:
     blocks decode after them exactly as at the start of their own frame, and
     their matches reach back only inside their own planes."""
     parts, _ = compress_planes_parts(planes, level)
-    return parts[0] if len(parts) == 1 else b"".join(parts)
+    return bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
 
 
 def compress_planes_parts(planes: np.ndarray, level: int = ZSTD_DENSE_LEVEL
@@ -424,9 +488,9 @@ def compress_planes_parts(planes: np.ndarray, level: int = ZSTD_DENSE_LEVEL
     mostly compressible planes."""
     n = planes.shape[1]
     nraw, next_bits = _raw_planes(planes) if n else (0, 8.0)
-    cctx = _compressor(level, narrow=next_bits >= NARROW_MIN_BITS)
+    narrow = next_bits >= NARROW_MIN_BITS
     if nraw == 0:
-        return [cctx.compress(planes)], False
+        return [zstd_compress(planes.reshape(-1), level, narrow)], False
     flat = planes.reshape(-1)
     raw, rest = flat[: nraw * n], flat[nraw * n:]
     views = 2 * nraw >= planes.shape[0]
@@ -434,7 +498,7 @@ def compress_planes_parts(planes: np.ndarray, level: int = ZSTD_DENSE_LEVEL
     sub: bytes | memoryview = b""
     window = None
     if rest.size:
-        frame = cctx.compress(rest)
+        frame = zstd_compress(rest, level, narrow)
         head, window = _frame_header_size(frame)
         sub = memoryview(frame)[head:]
     if window is None:  # window >= 128 KiB and >= the compressed part (when single-segment)
