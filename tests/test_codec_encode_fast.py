@@ -1,6 +1,6 @@
 """The dense encoder's fast paths (issue #11): the scan's first-block switch and
 in-scan samples, ``plan_op`` from the scan's planes and sample, zstd through the
-CFFI backend into numpy memory, and the huge-page join. Each is only a faster
+CFFI backend into numpy memory. Each is only a faster
 way to the same bytes: checked against the slow way, and every patch round-trips
 bitwise (decode(encode(x)) == x) through the unchanged applier."""
 
@@ -165,21 +165,9 @@ def test_direct_zstd_is_used_and_falls_back(monkeypatch):
     _round_trip({"t": old}, {"t": new})
 
 
-@pytest.mark.parametrize("sizes", [[], [0], [5, 0, 7], [enc.JOIN_HUGE_BYTES], [3 << 20, 0, 1, 5 << 20, 3, 0]])
-def test_join_bytes_equals_join(sizes):
-    rng = np.random.default_rng(len(sizes))
-    pieces: list[bytes | memoryview] = []
-    for i, s in enumerate(sizes):
-        a = rng.integers(0, 256, s, dtype=np.uint8)
-        pieces.append(a.tobytes() if i % 2 else memoryview(a))
-    out = enc.join_bytes(pieces)
-    assert type(out) is bytes and out == b"".join(pieces)
-    assert hash(out) == hash(b"".join(pieces))
-
-
 def test_dense_patch_same_with_and_without_fast_paths(monkeypatch):
     """A realistic dense update (BF16 and FP8, several tensors over the direct and
-    huge-page thresholds): the same patch bytes with every fast path switched off."""
+    huge-page thresholds of numpy's arrays): the same patch bytes with every fast path switched off."""
     rng = np.random.default_rng(5)
     n = 3 * enc.SCAN_BLOCK_BYTES + 11
     old, new = {}, {}
@@ -190,7 +178,6 @@ def test_dense_patch_same_with_and_without_fast_paths(monkeypatch):
         new[f"{i}"] = (w * 0.02 * (1 + step * 2.0 ** -5)).to(dt)
     fast = _round_trip(old, new)
     monkeypatch.setattr(records, "_lib", None)
-    monkeypatch.setattr(enc, "_new_bytes", None)
     plain = enc.plan_op
     monkeypatch.setattr(enc, "plan_op", lambda o, n_, k, dt, planes=None, sample=None:
                         plain(o, n_, k, dt))

@@ -13,8 +13,6 @@ release the GIL.
 
 from __future__ import annotations
 
-import ctypes
-import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -105,54 +103,6 @@ class Scratch:
     def release(self) -> None:
         """The planes last taken are kept by their caller: the next ones get a new buffer."""
         self._local.buf = None
-
-
-# The patch is one ``bytes`` of tens of MB, built by one copy of its pieces.
-# Fresh memory that size is mapped by the kernel 4 KiB page by page on first
-# write (~1.5 us a page here: 11K faults, ~15 ms, for an FP8 dense patch of
-# 46 MB, 15% of its encode) whenever the allocator cannot hand back memory
-# already touched, which is the usual case in a process doing other work
-# between encodes. Above JOIN_HUGE_BYTES the bytes object is therefore
-# allocated uninitialised (``PyBytes_FromStringAndSize(NULL, n)``, the C API's
-# way to build one), its whole 2 MiB pages marked MADV_HUGEPAGE (what numpy
-# does for its own large arrays), and filled before anything else can see it.
-# Anywhere that is not possible (not CPython on Linux) ``b"".join`` does it.
-JOIN_HUGE_BYTES = 8 << 20
-_HUGE = 1 << 21
-_MADV_HUGEPAGE = 14
-try:
-    if sys.platform != "linux" or sys.implementation.name != "cpython":
-        raise OSError("no huge-page join here")
-    _new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
-    _new_bytes.restype = ctypes.py_object
-    _new_bytes.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
-    _bytes_addr = ctypes.pythonapi.PyBytes_AsString
-    _bytes_addr.restype = ctypes.c_void_p
-    _bytes_addr.argtypes = (ctypes.py_object,)
-    _madvise = ctypes.CDLL(None, use_errno=True).madvise
-    _madvise.restype = ctypes.c_int
-    _madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-except (OSError, AttributeError):
-    _new_bytes = None
-
-
-def join_bytes(pieces: list[bytes | memoryview]) -> bytes:
-    """``b"".join(pieces)``, built in huge pages when large (see JOIN_HUGE_BYTES)."""
-    total = sum(len(p) for p in pieces)
-    if _new_bytes is None or total < JOIN_HUGE_BYTES:
-        return b"".join(pieces)
-    out = _new_bytes(None, total)
-    addr = _bytes_addr(out)
-    lo, hi = -(-addr // _HUGE) * _HUGE, (addr + total) // _HUGE * _HUGE
-    if hi > lo:
-        _madvise(lo, hi - lo, _MADV_HUGEPAGE)  # advice only: on failure, small pages
-    dst = np.frombuffer((ctypes.c_char * total).from_address(addr), dtype=np.uint8)
-    off = 0
-    for p in pieces:
-        m = len(p)
-        dst[off:off + m] = np.frombuffer(p, dtype=np.uint8)
-        off += m
-    return out
 
 
 def _frame_parts(planes: np.ndarray, scratch: Scratch | None) -> list[bytes | memoryview]:
@@ -424,6 +374,6 @@ def encode_patch(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor
         framed.append(prefix)
         framed.extend(body)
     # One concatenation: a dense patch is tens of MB, every extra join is a memcpy.
-    patch = join_bytes([encode_header(base_digest, target_digest, entries), *framed])
+    patch = b"".join([encode_header(base_digest, target_digest, entries), *framed])
     return EncodeResult(patch, base_digest, target_digest, time.perf_counter() - t0, stats,
                         new_digests)
