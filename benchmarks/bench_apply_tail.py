@@ -47,33 +47,14 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench_wan import dense_pair  # noqa: E402  (the WAN bench's patch, same builder)
+
 from node.engines.inprocess import InProcessWeights  # noqa: E402
 from swarm.codec import encode_patch  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 MiB = 1 << 20
 MODES = ("before", "ahead")
-
-
-def dense_pair(size_bytes: int, seed: int) -> tuple[dict, dict]:
-    """A BF16 base (4 Mi-element tensors) and a new view in which every value changed
-    to a random finite BF16 (as ``benchmarks/bench_wan.py`` builds its patch)."""
-    g = torch.Generator().manual_seed(seed)
-    n = size_bytes // 2
-    per = 4 * 1024 * 1024
-    base, new = {}, {}
-    for k in range(max(1, (n + per - 1) // per)):
-        m = min(per, n - k * per)
-        b = (torch.randn(m, generator=g) * 0.05).to(torch.bfloat16)
-        bits = torch.randint(-32768, 32768, (m,), generator=g, dtype=torch.int32).to(torch.int16)
-        exp_all_ones = (bits & 0x7F80) == 0x7F80
-        bits = torch.where(exp_all_ones, bits & ~0x0080, bits)  # no inf/NaN
-        nb = bits.view(torch.bfloat16)
-        same = nb.view(torch.int16) == b.view(torch.int16)
-        nb = torch.where(same, (b.float() * 2 + 1).to(torch.bfloat16), nb)  # every value moves
-        base[f"layer{k}.weight"] = b.reshape(-1, 1024) if m % 1024 == 0 else b
-        new[f"layer{k}.weight"] = nb.reshape(base[f"layer{k}.weight"].shape)
-    return base, new
 
 
 def _bits(w: dict[str, torch.Tensor]) -> dict[str, bytes]:

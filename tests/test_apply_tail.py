@@ -188,15 +188,22 @@ def test_a_wrong_target_digest_rolls_back_bitwise(fraction: float) -> None:
     assert (w.version, w.digest, w.tensor_digests) == (1, state, digests)
 
 
-def test_a_base_changed_after_the_digest_was_taken_is_hashed_at_commit() -> None:
-    """The ahead digest holds only for the very base it was taken from: a base written
-    in place (torch bumps its version counter) is hashed again at commit, so the
-    record's digest check fails and the apply rolls back to that (changed) base."""
+def _staged_dense():
+    """Two dense tensors' patch staged (digests taken ahead) on a copy of the base:
+    (the new state, the encode result, the weights, the applier)."""
     old, new = _dense_case(tensors=2)
     res = encode_patch(old, new, threads=1)
     weights = {k: v.clone() for k, v in old.items()}
     applier = PatchApplier(weights, stage=True)
     applier.feed(res.patch)
+    return new, res, weights, applier
+
+
+def test_a_base_changed_after_the_digest_was_taken_is_hashed_at_commit() -> None:
+    """The ahead digest holds only for the very base it was taken from: a base written
+    in place (torch bumps its version counter) is hashed again at commit, so the
+    record's digest check fails and the apply rolls back to that (changed) base."""
+    _, _, weights, applier = _staged_dense()
     name = sorted(weights)[1]
     weights[name].view(torch.int16)[7] ^= 1  # in place, through torch
     moved = _bits(weights)
@@ -208,11 +215,7 @@ def test_a_base_changed_after_the_digest_was_taken_is_hashed_at_commit() -> None
 def test_a_replaced_base_tensor_is_hashed_at_commit(monkeypatch) -> None:
     """Same bits in another tensor object: not the tensor the digest was taken from, so
     it is hashed at commit (and the apply succeeds)."""
-    old, new = _dense_case(tensors=2)
-    res = encode_patch(old, new, threads=1)
-    weights = {k: v.clone() for k, v in old.items()}
-    applier = PatchApplier(weights, stage=True)
-    applier.feed(res.patch)
+    new, res, weights, applier = _staged_dense()
     name = sorted(weights)[0]
     weights[name] = weights[name].clone()
     hashed: list[int] = []

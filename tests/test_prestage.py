@@ -98,7 +98,7 @@ def test_garbage_prefix_is_dropped_and_the_full_stage_reports_it() -> None:
     assert _bits(w.weights) == _bits(OLD)  # nothing served changed
 
 
-def _signed(tmp_path, size: int):
+def _signed(size: int):
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     from swarm.trust.chunks import split_payload
@@ -112,94 +112,74 @@ def _signed(tmp_path, size: int):
     return m, sign_manifest(m, key), split_payload(PATCH, size), TrustStore([key.public_key()])
 
 
-def test_prestage_feeds_in_slices_and_the_apply_resumes_inside_a_chunk(tmp_path,
-                                                                      monkeypatch) -> None:
-    """Prestage feeds a chunk slice by slice (an apply waits for one slice at most) and
-    goes on from inside a chunk; an apply that starts there reads the rest of that
-    chunk only. The weights end bitwise at the target."""
-    import node.driver as drv_mod
+def _apply_after(tmp_path, prefix: int, *, prestage: bool) -> tuple[bytes, int]:
+    """Every chunk stored, ``prefix`` bytes decoded ahead by hand (an earlier prestage
+    that stopped there), then (``prestage``) the driver's prestage, then its apply:
+    (the digest, the bytes it counted as decoded ahead)."""
     from node.driver import Driver
     from node.store import ChunkStore
 
     size = 2048
-    m, signed, chunks, trust = _signed(tmp_path, size)
-    monkeypatch.setattr(drv_mod, "PRESTAGE_SLICE", 700)  # does not divide the chunk size
+    m, signed, chunks, trust = _signed(size)
     w = _holder(OLD)
 
-    async def main(store: ChunkStore) -> bytes:
+    async def main(store: ChunkStore) -> tuple[bytes, int]:
         drv = Driver(None, store, None, weights=w, host="127.0.0.1", port=0)  # type: ignore[arg-type]
         store.put_manifest(signed, m)
         for i, c in enumerate(chunks):
             store.put_chunk(2, i, c)
-        # an earlier prestage stopped inside chunk 1 (an apply came, or a slice failed)
-        w.prefeed(2, RESULT.base_digest, 0, PATCH[:size + 300])
-        assert w.prefed(2) == size + 300
-        drv._prestage_kick(2)  # goes on from there, slice by slice, to the end
-        while drv._pre_task is not None:
-            await asyncio.sleep(0.001)
-        assert w.prefed(2) == len(PATCH)
+        w.prefeed(2, RESULT.base_digest, 0, PATCH[:prefix])
+        assert w.prefed(2) == prefix
         try:
-            return await asyncio.to_thread(drv._apply_truth, 2)
+            if prestage:
+                drv._prestage_kick(2)  # goes on from there, slice by slice, to the end
+                while drv._pre_task is not None:
+                    await asyncio.sleep(0.001)
+                assert w.prefed(2) == len(PATCH)
+            digest = await asyncio.to_thread(drv._apply_truth, 2)
+            return digest, drv._ahead_bytes
         finally:
             await drv.stop(drain_s=0.1)
 
     with ChunkStore(tmp_path, trust=trust) as store:
-        digest = asyncio.run(main(store))
-    assert digest == RESULT.target_digest
+        out = asyncio.run(main(store))
+    assert out[0] == RESULT.target_digest
     assert _bits(w.weights) == _bits(NEW)
+    return out
+
+
+def test_prestage_feeds_in_slices_and_goes_on_from_inside_a_chunk(tmp_path,
+                                                                  monkeypatch) -> None:
+    """Prestage feeds a chunk slice by slice (an apply waits for one slice at most) and
+    goes on from inside a chunk, where an earlier prestage stopped; the weights end
+    bitwise at the target."""
+    import node.driver as drv_mod
+
+    monkeypatch.setattr(drv_mod, "PRESTAGE_SLICE", 700)  # does not divide the chunk size
+    _, ahead = _apply_after(tmp_path, 2048 + 300, prestage=True)
+    assert ahead == len(PATCH)
 
 
 def test_an_apply_starting_inside_a_chunk_reads_only_the_rest(tmp_path) -> None:
-    from node.driver import Driver
-    from node.store import ChunkStore
-
-    size = 2048
-    m, signed, chunks, trust = _signed(tmp_path, size)
-    w = _holder(OLD)
-
-    async def main(store: ChunkStore) -> bytes:
-        drv = Driver(None, store, None, weights=w, host="127.0.0.1", port=0)  # type: ignore[arg-type]
-        store.put_manifest(signed, m)
-        for i, c in enumerate(chunks):
-            store.put_chunk(2, i, c)
-        w.prefeed(2, RESULT.base_digest, 0, PATCH[:size + 1001])
-        try:
-            digest = await asyncio.to_thread(drv._apply_truth, 2)
-            assert drv._ahead_bytes == size + 1001
-            return digest
-        finally:
-            await drv.stop(drain_s=0.1)
-
-    with ChunkStore(tmp_path, trust=trust) as store:
-        digest = asyncio.run(main(store))
-    assert digest == RESULT.target_digest
-    assert _bits(w.weights) == _bits(NEW)
+    _, ahead = _apply_after(tmp_path, 2048 + 1001, prestage=False)
+    assert ahead == 2048 + 1001
 
 
 def test_driver_decodes_stored_chunks_ahead_of_the_apply(tmp_path) -> None:
     """Real ``ChunkStore`` (signed manifest, verified chunks) and ``Driver``: chunks
     stored in order are decoded by the prestage task; the apply then reads and decodes
     only what is left, and the weights end bitwise at the target."""
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
     from node.driver import Driver
     from node.store import ChunkStore
-    from swarm.trust.chunks import split_payload
-    from swarm.trust.keys import TrustStore, key_id
-    from swarm.trust.manifest import build_manifest, sign_manifest
 
-    key = Ed25519PrivateKey.from_private_bytes(b"\x05" * 32)
     size = 2048
-    m = build_manifest(PATCH, model="m", version=2, kind="patch", parent_version=1,
-                       parent_digest=RESULT.base_digest, target_digest=RESULT.target_digest,
-                       chunk_size=size, key_id=key_id(key), created_at=1.0)
-    chunks = split_payload(PATCH, size)
+    m, signed, chunks, trust = _signed(size)
     assert len(chunks) >= 4
     w = _holder(OLD)
 
     async def main(store: ChunkStore) -> bytes:
         drv = Driver(None, store, None, weights=w, host="127.0.0.1", port=0)  # type: ignore[arg-type]
-        store.put_manifest(sign_manifest(m, key), m)
+        store.put_manifest(signed, m)
         for i, c in enumerate(chunks[:-1]):
             store.put_chunk(2, i, c)
             drv._prestage_kick(2)
@@ -212,7 +192,7 @@ def test_driver_decodes_stored_chunks_ahead_of_the_apply(tmp_path) -> None:
         finally:
             await drv.stop(drain_s=0.1)  # joins the prestage thread
 
-    with ChunkStore(tmp_path, trust=TrustStore([key.public_key()])) as store:
+    with ChunkStore(tmp_path, trust=trust) as store:
         digest = asyncio.run(main(store))
     assert digest == RESULT.target_digest
     assert _bits(w.weights) == _bits(NEW)

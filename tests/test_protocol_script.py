@@ -374,18 +374,24 @@ def test_a_departed_border_leaves_no_warm_connection_behind() -> None:
     assert not o.role.warm
 
 
+def _two_regions(window: int, window_max: int) -> tuple[Signer, NodeCore, Script, Script]:
+    """An origin (no relays) and one border in each of two remote regions, handshaken."""
+    s = Signer()
+    o = _core("origin", "home", role="origin", signer=s, border_nodes=1, uplink_window=window,
+              uplink_window_max=window_max, border_inflight=8, relay=False)
+    a = Script(o, 1, node_id="a", region="r1")
+    b = Script(o, 2, node_id="b", region="r2")
+    for x in (a, b):
+        x.handshake()
+    return s, o, a, b
+
+
 def test_the_first_region_to_show_a_version_takes_only_its_share_of_the_uplink() -> None:
     """At the window's floor (one transfer per remote region) the region whose border
     echoes the ANNOUNCE first must not take the whole window: the other region's slot
     waits for its echo, a round trip later, instead of its downlink idling until the
     first region's HAVEs come back."""
-    s = Signer()
-    o = _core("origin", "home", role="origin", signer=s, border_nodes=1, uplink_window=1,
-              uplink_window_max=2, border_inflight=8, relay=False)  # floor: 2 remote regions
-    a = Script(o, 1, node_id="a", region="r1")
-    b = Script(o, 2, node_id="b", region="r2")
-    for x in (a, b):
-        x.handshake()
+    s, o, a, b = _two_regions(window=1, window_max=2)  # floor: 2 remote regions
     o.handle(ev.Publish(o.now, s.manifest(2, 8)))
     a.send(wire.Announce(s.manifest(2, 8)))
     first = _pushes(a.actions)
@@ -399,13 +405,7 @@ def test_the_first_region_to_show_a_version_takes_only_its_share_of_the_uplink()
 def test_a_region_alone_may_use_the_whole_window() -> None:
     """The share binds only while another remote region still wants chunks: once the
     other region holds everything, one region may fill the window."""
-    s = Signer()
-    o = _core("origin", "home", role="origin", signer=s, border_nodes=1, uplink_window=4,
-              uplink_window_max=4, border_inflight=8, relay=False)
-    a = Script(o, 1, node_id="a", region="r1")
-    b = Script(o, 2, node_id="b", region="r2")
-    for x in (a, b):
-        x.handshake()
+    s, o, a, b = _two_regions(window=4, window_max=4)
     o.handle(ev.Publish(o.now, s.manifest(2, 2)))
     b.send(wire.Announce(s.manifest(2, 2)))
     for conn, i in _pushes(b.actions):
