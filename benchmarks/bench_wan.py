@@ -26,8 +26,12 @@ per-region completion, bytes into each remote region through its uplink
 (``ip -s link``, in copies of the payload; status polling is calibrated and
 subtracted) and as the applications count them, CPU-seconds per GB received of
 every node process, the delay holders' CPU and packets, the load average, and
-the flow bound (payload / uplink rate + one-way delay). Prints a table and
-writes ``benchmarks/results/wan.json``.
+the flow bound (payload / uplink rate + one-way delay), and per patchswarm node
+the apply after the last chunk (``/status`` ``apply_split``). Prints a table and
+writes ``benchmarks/results/wan.json``. It ends with the simulator's prediction for
+the same network (``configs/sim/wan-3x4.toml``) calibrated to the run: the nodes'
+CPU per GB, their apply CPU and the hand-off measured here (``simulations.emulated``;
+this machine's speed varies, the network does not), against the emulated median.
 
     sudo .venv/bin/python benchmarks/bench_wan.py            # 64 MiB, 3 runs, all systems
     sudo .venv/bin/python benchmarks/bench_wan.py --quick    # 16 MiB, 1 run
