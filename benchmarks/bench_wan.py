@@ -73,6 +73,23 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def proc_counts(pid: int) -> dict[str, int]:
+    """Read syscalls and bytes (``/proc/<pid>/io``) and context switches of one process."""
+    out: dict[str, int] = {}
+    try:
+        for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+            k, v = line.split(":")
+            if k in ("syscr", "rchar", "syscw", "wchar"):
+                out[k] = int(v)
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+                k, v = line.split(":")
+                out[k.split("_")[0]] = int(v)
+    except OSError:
+        pass
+    return out
+
+
 def region_of_ip(ip: str) -> int | None:
     parts = ip.split(".")
     return int(parts[2]) if len(parts) == 4 and parts[:2] == ["10", "213"] else None
@@ -244,8 +261,9 @@ def _fleet(lab: Any, args: argparse.Namespace, workdir: Path) -> Any:
     for kv in args.swarm or []:
         k, _, v = kv.partition("=")
         knobs[k.strip()] = json.loads(v)
+    network = {} if args.unsent_limit_kib is None else {"unsent_limit_kib": args.unsent_limit_kib}
     fleet = LoopbackFleet(lab.regions, lab.hosts_per_region, chunk_size=args.chunk_size,
-                          lab=lab, tls=args.tls, workdir=workdir, swarm=knobs)
+                          lab=lab, tls=args.tls, workdir=workdir, swarm=knobs, network=network)
     # the trainer occupies the last host of region 0: no node there
     fleet.nodes = [n for n in fleet.nodes
                    if (n.host, n.netns) != (lab.ip_trainer, lab.ns_trainer)]
@@ -314,6 +332,7 @@ def run_patchswarm(lab: Any, args: argparse.Namespace, meter: Meter, oneshot: bo
                 time.sleep(2.0)
                 before = {n.name: fleet.status(n) for n in fleet.nodes}
                 cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
+                io0 = {k: proc_counts(p) for k, p in pids.items()}
                 m0 = meter.snapshot()
                 t0 = time.time()
                 cli = subprocess.Popen(
@@ -351,12 +370,14 @@ def run_patchswarm(lab: Any, args: argparse.Namespace, meter: Meter, oneshot: bo
                 time.sleep(3.0)  # every node gets its region's peers from the tracker
                 before = {n.name: fleet.status(n) for n in fleet.nodes}
                 cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
+                io0 = {k: proc_counts(p) for k, p in pids.items()}
                 m0 = meter.snapshot()
                 t0 = time.time()
                 r = pub.publish_served(new)
                 handoff, version, patch_bytes = r.published_at, r.version, r.patch_bytes
             sts = _poll_until(fleet, version, args.timeout, polls, args.poll_s)
             cpu1 = {k: cpu_seconds(p) for k, p in pids.items()}
+            io1 = {k: proc_counts(p) for k, p in pids.items()}
             m1 = meter.snapshot()
             if cli is not None:
                 try:
@@ -392,7 +413,9 @@ def run_patchswarm(lab: Any, args: argparse.Namespace, meter: Meter, oneshot: bo
                             "received_by_kind": {k: got[k] - got0.get(k, 0) for k in got},
                             "cpu_s": round(cpu, 2),
                             "cpu_s_per_gb": round(cpu / (recv / 1e9), 2) if recv else None,
-                            "apply": (st.get("apply_split") or {}).get(str(version))}
+                            "apply": (st.get("apply_split") or {}).get(str(version)),
+                            "proc": {k: io1[n.name].get(k, 0) - io0[n.name].get(k, 0)
+                                     for k in io1[n.name]}}
         regions[r] = max(regions.get(r, 0.0), t_act - t0)
     last = max(v["s"] for v in per_node.values())
     digest_ok = len({st["active_digest"] for st in sts.values()}) == 1
@@ -770,6 +793,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--swarm", action="append", metavar="KNOB=VALUE",
                     help="a protocol knob for the trainer and every node ([swarm] of their "
                          "configs; VALUE in JSON), e.g. --swarm uplink_window=3; repeatable")
+    ap.add_argument("--unsent-limit-kib", type=int, default=None, metavar="KIB",
+                    help="[network] unsent_limit_kib of the trainer and every node: unsent "
+                         "bytes the kernel may hold per peer socket (0: the kernel's default; "
+                         "default: the shipped value)")
     ap.add_argument("--keep-logs", default=None, metavar="DIR",
                     help="copy every node's log (and the origin's, logged at INFO) to "
                          "DIR/run<k>-<system>/ before the run's files are removed")

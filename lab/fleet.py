@@ -113,7 +113,8 @@ class LoopbackFleet:
                  trainer_sections: dict[str, dict[str, Any]] | None = None,
                  node_keys: list[str] | None = None, model: str = MODEL,
                  gateway: dict[str, Any] | None = None,
-                 model_config: dict[str, Any] | None = None) -> None:
+                 model_config: dict[str, Any] | None = None,
+                 network: dict[str, Any] | None = None) -> None:
         """``lab``: place every node (and the trainer) on an emulated host of a
         ``lab.netlab.NetLab`` instead of 127.0.x.x. The calling process must
         then run inside one of the lab's namespaces (it polls the nodes over HTTP).
@@ -128,7 +129,9 @@ class LoopbackFleet:
         ``model``: the model name in every config. ``gateway``: give every node a
         request gateway (``[gateway]``, in-process engine) on a port of its own, with
         these extra keys (e.g. ``{"retry_after_s": 1}``). ``model_config``: written as
-        ``config.json`` beside the base checkpoint (the in-process runner's shape)."""
+        ``config.json`` beside the base checkpoint (the in-process runner's shape).
+        ``network``: extra ``[network]`` keys for the trainer and every node (e.g.
+        ``{"unsent_limit_kib": 0}``)."""
         if regions < 1 or nodes_per_region < 1:
             raise FleetError("need at least one region and one node per region")
         if regions > 200 or nodes_per_region > 200:
@@ -147,6 +150,7 @@ class LoopbackFleet:
         self.node_keys = None if node_keys is None else list(node_keys)
         self.model = model
         self.gateway = gateway
+        self.network = dict(network or {})
         self.model_config = model_config
         self.trainer_host = lab.ip_trainer if lab else "127.0.0.1"
         # a trainer placed on a host of a region (lab ``trainer_in_region``) is of that
@@ -238,7 +242,8 @@ class LoopbackFleet:
                 keyed.add(name)
             recipients = "recipients = [" + ", ".join(
                 f'"keys/{name}.x25519.pub"' for name in sorted(keyed)) + "]\n"
-        common = '[network]\nswarm_secret_file = "swarm.secret"\n'
+        common = '[network]\nswarm_secret_file = "swarm.secret"\n' + "".join(
+            f"{k} = {json.dumps(v)}\n" for k, v in self.network.items())
         if not self.tls and self.lab is not None:  # lab hosts are not loopback addresses
             common += 'allow_plaintext = true\n'
         extra = {sec: "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items())

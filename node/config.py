@@ -41,7 +41,7 @@ _SECTIONS = {
     "node": {"id", "region", "model", "role"},
     "network": {"listen", "advertise", "bootstrap", "swarm_secret", "swarm_secret_file",
                 "max_connections", "max_connections_per_ip", "upgrade_timeout_s",
-                "allow_plaintext"},
+                "allow_plaintext", "unsent_limit_kib"},
     "trust": {"trainer_keys", "node_key"},
     "store": {"dir", "quota_bytes", "keep_versions", "fsync"},
     "weights": {"base", "base_version", "device"},
@@ -108,6 +108,8 @@ class NodeConfig:
     max_connections: int = 1024  # open connections on the swarm port, all peers
     max_connections_per_ip: int = 32  # from one address
     upgrade_timeout_s: float = 10.0  # to finish TLS + the websocket upgrade
+    # unsent bytes the kernel may hold per peer socket (TCP_NOTSENT_LOWAT; 0: the kernel's own)
+    unsent_limit_kib: int = 128
     gateway: GatewayConfig | None = None  # the version-pinned request gateway (None: off)
 
     def core_config(self, active_version: int | None = None) -> CoreConfig:
@@ -432,6 +434,7 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = Non
     conn_caps = {
         "max_connections": _int_in(net, "max_connections", 1024, 1, 1_000_000),
         "max_connections_per_ip": _int_in(net, "max_connections_per_ip", 32, 1, 1_000_000),
+        "unsent_limit_kib": _int_in(net, "unsent_limit_kib", 128, 0, 1 << 20),
     }
     upgrade = _get(net, "network", "upgrade_timeout_s", (int, float), 10.0)
     if isinstance(upgrade, bool) or not 0.1 <= upgrade <= 600:

@@ -147,6 +147,7 @@ def build_node(cfg: NodeConfig, *, weights: InProcessWeights | None = None,
                     host=host, port=port,
                     faults=faults if faults is not None else faults_from_env(),
                     keep_versions=cfg.keep_versions, tls=tls, api_addr=cfg.api_listen,
+                    unsent_limit=cfg.unsent_limit_kib * 1024,
                     guard=ConnectionGuard(max_total=cfg.max_connections,
                                           max_per_ip=cfg.max_connections_per_ip,
                                           upgrade_timeout_s=cfg.upgrade_timeout_s))

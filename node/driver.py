@@ -45,6 +45,7 @@ import contextlib
 import itertools
 import logging
 import os
+import socket
 import ssl
 import sys
 import threading
@@ -80,6 +81,13 @@ MAX_WS_MESSAGE = wire.CHUNK_HEADER_LEN + wire.MAX_CHUNK_BYTES
 SEND_QUEUE_LIMIT = 4096  # frames queued per peer before it is dropped as too slow
 CONNECT_TIMEOUT_S = 5.0
 AHEAD_GRACE_TRIES = 3  # probes an engine ahead of a restarted node is given before a rebuild
+# Unsent bytes the kernel may hold per peer socket by default (``[network]
+# unsent_limit_kib``; TCP_NOTSENT_LOWAT, Linux and macOS): the rest waits in our own send
+# queue, where a control frame (RELAY order, HAVE, heartbeat) overtakes chunk blocks.
+# Without it the kernel queues as much as its autotuned send buffer allows, up to ~1 s of
+# a shared 100 Mbit uplink, and on the emulated WAN a RELAY order reached its border
+# 0.25-1 s late, queued behind the origin's push to that border (docs/benchmarks.md).
+UNSENT_LIMIT = 128 * 1024
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
            "error": logging.ERROR}
 
@@ -161,6 +169,19 @@ PRESTAGE_NICE = 10  # niceness of the prestage thread (Linux: per thread)
 PRESTAGE_SLICE = 1 << 20
 
 
+def limit_unsent(sock: Any, limit: int) -> bool:
+    """Bound the unsent bytes the kernel holds for a peer socket to ``limit`` (0: leave
+    the kernel's default); False where the platform has no ``TCP_NOTSENT_LOWAT``."""
+    opt = getattr(socket, "TCP_NOTSENT_LOWAT", None)
+    if sock is None or opt is None or limit <= 0:
+        return False
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, opt, limit)
+    except OSError:
+        return False
+    return True
+
+
 def lower_thread_priority() -> None:
     """Lower the calling thread's scheduling priority to ``PRESTAGE_NICE`` (never
     raise it). Linux only (niceness is per thread there); elsewhere, or when the
@@ -184,8 +205,10 @@ class Driver:
                  host: str, port: int, faults: Faults | None = None,
                  keep_versions: int = 0, tls: TlsContexts | None = None,
                  api_addr: tuple[str, int] | None = None,
-                 guard: ConnectionGuard | None = None) -> None:
+                 guard: ConnectionGuard | None = None,
+                 unsent_limit: int = UNSENT_LIMIT) -> None:
         self.core = core
+        self.unsent_limit = unsent_limit
         self.store = store
         self.guard = guard or ConnectionGuard(max_total=1024, max_per_ip=32, upgrade_timeout_s=10.0)
         self.tls = tls
@@ -419,7 +442,8 @@ class Driver:
     # ---------------------------------------------------------- connections
 
     def _register(self, ws: Any, outbound: bool, addr: str,
-                  identity: tuple[str, str, str] | None = None) -> Conn:
+                  identity: tuple[str, str, str] | None = None, sock: Any = None) -> Conn:
+        limit_unsent(sock, self.unsent_limit)
         c = Conn(next(self._ids), ws, outbound, addr)
         self.conns[c.id] = c
         c.writer = self._spawn(self._writer(c))
@@ -452,7 +476,8 @@ class Driver:
         ws = web.WebSocketResponse(max_msg_size=MAX_WS_MESSAGE, autoping=True, compress=False)
         await ws.prepare(request)
         self.guard.established(request.transport)
-        c = self._register(ws, False, addr, identity)
+        sock = request.transport.get_extra_info("socket") if request.transport else None
+        c = self._register(ws, False, addr, identity, sock)
         await self._reader(c)
         return ws
 
@@ -481,7 +506,7 @@ class Driver:
             await ws.close()
             self.feed(ev.ConnectFailed(self.now(), addr, str(exc)[:200]))
             return
-        c = self._register(ws, True, addr, identity)
+        c = self._register(ws, True, addr, identity, ws.get_extra_info("socket"))
         await self._reader(c)
 
     async def _reader(self, c: Conn) -> None:

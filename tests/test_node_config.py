@@ -36,6 +36,8 @@ def test_valid_config_resolves_paths_and_core_knobs(tmp_path: Path) -> None:
     core = cfg.core_config()
     assert core.mesh_degree == 5 and core.heartbeat_s == 2.0
     assert core.active_version == 1 and core.listen_addr == "127.0.0.1:7400"
+    assert cfg.unsent_limit_kib == 128  # the shipped default
+    assert parse_config(_doc(network={"unsent_limit_kib": 0}), tmp_path).unsent_limit_kib == 0
 
 
 @pytest.mark.parametrize(("over", "key"), [
@@ -47,6 +49,8 @@ def test_valid_config_resolves_paths_and_core_knobs(tmp_path: Path) -> None:
     ({"node": {"role": "king"}}, "node.role"),
     ({"node": {"id": ""}}, "node.id"),
     ({"store": {"quota_bytes": -1}}, "store.quota_bytes"),
+    ({"network": {"unsent_limit_kib": -1}}, "network.unsent_limit_kib"),
+    ({"network": {"unsent_limit_kib": "128"}}, "network.unsent_limit_kib"),
     ({"store": {"fsync": "yes"}}, "store.fsync"),
     ({"weights": {"device": "tpu"}}, "weights.device"),
     ({"weights": {"base_version": 0}}, "weights.base_version"),
