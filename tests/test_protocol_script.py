@@ -120,12 +120,71 @@ def test_relay_sends_the_chunk_to_the_target_border() -> None:
     assert n.uploading == 0  # a relay does not hold an upload slot
 
 
-def test_relay_fails_for_a_chunk_not_held_or_an_unknown_target() -> None:
+def test_relay_fails_for_an_unknown_target_version_or_index() -> None:
     _n, o, _b = _border_holding((0, 1))
-    assert o.send(wire.Relay(2, 3, "b")) == [wire.RelayFail(2, 3, "b")]
     assert o.send(wire.Relay(2, 0, "nobody")) == [wire.RelayFail(2, 0, "nobody")]
     assert o.send(wire.Relay(9, 0, "b")) == [wire.RelayFail(9, 0, "b")]
+    assert o.send(wire.Relay(2, 4, "b")) == [wire.RelayFail(2, 4, "b")]  # 4 chunks: 0..3
     assert not o.closed()
+
+
+def _sent_chunks(actions: list[ev.Action]) -> list[ev.SendChunk]:
+    return [a for a in actions if isinstance(a, ev.SendChunk)]
+
+
+def test_relay_of_a_chunk_on_its_way_goes_out_the_moment_it_is_stored() -> None:
+    n, o, _b = _border_holding((0, 1))
+    assert o.send(wire.Relay(2, 3, "b")) == []  # not held yet: kept, not failed
+    assert not _sent_chunks(o.actions)
+    got = n.handle(ev.ChunkReceived(n.now, 1, 2, 3, True))  # the origin's push arrives
+    assert _sent_chunks(got) == [ev.SendChunk(2, 2, 3, 1000)]
+    # carried out once: the next copy of that chunk starts nothing
+    assert not _sent_chunks(n.handle(ev.ChunkReceived(n.now, 1, 2, 3, True)))
+
+
+def test_relay_on_arrival_waits_through_a_corrupt_copy() -> None:
+    n, o, _b = _border_holding((0, 1))
+    o.send(wire.Relay(2, 3, "b"))
+    assert not _sent_chunks(n.handle(ev.ChunkReceived(n.now, 1, 2, 3, False)))
+    assert _sent_chunks(n.handle(ev.ChunkReceived(n.now, 1, 2, 3, True))) == [
+        ev.SendChunk(2, 2, 3, 1000)]
+
+
+def test_relay_on_arrival_fails_loudly_when_its_target_leaves() -> None:
+    n, o, b = _border_holding((0, 1))
+    o.send(wire.Relay(2, 3, "b"))
+    got = n.handle(ev.PeerDisconnected(n.now, b.conn, "gone"))
+    assert o.frames(got) == [wire.RelayFail(2, 3, "b"), wire.Links(())]
+    assert not _sent_chunks(n.handle(ev.ChunkReceived(n.now, 1, 2, 3, True)))
+
+
+def test_relay_on_arrival_fails_when_the_chunk_does_not_come_in_time() -> None:
+    n, o, _b = _border_holding((0, 1))
+    o.send(wire.Relay(2, 2, "b"))
+    assert n.next_wakeup() is not None and n.next_wakeup() <= n.now + n.cfg.request_timeout_s
+    assert wire.RelayFail(2, 2, "b") not in o.frames(n.handle(ev.Tick(n.now + 1.0)))
+    late = n.now + n.cfg.request_timeout_s + 0.1
+    assert wire.RelayFail(2, 2, "b") in o.frames(n.handle(ev.Tick(late)))
+    assert not _sent_chunks(n.handle(ev.ChunkReceived(late, 1, 2, 2, True)))
+
+
+def test_relay_orders_waiting_for_chunks_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from swarm.protocol import relays
+
+    monkeypatch.setattr(relays, "MAX_PENDING", 1)
+    _n, o, _b = _border_holding((0,))
+    assert o.send(wire.Relay(2, 2, "b")) == []
+    assert o.send(wire.Relay(2, 3, "b")) == [wire.RelayFail(2, 3, "b")]  # full
+    assert o.send(wire.Relay(2, 2, "b")) == [wire.RelayFail(2, 2, "b")]  # one per chunk
+
+
+def test_relay_orders_waiting_for_chunks_go_with_the_origin() -> None:
+    n, o, _b = _border_holding((0, 1))
+    o.send(wire.Relay(2, 3, "b"))
+    n.handle(ev.PeerDisconnected(n.now, o.conn, "origin restarts"))
+    assert not n.is_border
+    # no border, no orders: the origin re-plans what its border links carried
+    assert not _sent_chunks(n.handle(ev.ChunkReceived(n.now, 2, 2, 3, True)))
 
 
 def test_relay_from_a_node_closes_it() -> None:
@@ -155,6 +214,67 @@ def test_origin_orders_a_relay_and_pushes_itself_when_it_fails() -> None:
     a.send(wire.RelayFail(2, 0, "b"))
     assert [x for x in a.actions if isinstance(x, ev.SendChunk)] == [ev.SendChunk(2, 2, 0, 1000)]
     assert not a.closed()
+
+
+class _Origin:
+    """An origin with one border in each of r1 (``a``, conn 1) and r2 (``b``, conn 2),
+    linked to each other, both showing version 2; every action it took is in ``log``."""
+
+    def __init__(self, chunks: int) -> None:
+        s = Signer()
+        self.o = o = _core("origin", "trainer", role="origin", signer=s, border_nodes=1)
+        self.a = Script(o, 1, node_id="a", region="r1")
+        self.b = Script(o, 2, node_id="b", region="r2")
+        self.log: list[ev.Action] = []
+        self.a.handshake()
+        self.b.handshake()
+        self.send(self.a, wire.Links(("b",)))
+        self.send(self.b, wire.Links(("a",)))
+        self.log += o.handle(ev.Publish(o.now, s.manifest(2, chunks)))
+        self.send(self.a, wire.Announce(s.manifest(2, chunks)))
+        self.send(self.b, wire.Announce(s.manifest(2, chunks)))
+
+    def send(self, peer: Script, frame: wire.Frame) -> None:
+        peer.send(frame)
+        self.log += peer.actions
+
+    def handle(self, event: ev.Event) -> None:
+        self.log += self.o.handle(event)
+
+    def pushes(self, conn: int) -> list[int]:
+        return [x.index for x in _sent_chunks(self.log) if x.conn == conn]
+
+    def relays(self, peer: Script) -> list[wire.Frame]:
+        return [f for f in peer.frames(self.log) if isinstance(f, wire.Relay)]
+
+
+def test_origin_orders_the_relay_of_a_chunk_it_is_pushing_before_it_arrives() -> None:
+    t = _Origin(4)
+    # the window's floor: one push into each remote region
+    (ia,), (ib,) = t.pushes(1), t.pushes(2)
+    # each border is ordered to relay, on arrival, the chunk on its way to it
+    assert t.relays(t.a) == [wire.Relay(2, ia, "b")]
+    assert t.relays(t.b) == [wire.Relay(2, ib, "a")]
+    # a's push left the origin: the next one into r1 starts now, not a round trip later
+    t.handle(ev.ChunkSent(t.o.now, 1, 2, ia))
+    assert len(t.pushes(1)) == 2
+    # a stores the chunk (its HAVE), relays it, and b's HAVE comes: r2 took it in once
+    t.send(t.a, wire.Have(2, (ia,)))
+    t.send(t.b, wire.Have(2, (ia,)))
+    assert t.o.role.region_sent(2)["r2"] >> ia & 1
+    assert ia not in t.pushes(2)  # the origin never pushed that chunk into r2
+
+
+def test_origin_replans_a_relay_on_arrival_that_fails() -> None:
+    t = _Origin(2)
+    (ia,) = t.pushes(1)
+    assert wire.Relay(2, ia, "b") in t.relays(t.a)
+    t.send(t.a, wire.RelayFail(2, ia, "b"))  # a could not keep the order
+    t.handle(ev.ChunkSent(t.o.now, 1, 2, ia))
+    t.handle(ev.ChunkSent(t.o.now, 2, 2, t.pushes(2)[0]))
+    t.send(t.a, wire.Have(2, (ia,)))
+    # r2 still gets a's chunk: pushed by the origin or relayed again, not lost
+    assert ia in t.pushes(2) or t.relays(t.a).count(wire.Relay(2, ia, "b")) == 2
 
 
 def test_relay_fail_for_a_relay_never_ordered_changes_nothing() -> None:
@@ -307,8 +427,9 @@ def _pushes(actions: list[ev.Action]) -> list[tuple[int, int]]:
 
 def test_origin_keeps_uplink_window_chunks_in_flight_into_remote_regions() -> None:
     """Pushes into remote regions cross the origin's site uplink: at most
-    ``uplink_window`` of them until their HAVE (not merely until sent), so each arrives
-    early and can be relayed on; its own region is fed regardless."""
+    ``uplink_window`` of them on their way out at once; the next one starts when one
+    has left (ChunkSent), not a round trip later at its HAVE. Its own region is fed
+    regardless."""
     s = Signer()
     o = _core("origin", "home", role="origin", signer=s, border_nodes=1, uplink_window=2, uplink_window_max=2,
               border_inflight=8, relay=False)
@@ -325,18 +446,18 @@ def test_origin_keeps_uplink_window_chunks_in_flight_into_remote_regions() -> No
     remote = [p for p in sent if p[0] in (1, 2)]
     assert len(remote) == 2, sent
     assert len([p for p in sent if p[0] == 3]) >= 4  # the home region is not held back
-    # leaving the origin does not free the window: only the HAVE does
+    # a push that has left frees its place: one more into each region
     more = []
     for conn, i in remote:
         more += _pushes(o.handle(ev.ChunkSent(o.now, conn, 2, i)))
-    assert [p for p in more if p[0] in (1, 2)] == []
+    nxt = [p for p in more if p[0] in (1, 2)]
+    assert sorted(c for c, _ in nxt) == [1, 2]
+    assert not {i for _, i in nxt} & {i for _, i in remote}
+    # a HAVE frees nothing more: both places are taken by pushes still leaving
     conn, i = remote[0]
-    (a if conn == 1 else b).send(wire.Have(2, (i,)))
-    nxt = [p for p in _pushes((a if conn == 1 else b).actions) if p[0] in (1, 2)]
-    assert len(nxt) == 1
-    # the next push into that region goes over the same (warm) connection
-    if nxt[0][0] == conn:
-        assert nxt[0][1] not in (i, remote[1][1])
+    peer = a if conn == 1 else b
+    peer.send(wire.Have(2, (i,)))
+    assert [p for p in _pushes(peer.actions) if p[0] in (1, 2)] == []
 
 
 def test_origin_pushes_into_a_region_stay_on_its_warm_connection() -> None:
@@ -355,9 +476,9 @@ def test_origin_pushes_into_a_region_stay_on_its_warm_connection() -> None:
         assert len(pushes) == 1, pushes
         conn, i = pushes[0]
         used.append(conn)
-        o.handle(ev.ChunkSent(o.now, conn, 2, i))
+        pushes = _pushes(o.handle(ev.ChunkSent(o.now, conn, 2, i)))  # the next one starts
         bs[conn - 1].send(wire.Have(2, (i,)))
-        pushes = _pushes(bs[conn - 1].actions)
+        pushes += _pushes(bs[conn - 1].actions)
     assert len(set(used)) == 1, used
 
 

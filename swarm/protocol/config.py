@@ -84,7 +84,7 @@ class CoreConfig:
     # ---- seeding (origin)
     border_inflight: int = 2  # chunks in flight into a region per border node
     push_slots: int = 24  # origin: chunks it pushes into regions at once (counted until sent)
-    uplink_window: int = 2  # origin: least chunks in flight through its site uplink until their HAVE (swarm.protocol.uplink)
+    uplink_window: int = 2  # origin: least chunks leaving through its site uplink at once (swarm.protocol.uplink)
     uplink_window_max: int = 256  # ... and most; the window adapts between them by measured delivery rate
     relay_slots: int = 1  # concurrent cross-region relays per border node
     border_grace_s: float = 5.0  # wait before re-sending what a departed border held

@@ -199,6 +199,7 @@ class ChunkExchange:
                 for q in twins:
                     self.host.send(q, cf)
             self.host.queue_have(v, i)
+            self.host.role.on_stored(v, i)
             if st.complete:
                 self.host.log("info", "version_complete", version=v)
                 vs = self.versions

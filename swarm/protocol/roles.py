@@ -19,6 +19,7 @@ from swarm.protocol.config import CoreConfig
 from swarm.protocol.fleet import FleetEntry, StatusReporter
 from swarm.protocol.membership import AddressBook
 from swarm.protocol.peer import CROSS, SAME, Peer
+from swarm.protocol.relays import PendingRelays
 from swarm.protocol.versions import VersionState
 
 
@@ -109,6 +110,9 @@ class Role:
         """A chunk left; True if it was the role's own (not an upload slot)."""
         return False
 
+    def on_stored(self, v: int, i: int) -> None:
+        """We stored chunk ``i`` of ``v`` (verified; we did not hold it before)."""
+
     def after_sent(self) -> None:
         """A chunk left and the upload slots were topped up."""
 
@@ -155,6 +159,7 @@ class NodeRole(Role):
         self._origin_dial_at = float("-inf")
         self.status = StatusReporter(host)
         self.status.changed()  # the first report goes at our first origin link
+        self.pending = PendingRelays()  # RELAY orders for chunks still on their way (relays)
 
     def frame_handlers(self) -> dict[type[wire.Frame], FrameHandler]:
         return {wire.Role: self._f_role, wire.Relay: self._f_relay}
@@ -169,6 +174,21 @@ class NodeRole(Role):
             self.host.send(o, wire.RelayFail(v, i, p.node_id).encode())
         self.host.log("info", "relays_lost", peer=p.node_id, chunks=len(relays))
 
+    def _relay_fail(self, v: int, i: int, target: str) -> None:
+        o = self._origin_link()
+        if o is not None:
+            self.host.send(o, wire.RelayFail(v, i, target).encode())
+
+    def on_stored(self, v: int, i: int) -> None:
+        target = self.pending.take(v, i) if self.pending else None
+        if target is None:
+            return
+        tc = self.host.by_id.get(target)
+        if tc is None:
+            self._relay_fail(v, i, target)
+        else:
+            self.host.relay_chunk(tc, v, i)
+
     # ---- version reports (the origin's fleet view)
     def on_versions_changed(self) -> None:
         self.status.changed()
@@ -180,10 +200,15 @@ class NodeRole(Role):
         return None
 
     def next_wakeup(self) -> float | None:
-        return self.status.next_wakeup()
+        a, b = self.status.next_wakeup(), self.pending.next_deadline() if self.pending else None
+        return a if b is None else b if a is None else min(a, b)
 
     def tick(self) -> None:
         self.status.tick(self._origin_link(), lambda: self._dial_origin(report=True))
+        if self.pending:
+            for v, i, target in self.pending.expired(self.host.now):
+                self.host.log("info", "relay_expired", version=v, index=i, peer=target)
+                self._relay_fail(v, i, target)
 
     @property
     def is_border(self) -> bool:
@@ -227,6 +252,10 @@ class NodeRole(Role):
         if p.is_origin and self.border:
             self.border = False
             self._links_sent = frozenset()
+            self.pending.clear()  # the origin re-plans what its border links carried
+        elif self.pending and p.node_id:
+            for v, i in self.pending.to_target(p.node_id):
+                self._relay_fail(v, i, p.node_id)
         if self.border and p.border:
             self._send_links()
 
@@ -312,10 +341,12 @@ class NodeRole(Role):
         v, i, target = f.version, f.index, f.target
         tc = host.by_id.get(target)
         st = host.holding(v)
-        if tc is None or st is None or i >= st.chunk_count or not (st.have >> i) & 1:
+        if tc is None or st is None or i >= st.chunk_count:
             host.send(p, wire.RelayFail(v, i, target).encode())
-            return
-        host.relay_chunk(tc, v, i)
+        elif (st.have >> i) & 1:
+            host.relay_chunk(tc, v, i)
+        elif not self.pending.add(v, i, target, host.now + self.cfg.request_timeout_s):
+            host.send(p, wire.RelayFail(v, i, target).encode())  # relay on arrival: see relays
 
     # ---- timers
     def after_heartbeat(self) -> None:

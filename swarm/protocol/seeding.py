@@ -10,7 +10,10 @@ Three modes, chosen by the origin's ``CoreConfig``:
   first so regions hold different chunks to relay), or, with ``relay``,
   relayed by a border of another region that holds it (RELAY order) whenever
   such a border has a free relay slot, which keeps the origin's uplink for
-  chunks no region has yet. A chunk is sent into a region again only when its
+  chunks no region has yet. When the origin cannot push, a border may also be
+  ordered to relay a chunk the origin is pushing to it right now: it relays it
+  the moment it is stored (``relays``, relay on arrival), without its HAVE and
+  a new order in between. A chunk is sent into a region again only when its
   transfer timed out, or when the border that took it left and no other border
   of the region reported it within ``border_grace_s``.
 - ``direct`` (origin_only): every node is kept; the origin pushes each node
@@ -296,12 +299,26 @@ class OriginRole(Role):
                     # measured delivery time into the region, per path kind (routing)
                     table = self.push_s if src == ORIGIN_SRC else self.relay_s
                     old = table.get(p.region)
-                    table[p.region] = now - t0 if old is None else 0.7 * old + 0.3 * (now - t0)
+                    if t0 is not None:  # None: a relay on arrival that never started
+                        table[p.region] = now - t0 if old is None else 0.7 * old + 0.3 * (now - t0)
                     if src != ORIGIN_SRC:
                         plan.relayed_at = now
                     self._drop_inflight(plan, i)
                 plan.sent |= gained
+                self._relays_start(v, p, gained, now)
         self.schedule()
+
+    def _relays_start(self, v: int, p: Peer, gained: int, now: float) -> None:
+        """Border ``p`` now holds ``gained``: relays we ordered it ahead of the chunk
+        (relay on arrival) start now; their timing and deadline count from here."""
+        for plan in self.plans.get(v, {}).values():
+            if plan.infl & gained:
+                for i in iter_bits(plan.infl & gained):
+                    e = plan.inflight[i]
+                    if e[0] == p.conn and e[3] is None:
+                        e[2] = now + 2 * self.cfg.request_timeout_s
+                        e[3] = now
+                        p.relay_busy += 1
 
     def on_relay_fail(self, p: Peer, v: int, i: int, target: str) -> None:
         p.links.discard(target)
@@ -320,16 +337,19 @@ class OriginRole(Role):
         if region:
             plan = self.plans.get(v, {}).get(region)
             if plan is not None and i in plan.inflight:
-                plan.inflight[i][2] = self.host.now + self.cfg.request_timeout_s
+                entry = plan.inflight[i]
+                if entry[0] == ORIGIN_SRC and entry[2] is None and plan.remote:
+                    self.uplink_pushes -= 1  # it has left: the uplink takes the next one
+                entry[2] = self.host.now + self.cfg.request_timeout_s
         return True
 
     def _drop_inflight(self, plan: RegionPlan, i: int) -> None:
-        src, _dst, _d, _t0 = plan.inflight.pop(i)
+        src, _dst, d, t0 = plan.inflight.pop(i)
         plan.infl &= ~(1 << i)
         if src == ORIGIN_SRC:
-            if plan.remote:
+            if plan.remote and d is None:
                 self.uplink_pushes -= 1
-        else:
+        elif t0 is not None:  # a relay order still waiting for its chunk holds no slot
             s = self.host.peers.get(src)
             if s is not None and s.relay_busy > 0:
                 s.relay_busy -= 1
@@ -497,6 +517,11 @@ class OriginRole(Role):
             elif not self.pushes_leaving():
                 cand = missing & ~relayable
         i = self._push_one(v, r, bs, plan, load, cand) if cand else -1
+        if i < 0:
+            # no push: a border of another region may take the order for a chunk we are
+            # pushing to it, carried out as soon as it is stored (relay on arrival)
+            i = self._relay_one(v, r, bs, plan, load, missing, now, union, home_ok=False,
+                                ahead=True)
         if i < 0 and r != self.cfg.region:
             # the origin's own pushes are at their limit (``push_slots``, its borders'
             # slots): its region's borders may carry novel chunks out, on the same uplink
@@ -550,13 +575,19 @@ class OriginRole(Role):
             return True
         return not any(into.get(x, 0) < share and self._wants(x) for x in remote if x != r)
 
+    @staticmethod
+    def _sending(plan: RegionPlan) -> bool:
+        """Whether a push into ``plan``'s region has not left the origin yet."""
+        return any(e[0] == ORIGIN_SRC and e[2] is None for e in plan.inflight.values())
+
     def _uplink_by_region(self) -> dict[str, int]:
         """Transfers crossing the site uplink now, per remote region they go into."""
         into: dict[str, int] = {}
         for plans in self.plans.values():
             for x, plan in plans.items():
                 if plan.remote and plan.infl:
-                    n = sum(1 for e in plan.inflight.values() if self._via_uplink(plan, e[0]))
+                    n = sum(1 for e in plan.inflight.values()
+                            if self._via_uplink(plan, e[0]) and (e[0] != ORIGIN_SRC or e[2] is None))
                     if n:
                         into[x] = into.get(x, 0) + n
         return into
@@ -579,8 +610,9 @@ class OriginRole(Role):
         return False
 
     def _uplink_busy(self) -> int:
-        """Transfers through the origin's site uplink, until the HAVE: its pushes into
-        remote regions and the relays its own region's borders carry."""
+        """Transfers through the origin's site uplink: its pushes into remote regions
+        until they have left, and the relays its own region's borders carry until
+        the HAVE."""
         n = self.uplink_pushes
         for b in self.borders.get(self.cfg.region, []):
             n += b.relay_busy
@@ -651,7 +683,8 @@ class OriginRole(Role):
         return best
 
     def _relay_one(self, v: int, r: str, bs: list[Peer], plan: RegionPlan, load: dict[int, int],
-                   missing: int, now: float, union: int, home_ok: bool) -> int:
+                   missing: int, now: float, union: int, home_ok: bool,
+                   ahead: bool = False) -> int:
         home = self.cfg.region
         if not self.cfg.relay or r == home:
             return -1  # the origin's own region is fed locally, never across a border
@@ -669,9 +702,18 @@ class OriginRole(Role):
             if not mask:
                 continue
             for b in lst:
-                if b.relay_busy >= self.cfg.relay_slots or not b.links:
+                if not b.links:
                     continue
-                cand = b.bits.get(v, 0) & mask
+                if ahead:
+                    # relay on arrival (``relays``): a chunk we are pushing to b now goes
+                    # on the moment b stores it, without b's HAVE and our order in between
+                    # (one such order per border at a time; it takes a relay slot once
+                    # the chunk is there)
+                    cand = 0 if r2 == home or self._ahead(b) else self._incoming(v, r2, b) & mask
+                elif b.relay_busy < self.cfg.relay_slots:
+                    cand = b.bits.get(v, 0) & mask
+                else:
+                    continue
                 if not cand:
                     continue
                 t = self._target(bs, load, b.links, self.warm.get((b.conn, r)))
@@ -679,14 +721,36 @@ class OriginRole(Role):
                     continue
                 self.warm[(b.conn, r)] = t.conn
                 i = lowest(cand)
-                b.relay_busy += 1
+                if not ahead:
+                    b.relay_busy += 1
                 load[t.conn] = load.get(t.conn, 0) + 1
-                plan.inflight[i] = [b.conn, t.conn, now + 2 * self.cfg.request_timeout_s, now]
+                plan.inflight[i] = [b.conn, t.conn, now + 2 * self.cfg.request_timeout_s,
+                                    None if ahead else now]
                 plan.infl |= 1 << i
                 plan.relayed_at = now
                 self.host.send(b, wire.Relay(v, i, t.node_id).encode())
                 return i
         return -1
+
+    def _ahead(self, b: Peer) -> bool:
+        """Whether border ``b`` has a relay order waiting for its chunk (relay on arrival)."""
+        for plans in self.plans.values():
+            for plan in plans.values():
+                if plan.infl:
+                    for e in plan.inflight.values():
+                        if e[0] == b.conn and e[3] is None:
+                            return True
+        return False
+
+    def _incoming(self, v: int, r: str, b: Peer) -> int:
+        """Chunks of ``v`` we are pushing to border ``b`` of region ``r`` (bitset)."""
+        plan = self.plans.get(v, {}).get(r)
+        out = 0
+        if plan is not None and plan.infl:
+            for i, (src, dst, _d, _t0) in plan.inflight.items():
+                if src == ORIGIN_SRC and dst == b.conn:
+                    out |= 1 << i
+        return out
 
     def _push_one(self, v: int, r: str, bs: list[Peer], plan: RegionPlan, load: dict[int, int],
                   cand: int) -> int:
@@ -694,7 +758,8 @@ class OriginRole(Role):
 
         Pushes into remote regions leave through the origin's site uplink, usually the
         thinnest link of the swarm. Only ``window.w`` chunks cross it at once (counted
-        until their HAVE, relays by the origin's own region included; the window adapts
+        until they have left, relays by the origin's own region included until their
+        HAVE; the window adapts
         to the measured delivery rate, ``swarm.protocol.uplink``): many
         concurrent pushes would share the uplink and all arrive late, together, while a
         chunk that has arrived can already be relayed on by its region, whose uplink

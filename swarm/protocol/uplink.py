@@ -1,12 +1,12 @@
 """How many chunks the origin keeps in flight through its site uplink, by measurement.
 
 Pushes into remote regions (and relays by the origin's own region's borders) leave
-through the origin's site uplink. Too few in flight and the uplink idles between
-chunks (each waits for its HAVE, a round trip after its last byte); too many and
-they share the uplink, all arrive late and together, and the regions that would
-relay them on idle meanwhile. The right number is about the path's
-bandwidth-delay product in chunks, which the origin does not know, and which a
-per-flow TCP ceiling (long lossy links) raises.
+through the origin's site uplink. A push holds its place in the window until its
+last byte has left the origin (a relay until its HAVE): waiting for the HAVE, a
+round trip after the last byte, would leave the uplink idle between chunks. Too
+few at once and a per-flow TCP ceiling (long lossy links) caps the uplink; too
+many and they share it, all arrive late and together, and the regions that would
+relay them on idle meanwhile. The origin does not know the right number.
 
 ``UplinkWindow`` finds it the way BBR's start-up does, at chunk granularity: a
 *round* is ``w`` deliveries while the window is full; its delivery rate is bytes

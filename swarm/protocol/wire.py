@@ -161,7 +161,8 @@ class Reject(Frame):
 
 @dataclass(frozen=True, slots=True)
 class Relay(Frame):
-    """origin -> border: send chunk ``index`` of ``version`` to the border ``target``."""
+    """origin -> border: send chunk ``index`` of ``version`` to the border ``target``: now
+    if the border holds it, else as soon as it is stored (``relays``: relay on arrival)."""
 
     TYPE: ClassVar[int] = 12
     NAME: ClassVar[str] = "RELAY"
