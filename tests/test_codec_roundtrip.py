@@ -76,6 +76,46 @@ def test_streaming_apply_any_split(seed, dt, density, piece):
     assert same_bits(weights, new)
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.sampled_from(DTYPES), densities,
+       st.lists(st.integers(1, 3000), min_size=1, max_size=12), st.booleans())
+def test_streaming_apply_uneven_cuts_staged_or_not(seed, dt, density, pieces, stage):
+    """Any cut of the stream (a length prefix split, a record filled in place over
+    many feeds, several records in one feed) applies the same, staged or at once."""
+    rng = np.random.default_rng(seed)
+    old = {"w": random_tensor(rng, dt, (40, 25)), "b": random_tensor(rng, dt, (25,)),
+           "e": random_tensor(rng, dt, (3,))}
+    new = {k: mutate(rng, v, dt, density) for k, v in old.items()}
+    patch = encode_patch(old, new, threads=1).patch
+    from swarm.codec import PatchApplier
+
+    weights = clone(old)
+    applier = PatchApplier(weights, stage=stage)
+    start, k = 0, 0
+    while start < len(patch):
+        n = pieces[k % len(pieces)]
+        applier.feed(memoryview(patch)[start:start + n])
+        start, k = start + n, k + 1
+    applier.finish()
+    assert same_bits(weights, new)
+
+
+def test_a_patch_cut_inside_a_record_is_reported_truncated():
+    rng = np.random.default_rng(3)
+    old = {"w": random_tensor(rng, DTYPES[2], (64, 64))}
+    new = {"w": mutate(rng, old["w"], DTYPES[2], 1.0)}
+    patch = encode_patch(old, new, threads=1).patch
+    from swarm.codec import PatchApplier
+    from swarm.errors import PatchFormatError
+
+    weights = clone(old)
+    applier = PatchApplier(weights)
+    applier.feed(patch[: len(patch) - 100])  # the record's body is being filled in place
+    with pytest.raises(PatchFormatError, match="truncated"):
+        applier.finish()
+    assert same_bits(weights, old)  # nothing changed
+
+
 def test_unchanged_tensors_have_no_record_and_empty_diff_is_tiny():
     rng = np.random.default_rng(0)
     w = {"a": random_tensor(rng, DTYPES[2], (100, 100))}

@@ -55,6 +55,7 @@ from swarm.codec.format import (
     decode_header,
     header_size_needed,
     record_extent,
+    record_span,
     split_record,
 )
 from swarm.errors import PatchApplyError, PatchFormatError
@@ -95,7 +96,10 @@ class PatchApplier:
         self.ahead = ahead and stage
         self._touched: set[str] = set()  # tensors changed so far by this commit
         self.header: PatchHeader | None = None
-        self._buf = bytearray()
+        self._buf = bytearray()  # the header, or a record whose length prefix is incomplete
+        # a record whose length is known, filled in place as its bytes come (``_hold``)
+        self._pend: memoryview | None = None
+        self._fill = 0
         self._next = 0
         self._undo: list[_Undo] = []
         self._digests: dict[str, bytes] = {}
@@ -113,11 +117,26 @@ class PatchApplier:
         if self._failed:
             raise PatchApplyError("apply already failed; weights were restored")
         try:
-            if self._buf:
-                self._buf += data
-                if not self._ready():
+            if self._pend is not None:
+                view = memoryview(data).cast("B")
+                n = min(len(view), len(self._pend) - self._fill)
+                self._pend[self._fill:self._fill + n] = view[:n]
+                self._fill += n
+                if self._fill < len(self._pend):
                     return self._next
-                data = bytes(self._buf)  # one copy per completed record, not per feed
+                whole, self._pend = self._pend, None
+                self._drain(whole)  # exactly the one record
+                data = view[n:]
+                if not data:
+                    return self._next
+            if self._buf:
+                if self.header is None:
+                    self._buf += data
+                    if not self._ready():
+                        return self._next
+                    data = bytes(self._buf)
+                else:  # a record's length prefix split between feeds (a few bytes)
+                    data = bytes(self._buf) + bytes(data)
                 self._buf.clear()
             self._drain(memoryview(data))
         except BaseException:
@@ -254,7 +273,21 @@ class PatchApplier:
         if self._next == len(self.header.entries) and rest:
             raise PatchFormatError(f"{rest} trailing bytes after the last record")
         if rest:
-            self._buf += view[offset:]
+            self._hold(view[offset:])
+
+    def _hold(self, part: memoryview) -> None:
+        """Keep the start of an incomplete record. Once its length prefix is complete
+        the record gets a buffer of its full size, filled in place as bytes come: one
+        copy of each record that spans feeds, not a growing buffer (each growth a copy
+        into fresh memory) and a copy of it at the end."""
+        got = record_span(part, 0, self.header.entries[self._next])  # type: ignore[union-attr]
+        if got is None:
+            self._buf += part
+            return
+        total = got[1]
+        buf = memoryview(np.empty(total, dtype=np.uint8)).cast("B")  # not zero-filled
+        buf[:len(part)] = part
+        self._pend, self._fill = buf, len(part)
 
     def _apply_record(self, entry: TableEntry, body: memoryview) -> None:
         edit = self._decode_record(entry, body)

@@ -207,6 +207,17 @@ def record_extent(data: bytes | bytearray | memoryview, offset: int,
     """(body start, body end) of the record at ``offset``, or None if the record
     is not complete yet. Takes no buffer views, so it may peek into a growing
     bytearray."""
+    got = record_span(data, offset, entry)
+    if got is None or got[1] > len(data):
+        return None
+    return got
+
+
+def record_span(data: bytes | bytearray | memoryview, offset: int,
+                entry: TableEntry) -> tuple[int, int] | None:
+    """(body start, body end) of the record at ``offset`` once its length prefix is
+    complete (the body may not be), else None; the length is checked against
+    ``MAX_RECORD_BYTES``."""
     length = shift = 0
     pos = offset
     while True:
@@ -222,8 +233,6 @@ def record_extent(data: bytes | bytearray | memoryview, offset: int,
             raise PatchFormatError(f"record for {entry.name!r}: bad length prefix")
     if length > MAX_RECORD_BYTES:
         raise PatchFormatError(f"record for {entry.name!r}: length {length} exceeds the limit")
-    if len(data) - pos < length:
-        return None
     return pos, pos + length
 
 
