@@ -495,6 +495,51 @@ def test_a_departed_border_leaves_no_warm_connection_behind() -> None:
     assert not o.role.warm
 
 
+def _connects(actions: list[ev.Action]) -> list[str]:
+    return [a.addr for a in actions if isinstance(a, ev.Connect)]
+
+
+def test_origin_redials_a_region_that_lost_its_borders_at_each_heartbeat() -> None:
+    """A partition: the region's border left and the replacement dial failed. The origin
+    dials the region's nodes it knows again at its heartbeats (each address within its
+    back-off), so it finds the region as soon as the partition heals."""
+    o = _core("origin", "home", role="origin", border_nodes=1)
+    a1 = Script(o, 1, node_id="a1", region="r1")
+    a1.handshake()
+    a2 = Script(o, 2, node_id="a2", region="r1")
+    a2.handshake()  # region full: a2 is a tracker contact only
+    o.handle(ev.PeerDisconnected(o.now, 2, "tracker contact done"))
+    t = o.now
+    assert _connects(o.handle(ev.Tick(t + 1.5))) == []  # r1 has its border: nothing to dial
+    got = o.handle(ev.PeerDisconnected(t + 2.0, 1, "no heartbeat"))  # the partition
+    assert _connects(got) == ["a2:1"]  # the replacement
+    assert _connects(o.handle(ev.Tick(t + 3.1))) == []  # one dial per missing border in flight
+    o.handle(ev.ConnectFailed(t + 4.0, "a2:1", "timeout"))
+    assert _connects(o.handle(ev.Tick(t + 4.1))) == ["a1:1"]  # the other node it knows
+    o.handle(ev.ConnectFailed(t + 5.0, "a1:1", "timeout"))
+    first = min(o.retry_at["a1:1"], o.retry_at["a2:1"])
+    assert _connects(o.handle(ev.Tick(first - 0.01))) == []  # both in their back-off
+    late = [ev.Tick(first + k) for k in (0.0, 0.5, 1.0, 1.5)]
+    assert [c for e in late for c in _connects(o.handle(e))][:1] in (["a1:1"], ["a2:1"])
+
+
+def test_origin_dials_the_rest_of_a_region_the_moment_one_of_its_nodes_is_back() -> None:
+    o = _core("origin", "home", role="origin", border_nodes=3)
+    xs = [Script(o, k + 1, node_id=f"a{k}", region="r1") for k in range(4)]
+    for x in xs:
+        x.handshake()  # a0..a2 borders, a3 a tracker contact
+    for k in (4, 1, 2, 3):  # the partition
+        o.handle(ev.PeerDisconnected(o.now, k, "no heartbeat"))
+    for addr in list(o.dialing):
+        o.handle(ev.ConnectFailed(o.now, addr, "timeout"))
+    # time passes (every back-off over), no heartbeat yet: an event that is no Tick
+    o.handle(ev.ConnectFailed(o.now + 30.0, "elsewhere:1", "refused"))
+    back = Script(o, 5, node_id="a0", region="r1")  # a0 redialled us: the region is back
+    assert wire.Role(wire.ROLE_KEEP) in back.handshake()
+    dialled = _connects(back.actions)
+    assert len(dialled) == 2 and set(dialled) <= {"a1:1", "a2:1", "a3:1"}  # two borders missing
+
+
 def _two_regions(window: int, window_max: int) -> tuple[Signer, NodeCore, Script, Script]:
     """An origin (no relays) and one border in each of two remote regions, handshaken."""
     s = Signer()

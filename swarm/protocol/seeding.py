@@ -148,6 +148,37 @@ class OriginRole(Role):
             # a restarted origin keeps seeding what it published before (one-shot publish)
             self.on_publish(v)
 
+    def after_heartbeat(self) -> None:
+        if self.mode is REGIONS:
+            for r in self.host.book.regions():
+                self._redial_borders(r)
+
+    def _redial_borders(self, r: str) -> None:
+        """Region ``r`` has fewer borders than ``border_nodes``: dial nodes of it we heard
+        of, one dial in flight per missing border, each address at most as often as its
+        back-off allows (``retry_at``). After a partition heals the region's nodes would
+        find us only at their next redial (``redial_s``, jittered): the origin finds them
+        at its next heartbeat, and the rest of the region's borders the moment one is back."""
+        host, c = self.host, self.cfg
+        missing = c.border_nodes - len(self.borders.get(r, ()))
+        if missing <= 0:
+            return
+        connected = {q.node_id for q in host.peers.values()}
+        now = host.now
+        pending = 0
+        cands = []
+        for node_id in host.book.region_ids(r):
+            e = host.book.get(node_id)
+            if e is None or node_id in connected:
+                continue
+            addr = e[1]
+            if addr in host.dialing:
+                pending += 1
+            elif host.retry_at.get(addr, 0.0) <= now:
+                cands.append(addr)
+        for addr in cands[: max(0, missing - pending)]:
+            host.dial(addr)
+
     def heartbeat_drop(self, p: Peer) -> bool:
         if not p.kept and self.host.now - p.since > self.cfg.handshake_timeout_s:
             self.host.close(p, "tracker contact done")
@@ -197,6 +228,8 @@ class OriginRole(Role):
         host.send(p, wire.Role(wire.ROLE_KEEP if keep else 0).encode())
         if self.mode is DIRECT:
             self._rr_add(p.conn)
+        elif self.mode is REGIONS and keep:
+            self._redial_borders(p.region)  # it may be back from a partition: so are others
         self.schedule()
 
     def on_leave(self, p: Peer) -> None:
