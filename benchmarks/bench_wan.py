@@ -573,7 +573,8 @@ def inner(args: argparse.Namespace) -> int:
         "chunk_size": args.chunk_size, "tls": args.tls, "lt_piece_kib": args.lt_piece_kib,
         "lt_cross_peers": args.lt_cross_peers, "lt_pex": not args.lt_no_pex,
         "uplink_burst_kib": args.uplink_burst_kib, "flow_bound_s": round(bound, 3),
-        "swarm_knobs": args.swarm or [], "cpus": os.cpu_count(), "runs": []}
+        "swarm_knobs": args.swarm or [], "host_sysctls": dict(args.sysctl),
+        "cpus": os.cpu_count(), "runs": []}
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     for k in range(args.runs):
         for system in systems:
@@ -704,7 +705,8 @@ def outer(args: argparse.Namespace, argv: list[str]) -> int:
     lab = NetLab(args.regions, args.hosts_per_region, uplink_mbit=args.uplink_mbit,
                  host_mbit=args.host_mbit, trainer_in_region=0, delay_ms=args.delay_ms,
                  intra_delay_ms=args.intra_delay_ms,
-                 uplink_burst_bytes=int(args.uplink_burst_kib * 1024))
+                 uplink_burst_bytes=int(args.uplink_burst_kib * 1024),
+                 host_sysctls=dict(args.sysctl))
     desc_file = None
     try:
         lab.build()
@@ -740,6 +742,14 @@ def outer(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 _TERMINATED: list[bool] = []
+
+
+def _sysctl(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip() or not value.strip() or not key.replace(".", "").replace("_", "").isalnum():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE, e.g. "
+                                         "net.ipv4.tcp_slow_start_after_idle=0")
+    return key.strip(), value.strip()
 
 
 def _on_sigterm(*_: object) -> None:
@@ -793,6 +803,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--swarm", action="append", metavar="KNOB=VALUE",
                     help="a protocol knob for the trainer and every node ([swarm] of their "
                          "configs; VALUE in JSON), e.g. --swarm uplink_window=3; repeatable")
+    ap.add_argument("--sysctl", type=_sysctl, action="append", default=[], metavar="KEY=VALUE",
+                    help="set in every host's namespace (repeatable), to measure a deployment "
+                         "setting: e.g. net.ipv4.tcp_slow_start_after_idle=0 (Linux restarts "
+                         "an idle connection's congestion window from its initial one)")
     ap.add_argument("--unsent-limit-kib", type=int, default=None, metavar="KIB",
                     help="[network] unsent_limit_kib of the trainer and every node: unsent "
                          "bytes the kernel may hold per peer socket (0: the kernel's default; "

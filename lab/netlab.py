@@ -112,6 +112,8 @@ class NetLab:
     delay_ms: float = 0.0  # one way, between regions (NFQUEUE holder in the core)
     intra_delay_ms: float = 0.0  # one way, between hosts of one region (a holder per host)
     uplink_burst_bytes: int | None = None  # None: ~4 ms of data, >= 32 KiB
+    # sysctls set in every host's namespace, e.g. {"net.ipv4.tcp_slow_start_after_idle": "0"}
+    host_sysctls: dict[str, str] = field(default_factory=dict)
     holders: list[dict[str, Any]] = field(default_factory=list)
     tables: list[tuple[str, str]] = field(default_factory=list)  # (ns, "family name")
 
@@ -235,6 +237,8 @@ class NetLab:
                 self._run("ip", "addr", "add", f"{self.ip_host(r, h)}/24", "dev", "eth0", ns=ns)
                 self._run("ip", "link", "set", "dev", "eth0", "up", ns=ns)
                 self._run("ip", "route", "add", "default", "via", f"10.213.{r}.254", ns=ns)
+                for key, value in self.host_sysctls.items():
+                    self._run("sysctl", "-qw", f"{key}={value}", ns=ns)
                 self._shape(ns, "eth0", self.host_mbit)
                 self._shape(g, f"h{h}", self.host_mbit)
                 if self.intra_delay_ms:
