@@ -100,6 +100,8 @@ def status_dict(driver: Driver, model: str) -> dict[str, Any]:
             "local_faults": counters.get("local_faults", 0),
             "store_fault": driver.store_fault,
         },
+        # a border's RELAY orders: carried out at once, on the chunk's arrival, failed
+        "relays": dict(counters.get("relays", {})),
     }
 
 
@@ -315,6 +317,12 @@ class _Collector:
             c = CounterMetricFamily(name, help_text, labels=labels)
             c.add_metric(who, float(tr[key]))
             yield c
+        c = CounterMetricFamily("patchswarm_relays", "RELAY orders of the origin, by outcome "
+                                "(at_once, on_arrival: when the chunk was stored, failed)",
+                                labels=[*labels, "outcome"])
+        for outcome, n in sorted(st.get("relays", {}).items()):
+            c.add_metric([*who, outcome], float(n))
+        yield c
         yield from self._engine_metrics(labels, who)
         if self.gateway is not None:
             yield from self.gateway.metric_families(labels, who)

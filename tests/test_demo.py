@@ -89,6 +89,12 @@ def test_fleet_converges_bitwise_with_one_copy_per_region() -> None:
         assert trainer is not None
         assert sum(trainer["bytes"]["sent"].values()) <= 2 * sum(patch_bytes)
         assert all(st["bad_chunks"] == 0 for st in statuses.values())
+        # every chunk a node took from another region was a relay some border carried out
+        # (at once, or the moment it was stored: relay on arrival), and counted as such
+        relayed_in = sum(st["chunks"]["received"]["cross_region"] for st in statuses.values())
+        carried = sum(st["relays"]["at_once"] + st["relays"]["on_arrival"]
+                      for st in statuses.values())
+        assert carried >= relayed_in and (carried > 0) == (relayed_in > 0)
         # each node says where its apply's time went, its CPU included (/status)
         for st in statuses.values():
             split = st["apply_split"][str(pub["version"])]
@@ -103,6 +109,7 @@ def test_fleet_converges_bitwise_with_one_copy_per_region() -> None:
         assert fleet.http(target.addr, "/healthz") == b"ok\n"
         metrics = fleet.http(target.addr, "/metrics").decode()
         assert "patchswarm_active_version" in metrics
+        assert 'patchswarm_relays_total{' in metrics and 'outcome="on_arrival"' in metrics
         # an outsider claiming to be the trainer is cut off before any chunk is read,
         # and bans nobody: every node still takes the next version from the trainer
         for n in fleet.nodes:

@@ -378,6 +378,10 @@ def test_relays_are_ordered_ahead_of_their_chunk_on_a_thin_uplink() -> None:
     assert all(2 in h.applied for h in hosts)
     assert inflow(net, 2) == {"reg0": 12, "reg1": 12, "reg2": 12}
     assert any(not held for _b, _i, held in orders)  # some relays were ordered ahead
+    carried = Counter()
+    for h in hosts:
+        carried.update(h.core.counters.relays)
+    assert carried["on_arrival"] > 0 and carried["at_once"] + carried["on_arrival"] <= len(orders)
 
 
 def test_nodes_meshed_before_the_trainer_was_up_still_find_it() -> None:

@@ -138,6 +138,7 @@ def test_relay_of_a_chunk_on_its_way_goes_out_the_moment_it_is_stored() -> None:
     assert not _sent_chunks(o.actions)
     got = n.handle(ev.ChunkReceived(n.now, 1, 2, 3, True))  # the origin's push arrives
     assert _sent_chunks(got) == [ev.SendChunk(2, 2, 3, 1000)]
+    assert n.counters.relays == {"at_once": 0, "on_arrival": 1, "failed": 0}
     # carried out once: the next copy of that chunk starts nothing
     assert not _sent_chunks(n.handle(ev.ChunkReceived(n.now, 1, 2, 3, True)))
 
@@ -165,6 +166,7 @@ def test_relay_on_arrival_fails_when_the_chunk_does_not_come_in_time() -> None:
     assert wire.RelayFail(2, 2, "b") not in o.frames(n.handle(ev.Tick(n.now + 1.0)))
     late = n.now + n.cfg.request_timeout_s + 0.1
     assert wire.RelayFail(2, 2, "b") in o.frames(n.handle(ev.Tick(late)))
+    assert n.counters.relays["failed"] == 1
     assert not _sent_chunks(n.handle(ev.ChunkReceived(late, 1, 2, 2, True)))
 
 

@@ -9,7 +9,7 @@ from swarm.protocol.peer import KINDS, PeerKind
 
 class Counters:
     __slots__ = ("bad_chunks", "dup_chunks", "local_faults", "recv_bytes", "recv_chunks", "region_recv",
-                 "region_sent", "sent_bytes", "sent_chunks")
+                 "region_sent", "relays", "sent_bytes", "sent_chunks")
 
     def __init__(self) -> None:
         self.sent_bytes = dict.fromkeys(KINDS, 0)
@@ -21,6 +21,9 @@ class Counters:
         self.dup_chunks = 0
         self.bad_chunks = 0
         self.local_faults = 0  # chunks we failed to keep for a local reason (not the sender's)
+        # a border's RELAY orders: carried out at once (chunk held), carried out the moment
+        # the chunk was stored (relay on arrival), failed (RELAY_FAIL sent)
+        self.relays = {"at_once": 0, "on_arrival": 0, "failed": 0}
 
     def sent(self, kind: PeerKind, src: str, dst: str, size: int) -> None:
         self.sent_bytes[kind] += size
@@ -45,5 +48,5 @@ class Counters:
             "region_sent": {f"{a}->{b}": n for (a, b), n in self.region_sent.items()},
             "region_recv": {f"{a}->{b}": n for (a, b), n in self.region_recv.items()},
             "dup_chunks": self.dup_chunks, "bad_chunks": self.bad_chunks,
-            "local_faults": self.local_faults,
+            "local_faults": self.local_faults, "relays": dict(self.relays),
         }

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from swarm.errors import ProtocolError
 from swarm.protocol import wire
 from swarm.protocol.config import CoreConfig
+from swarm.protocol.counters import Counters
 from swarm.protocol.fleet import FleetEntry, StatusReporter
 from swarm.protocol.membership import AddressBook
 from swarm.protocol.peer import CROSS, SAME, Peer
@@ -36,6 +37,7 @@ class Host(Protocol):
     retry_at: dict[str, float]  # addr -> not before
     active_version: int | None
     served_version: int | None  # what our engine confirmed serving (EngineServed)
+    counters: Counters
 
     def send(self, p: Peer, frame: bytes) -> None: ...
     def send_chunk(self, conn: int, v: int, i: int) -> None: ...
@@ -172,9 +174,11 @@ class NodeRole(Role):
             return
         for v, i in relays:
             self.host.send(o, wire.RelayFail(v, i, p.node_id).encode())
+        self.host.counters.relays["failed"] += len(relays)
         self.host.log("info", "relays_lost", peer=p.node_id, chunks=len(relays))
 
     def _relay_fail(self, v: int, i: int, target: str) -> None:
+        self.host.counters.relays["failed"] += 1
         o = self._origin_link()
         if o is not None:
             self.host.send(o, wire.RelayFail(v, i, target).encode())
@@ -187,6 +191,7 @@ class NodeRole(Role):
         if tc is None:
             self._relay_fail(v, i, target)
         else:
+            self.host.counters.relays["on_arrival"] += 1
             self.host.relay_chunk(tc, v, i)
 
     # ---- version reports (the origin's fleet view)
@@ -342,11 +347,12 @@ class NodeRole(Role):
         tc = host.by_id.get(target)
         st = host.holding(v)
         if tc is None or st is None or i >= st.chunk_count:
-            host.send(p, wire.RelayFail(v, i, target).encode())
+            self._relay_fail(v, i, target)
         elif (st.have >> i) & 1:
+            host.counters.relays["at_once"] += 1
             host.relay_chunk(tc, v, i)
         elif not self.pending.add(v, i, target, host.now + self.cfg.request_timeout_s):
-            host.send(p, wire.RelayFail(v, i, target).encode())  # relay on arrival: see relays
+            self._relay_fail(v, i, target)  # relay on arrival (``relays``): no room
 
     # ---- timers
     def after_heartbeat(self) -> None:
