@@ -17,7 +17,7 @@ as the view. Per version and per node it measures:
   the patch) and the rest (torch's threads, threads that exited);
 - with ``--perf`` (Linux ``perf``, root) one node is sampled during the last
   version (``perf record``, every thread, kernel included) and the samples are
-  sorted by symbol into ``PERF_GROUPS`` (kernel page-cache copies, kernel socket
+  sorted by symbol into ``perfstat.PERF_GROUPS`` (fresh pages, kernel page-cache copies, kernel socket
   I/O, TLS, user-space memcpy, hashing, codec, the interpreter, ...);
 - with ``--py-spy PATH`` (a py-spy binary; not a project dependency) one node is
   sampled during the last version (``py-spy record --native``, all threads, idle
@@ -38,7 +38,6 @@ import argparse
 import collections
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -48,6 +47,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import perfstat  # noqa: E402  (benchmarks/perfstat.py: perf record, stop, group)
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -72,57 +73,6 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("event loop / syscalls", ("uvloop", "asyncio", "epoll", "libc", "libpthread", "memcpy",
                                "memmove", "__libc", "syscall", "sock", "recv", "send")),
 ]
-
-
-# (group, substrings of "dso symbol") in priority order, for perf's flat profile
-PERF_GROUPS: list[tuple[str, tuple[str, ...]]] = [
-    ("kernel: page-cache copies (file write/read)", ("copy_folio_from_iter", "filemap_",
-                                                    "ext4_", "generic_perform_write")),
-    ("kernel: socket I/O and TCP", ("tcp_", "skb", "_copy_to_iter", "_copy_from_iter",
-                                    "sock_", "ip_", "__dev_queue", "net_rx", "loopback",
-                                    "inet_", "csum_", "copy_user")),
-    ("kernel: other", ("[kernel",)),
-    ("TLS (OpenSSL)", ("libssl", "libcrypto", "_ssl.")),
-    ("hash (BLAKE3)", ("blake3",)),
-    ("codec (zstd, numpy, XXH3, torch)", ("zstd", "_multiarray", "xxhash", "libtorch",
-                                         "libgomp", "numpy")),
-    ("memcpy/memset (user space, any caller)", ("memmove", "memcpy", "memset")),
-    ("websocket framing (aiohttp C)", ("aiohttp", "reader_c", "mask.")),
-    ("event loop (uvloop)", ("uvloop", "loop.cpython")),
-    ("msgpack", ("msgpack",)),
-    ("Python interpreter", ("libpython", "python3")),
-    ("libc other (malloc, ...)", ("libc.so",)),
-]
-
-
-
-def _interrupt(proc: subprocess.Popen) -> None:
-    """Stop a profiler we started with ^C (it writes its output then), else kill it."""
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-def read_perf(perf: str, data: Path) -> dict[str, float]:
-    """Share of samples (%) per ``PERF_GROUPS`` group from a ``perf record`` file."""
-    out = subprocess.run([perf, "report", "-i", str(data), "--no-children", "--sort", "dso,sym",
-                          "--stdio", "-g", "none", "--percent-limit", "0"],
-                         capture_output=True, text=True, check=False).stdout
-    shares: collections.Counter = collections.Counter()
-    for line in out.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#") or "%" not in line:
-            continue
-        pct, _, rest = line.partition("%")
-        try:
-            p = float(pct)
-        except ValueError:
-            continue
-        group = next((g for g, marks in PERF_GROUPS if any(m in rest for m in marks)), "other")
-        shares[group] += p
-    return {g: round(p, 1) for g, p in shares.most_common()}
 
 
 def proc_cpu(pid: int) -> float:
@@ -254,10 +204,7 @@ def run(args: argparse.Namespace) -> dict:
                 perf_proc = None
                 perf_out = fleet.workdir / "perf.data"
                 if args.perf and k == args.versions - 1:
-                    perf_proc = subprocess.Popen(
-                        [args.perf, "record", "-F", "999", "-p", str(pids[fleet.nodes[-1].name]),
-                         "-o", str(perf_out)], stdout=subprocess.DEVNULL,
-                        stderr=subprocess.DEVNULL)
+                    perf_proc = perfstat.record(args.perf, pids[fleet.nodes[-1].name], perf_out)
                     time.sleep(1.0)
                 if args.py_spy and k == args.versions - 1:
                     victim = pids[fleet.nodes[-1].name]
@@ -279,10 +226,10 @@ def run(args: argparse.Namespace) -> dict:
                 det1 = {n: proc_detail(p) for n, p in pids.items()}
                 thr1 = {n: thread_cpu(p) for n, p in pids.items()}
                 if perf_proc is not None:
-                    _interrupt(perf_proc)
-                    perf_shares = read_perf(args.perf, perf_out)
+                    perfstat.interrupt(perf_proc)
+                    perf_shares = perfstat.read_perf(args.perf, perf_out)
                 if spy is not None:
-                    _interrupt(spy)
+                    perfstat.interrupt(spy)
                     profile = read_pyspy(spy_out)
                     names = pyspy_thread_names(spy_out)
                     vp = pids[fleet.nodes[-1].name]

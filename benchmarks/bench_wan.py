@@ -319,6 +319,7 @@ def run_patchswarm(lab: Any, args: argparse.Namespace, meter: Meter, oneshot: bo
     workdir = Path(tempfile.mkdtemp(prefix="patchswarm-wan-"))
     fleet = _fleet(lab, args, workdir)
     pub = None
+    perf = None
     try:
         with fleet:
             fleet.start_nodes_only(base, timeout=args.timeout)
@@ -333,6 +334,7 @@ def run_patchswarm(lab: Any, args: argparse.Namespace, meter: Meter, oneshot: bo
                 before = {n.name: fleet.status(n) for n in fleet.nodes}
                 cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
                 io0 = {k: proc_counts(p) for k, p in pids.items()}
+                perf = _perf_start(args, pids, workdir)
                 m0 = meter.snapshot()
                 t0 = time.time()
                 cli = subprocess.Popen(
@@ -371,11 +373,13 @@ def run_patchswarm(lab: Any, args: argparse.Namespace, meter: Meter, oneshot: bo
                 before = {n.name: fleet.status(n) for n in fleet.nodes}
                 cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
                 io0 = {k: proc_counts(p) for k, p in pids.items()}
+                perf = _perf_start(args, pids, workdir)
                 m0 = meter.snapshot()
                 t0 = time.time()
                 r = pub.publish_served(new)
                 handoff, version, patch_bytes = r.published_at, r.version, r.patch_bytes
             sts = _poll_until(fleet, version, args.timeout, polls, args.poll_s)
+            perf_shares = _perf_stop(args, perf, workdir)
             cpu1 = {k: cpu_seconds(p) for k, p in pids.items()}
             io1 = {k: proc_counts(p) for k, p in pids.items()}
             m1 = meter.snapshot()
@@ -386,6 +390,9 @@ def run_patchswarm(lab: Any, args: argparse.Namespace, meter: Meter, oneshot: bo
                     cli.kill()
                     cli.wait(5)
     finally:
+        if perf is not None and perf.poll() is None:  # the run failed with perf attached
+            perf.kill()
+            perf.wait()
         if pub is not None:
             pub.close()
         if args.keep_logs:
@@ -435,7 +442,36 @@ def run_patchswarm(lab: Any, args: argparse.Namespace, meter: Meter, oneshot: bo
     tail = [v["apply"]["cpu_s"] for v in per_node.values()
             if v["apply"] and "cpu_s" in v["apply"]]
     out["apply_tail_cpu_s"] = round(statistics.median(tail), 4) if tail else None
+    if perf_shares is not None:
+        out["perf"] = perf_shares
     return out
+
+
+PERF_NODE = "n1-0"  # the profiled node (--perf): a border of a remote region
+
+
+def _perf_start(args: argparse.Namespace, pids: dict[str, int], workdir: Path) -> Any:
+    """``--perf``: start ``perf record`` of one remote border node for this transfer."""
+    if not args.perf or PERF_NODE not in pids:
+        return None
+    import perfstat
+
+    proc = perfstat.record(args.perf, pids[PERF_NODE], workdir / "perf.data")
+    time.sleep(0.5)  # perf attaches before the publish
+    return proc
+
+
+def _perf_stop(args: argparse.Namespace, proc: Any, workdir: Path) -> dict[str, float] | None:
+    """``--perf``: stop the profiler; the node's samples, % per ``perfstat.PERF_GROUPS`` group."""
+    if proc is None:
+        return None
+    import perfstat
+
+    perfstat.interrupt(proc)
+    shares = perfstat.read_perf(args.perf, workdir / "perf.data")
+    print(f"    perf, {PERF_NODE} during the transfer (% of its samples): "
+          + ", ".join(f"{g} {p}" for g, p in shares.items()))
+    return shares
 
 
 # ---------------------------------------------------------------- libtorrent
@@ -803,6 +839,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--swarm", action="append", metavar="KNOB=VALUE",
                     help="a protocol knob for the trainer and every node ([swarm] of their "
                          "configs; VALUE in JSON), e.g. --swarm uplink_window=3; repeatable")
+    ap.add_argument("--perf", nargs="?", const="perf", default=None, metavar="PATH",
+                    help="profile one remote border node (n1-0) during each patchswarm transfer "
+                         "with Linux perf (optionally its path); shares per stage go in the run's "
+                         "\"perf\" (benchmarks/perfstat.py)")
     ap.add_argument("--sysctl", type=_sysctl, action="append", default=[], metavar="KEY=VALUE",
                     help="set in every host's namespace (repeatable), to measure a deployment "
                          "setting: e.g. net.ipv4.tcp_slow_start_after_idle=0 (Linux restarts "
