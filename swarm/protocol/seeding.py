@@ -608,11 +608,6 @@ class OriginRole(Role):
             return True
         return not any(into.get(x, 0) < share and self._wants(x) for x in remote if x != r)
 
-    @staticmethod
-    def _sending(plan: RegionPlan) -> bool:
-        """Whether a push into ``plan``'s region has not left the origin yet."""
-        return any(e[0] == ORIGIN_SRC and e[2] is None for e in plan.inflight.values())
-
     def _uplink_by_region(self) -> dict[str, int]:
         """Transfers crossing the site uplink now, per remote region they go into."""
         into: dict[str, int] = {}
