@@ -456,7 +456,8 @@ def _perf_start(args: argparse.Namespace, pids: dict[str, int], workdir: Path) -
         return None
     import perfstat
 
-    proc = perfstat.record(args.perf, pids[PERF_NODE], workdir / "perf.data")
+    proc = perfstat.record(args.perf, pids[PERF_NODE], workdir / "perf.data",
+                           call_graph="dwarf" if args.perf_keep else None)
     time.sleep(0.5)  # perf attaches before the publish
     return proc
 
@@ -469,6 +470,11 @@ def _perf_stop(args: argparse.Namespace, proc: Any, workdir: Path) -> dict[str, 
 
     perfstat.interrupt(proc)
     shares = perfstat.read_perf(args.perf, workdir / "perf.data")
+    if args.perf_keep:
+        args.perf_keep.mkdir(parents=True, exist_ok=True)
+        kept = args.perf_keep / f"perf-{PERF_NODE}-{time.strftime('%H%M%S')}.data"
+        shutil.copyfile(workdir / "perf.data", kept)
+        print(f"    perf data with call graphs: {kept} (perf report -i {kept} -G)")
     print(f"    perf, {PERF_NODE} during the transfer (% of its samples): "
           + ", ".join(f"{g} {p}" for g, p in shares.items()))
     return shares
@@ -843,6 +849,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="profile one remote border node (n1-0) during each patchswarm transfer "
                          "with Linux perf (optionally its path); shares per stage go in the run's "
                          "\"perf\" (benchmarks/perfstat.py)")
+    ap.add_argument("--perf-keep", type=Path, default=None, metavar="DIR",
+                    help="with --perf: record call graphs (dwarf) and keep each run's perf.data "
+                         "in DIR, for perf report -G")
     ap.add_argument("--sysctl", type=_sysctl, action="append", default=[], metavar="KEY=VALUE",
                     help="set in every host's namespace (repeatable), to measure a deployment "
                          "setting: e.g. net.ipv4.tcp_slow_start_after_idle=0 (Linux restarts "

@@ -46,9 +46,14 @@ def interrupt(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def record(perf: str, pid: int, out: Path, freq: int = 999) -> subprocess.Popen:
-    """``perf record`` of process ``pid`` (every thread, kernel included) until ``interrupt``."""
-    return subprocess.Popen([perf, "record", "-F", str(freq), "-p", str(pid), "-o", str(out)],
+def record(perf: str, pid: int, out: Path, freq: int = 999,
+           call_graph: str | None = None) -> subprocess.Popen:
+    """``perf record`` of process ``pid`` (every thread, kernel included) until ``interrupt``;
+    with ``call_graph`` ("dwarf", "fp") the samples carry their stacks, so ``perf report
+    -G`` names who e.g. touched the fresh pages (through libpython, not Python frames)."""
+    graph = ["--call-graph", call_graph] if call_graph else []
+    return subprocess.Popen([perf, "record", *graph, "-F", str(freq), "-p", str(pid),
+                             "-o", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 

@@ -75,3 +75,53 @@ def test_raised_floor_lifts_the_window_and_holds_it() -> None:
     assert win.w >= 5
     win.raise_floor(100)  # never above the most
     assert win.w == 16 and win.lo == 16
+
+
+def drive_lagged(win: UplinkWindow, capacity: float, per_push: float, rtt: float,
+                 deliveries: int) -> list[int]:
+    """Pushes counted until sent, confirmed a round trip later, as the origin runs them:
+    ``w`` pushes leave at once, each at ``min(per_push, capacity / w)`` chunks/s (a
+    border's downlink caps one push; the uplink caps them all); the slot of a push
+    frees when it has left, and its HAVE (``delivered``, with its start) comes
+    ``rtt`` later. Returns the window after each delivery."""
+    import heapq
+
+    now = 0.0
+    events: list[tuple[float, int, float]] = []  # (time, kind 0 sent / 1 have, started)
+    busy = 0
+    seen: list[int] = []
+
+    def fill() -> None:
+        nonlocal busy
+        while busy < win.w:
+            busy += 1
+            took = 1.0 / min(per_push, capacity / win.w)
+            heapq.heappush(events, (now + took, 0, now))
+
+    fill()
+    while len(seen) < deliveries:
+        now, kind, started = heapq.heappop(events)
+        if kind == 0:
+            busy -= 1
+            heapq.heappush(events, (now + rtt, 1, started))
+        else:
+            win.delivered(1, now, busy >= win.w, started)
+            seen.append(win.w)
+        fill()
+    return seen
+
+
+def test_a_doubling_is_judged_by_transfers_started_after_it() -> None:
+    # 10 Gbit/s out, each push capped at 1 Gbit/s by its border's downlink (30 chunks/s),
+    # 120 ms to the HAVE: right after a doubling the next HAVEs are still the smaller
+    # window's. Judged by them, start-up stopped at its first step (w back to 5).
+    win = UplinkWindow(5, 256)
+    seen = drive_lagged(win, capacity=300.0, per_push=30.0, rtt=0.12, deliveries=400)
+    assert min(seen[-100:]) >= 10, seen[-20:]
+
+
+def test_lagged_haves_on_a_thin_uplink_keep_the_window_small() -> None:
+    # 100 Mbit/s out (3 chunks/s), nothing else caps a push, 80 ms to the HAVE
+    win = UplinkWindow(2, 256)
+    seen = drive_lagged(win, capacity=3.0, per_push=1000.0, rtt=0.08, deliveries=200)
+    assert max(seen[-100:]) <= 4, seen[-20:]

@@ -328,7 +328,8 @@ class OriginRole(Role):
                 for i in iter_bits(gained & plan.infl):
                     src, _dst, _d, t0 = plan.inflight[i]
                     if self._via_uplink(plan, src):
-                        self.window.delivered(1, now, self._uplink_busy() >= self._uplink_limit())
+                        self.window.delivered(1, now, self._uplink_busy() >= self._uplink_limit(),
+                                             t0)
                     # measured delivery time into the region, per path kind (routing)
                     table = self.push_s if src == ORIGIN_SRC else self.relay_s
                     old = table.get(p.region)

@@ -16,6 +16,13 @@ rate and every ``hold`` rounds probes one more, kept only if the rate grows by
 ``probe_gain``, or (every other probe) one less, kept if the rate stays within
 ``1 / probe_gain`` (fewer in flight, each chunk sooner). Deliveries while the window is not full (nothing more to send)
 say nothing about the uplink and restart the round.
+
+A round counts only transfers *started* under the current window (``started``, as
+BBR counts a round from the first packet sent after a change): a HAVE comes a round
+trip after its chunk left, so right after the window doubles the next ``w``
+deliveries are still those of the smaller window. Timed from them, a doubling that
+did pay (a fleet whose pushes are capped by each border's downlink, not by the
+uplink) looked like none, and start-up stopped at its first step.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from __future__ import annotations
 
 class UplinkWindow:
     __slots__ = ("best", "best_w", "down", "hi", "hold", "lo", "n", "nbytes", "probe_gain",
-                 "probing", "rounds", "start", "startup", "startup_gain", "w")
+                 "probing", "rounds", "since", "start", "startup", "startup_gain", "w")
 
     def __init__(self, lo: int, hi: int, *, startup_gain: float = 1.25,
                  probe_gain: float = 1.1, hold: int = 4) -> None:
@@ -41,6 +48,7 @@ class UplinkWindow:
         self.start: float | None = None
         self.n = 0
         self.nbytes = 0
+        self.since = float("-inf")  # when ``w`` last changed: older transfers are not counted
 
     def raise_floor(self, n: int) -> None:
         """At least ``n`` in flight from now on (``lo``), the window and its best with it."""
@@ -50,9 +58,14 @@ class UplinkWindow:
             self.w = max(self.w, n)
             self.best_w = max(self.best_w, n)
 
-    def delivered(self, nbytes: int, now: float, full: bool) -> None:
+    def delivered(self, nbytes: int, now: float, full: bool,
+                  started: float | None = None) -> None:
         """A transfer through the uplink was confirmed (HAVE). ``full``: the window was
-        full just before it (the uplink was kept as busy as the window allows)."""
+        full just before it (the uplink was kept as busy as the window allows).
+        ``started``: when the transfer began; one that began before the window last
+        changed is ignored (it measures the window before)."""
+        if started is not None and started < self.since:
+            return
         if not full:
             self.start, self.n, self.nbytes = now, 0, 0
             return
@@ -65,7 +78,11 @@ class UplinkWindow:
             return
         rate = self.nbytes / (now - self.start)
         self.start, self.n, self.nbytes = now, 0, 0
+        w = self.w
         self._round(rate)
+        if self.w != w:
+            self.since = now  # the next round is timed from transfers started from now
+            self.start = None
 
     def _round(self, rate: float) -> None:
         if self.startup:
