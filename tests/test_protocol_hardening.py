@@ -172,3 +172,24 @@ def test_a_border_that_cannot_keep_a_pushed_chunk_steps_down_and_it_is_re_planne
     acts = o.handle(ev.PeerDisconnected(o.now, 1, "local store fault"))
     again = {x.index for x in acts if isinstance(x, ev.SendChunk) and x.conn == 2}
     assert set(to_a) <= again, (to_a, again)
+
+
+def test_a_bug_in_a_handler_is_logged_not_raised(monkeypatch):
+    """With ``raise_internal_errors`` off (as nodes run), an exception inside a handler
+    comes back as one error log naming the event; the core keeps handling events.
+    (The log once passed ``event=`` twice and raised a TypeError of its own.)"""
+    from swarm.protocol import core as core_mod
+
+    n = _core()
+    n.raise_internal_errors = False
+
+    def broken(self, e):
+        raise RuntimeError("boom")
+
+    monkeypatch.setitem(core_mod._HANDLERS, ev.PeerConnected, broken)
+    out = n.handle(ev.PeerConnected(0.0, 7, False, "b:1"))
+    errors = [a for a in out if isinstance(a, ev.Log) and a.level == "error"]
+    assert len(errors) == 1, out
+    assert errors[0].event == "internal_error"
+    assert errors[0].fields["on"] == "PeerConnected" and "boom" in errors[0].fields["error"]
+    n.handle(ev.Tick(1.0))  # still handling events

@@ -105,7 +105,7 @@ def drive_lagged(win: UplinkWindow, capacity: float, per_push: float, rtt: float
             busy -= 1
             heapq.heappush(events, (now + rtt, 1, started))
         else:
-            win.delivered(1, now, busy >= win.w, started)
+            win.delivered(1, now, busy >= win.w, started, now - rtt)
             seen.append(win.w)
         fill()
     return seen

@@ -117,7 +117,7 @@ class NodeCore(ReadModel):
             if self.raise_internal_errors:
                 raise
             self.log("error", "internal_error", error=f"{type(e).__name__}: {e}",
-                     event=type(event).__name__)
+                     on=type(event).__name__)
         return self._take()
 
     def next_wakeup(self) -> float | None:

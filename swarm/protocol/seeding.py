@@ -326,10 +326,13 @@ class OriginRole(Role):
             if plan is not None:
                 now = self.host.now
                 for i in iter_bits(gained & plan.infl):
-                    src, _dst, _d, t0 = plan.inflight[i]
+                    src, _dst, d, t0 = plan.inflight[i]
                     if self._via_uplink(plan, src):
+                        # a push's deadline was set when its last byte left (``on_sent``)
+                        sent = (d - self.cfg.request_timeout_s
+                                if src == ORIGIN_SRC and d is not None else None)
                         self.window.delivered(1, now, self._uplink_busy() >= self._uplink_limit(),
-                                             t0)
+                                              t0, sent)
                     # measured delivery time into the region, per path kind (routing)
                     table = self.push_s if src == ORIGIN_SRC else self.relay_s
                     old = table.get(p.region)

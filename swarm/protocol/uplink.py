@@ -17,12 +17,14 @@ rate and every ``hold`` rounds probes one more, kept only if the rate grows by
 ``1 / probe_gain`` (fewer in flight, each chunk sooner). Deliveries while the window is not full (nothing more to send)
 say nothing about the uplink and restart the round.
 
-A round counts only transfers *started* under the current window (``started``, as
-BBR counts a round from the first packet sent after a change): a HAVE comes a round
-trip after its chunk left, so right after the window doubles the next ``w``
-deliveries are still those of the smaller window. Timed from them, a doubling that
-did pay (a fleet whose pushes are capped by each border's downlink, not by the
-uplink) looked like none, and start-up stopped at its first step.
+After the window changes, the next round is timed from the first delivery of a
+transfer sent mostly under it (as BBR counts a round from the first packet sent after
+a change): a HAVE comes a round trip after its chunk left, so right after the window
+doubles the next deliveries are still those of the smaller window. Timed from them, a
+doubling that did pay (a fleet whose pushes are capped by each border's downlink, not
+by the uplink) looked like none, and start-up stopped at its first step. "Mostly", not
+"started after": where one chunk takes many seconds to send (a long lossy link) the
+pushes under way at the change are the new window's.
 """
 
 from __future__ import annotations
@@ -59,13 +61,17 @@ class UplinkWindow:
             self.best_w = max(self.best_w, n)
 
     def delivered(self, nbytes: int, now: float, full: bool,
-                  started: float | None = None) -> None:
+                  started: float | None = None, sent: float | None = None) -> None:
         """A transfer through the uplink was confirmed (HAVE). ``full``: the window was
         full just before it (the uplink was kept as busy as the window allows).
-        ``started``: when the transfer began; one that began before the window last
-        changed is ignored (it measures the window before)."""
-        if started is not None and started < self.since:
-            return
+        ``started`` / ``sent``: when it began and when its last byte left (``now`` if
+        unknown). After the window changed, the round is timed from the first transfer
+        that spent most of its sending under the new window: one sent mostly before
+        measures the old window."""
+        if self.start is None and started is not None:
+            end = now if sent is None else sent
+            if end - self.since < (end - started) / 2:
+                return  # sent mostly under the window before
         if not full:
             self.start, self.n, self.nbytes = now, 0, 0
             return
