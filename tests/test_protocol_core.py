@@ -170,7 +170,7 @@ def test_corrupt_sender_is_dropped_and_chunks_come_from_elsewhere() -> None:
 
 
 def test_tracker_only_nodes_learn_their_region_from_the_origin() -> None:
-    s, net, o, hosts = fleet(2, 5, peer_boot=False)
+    s, net, o, hosts = fleet(2, 5, peer_boot=False, border_nodes=4)
     for h in hosts:
         same = [p for p in h.core.peers.values() if p.state == READY and p.region == h.region
                 and not p.is_origin]
@@ -212,7 +212,7 @@ def test_corrupt_border_is_banned_reported_and_its_chunks_resent() -> None:
 def test_restarted_origin_is_redialled_and_seeds_the_next_version() -> None:
     """The one-shot ``patchswarm publish``: the origin goes away between versions and a
     fresh one (same address, knows only its store) publishes the next version."""
-    s, net, o, hosts = fleet(2, 4, peer_boot=False)
+    s, net, o, hosts = fleet(2, 4, peer_boot=False, border_nodes=4)
     publish(s, net, o, 2, 12)
     net.run(net.now + 60, stop=lambda: all(2 in h.applied for h in hosts))
     net.kill(o)

@@ -55,7 +55,7 @@ class CoreConfig:
     # ---- strategy
     region_aware: bool = True  # False -> "flat": region-unaware BitTorrent-style swarm
     relay: bool = True  # regions relay chunks to each other; False -> origin feeds every region
-    border_nodes: int = 4  # nodes per region that take chunks from outside (their downlinks are the region's inflow)
+    border_nodes: int = 8  # nodes per region that take chunks from outside (their downlinks are the region's inflow)
     origin_only: bool = False  # "direct": every node downloads only from the origin
     # ---- membership
     mesh_degree: int = 8  # more neighbours, more idle senders to pick from (HAVE frames grow with it)
