@@ -111,10 +111,11 @@ def drive_lagged(win: UplinkWindow, capacity: float, per_push: float, rtt: float
     return seen
 
 
-def test_a_doubling_is_judged_by_transfers_started_after_it() -> None:
+def test_a_doubling_is_judged_by_transfers_sent_after_it() -> None:
     # 10 Gbit/s out, each push capped at 1 Gbit/s by its border's downlink (30 chunks/s),
     # 120 ms to the HAVE: right after a doubling the next HAVEs are still the smaller
-    # window's. Judged by them, start-up stopped at its first step (w back to 5).
+    # window's. Judged by them, start-up stopped at its first step (the old rule
+    # settled at 5-7 here).
     win = UplinkWindow(5, 256)
     seen = drive_lagged(win, capacity=300.0, per_push=30.0, rtt=0.12, deliveries=400)
     assert min(seen[-100:]) >= 10, seen[-20:]

@@ -50,7 +50,7 @@ class UplinkWindow:
         self.start: float | None = None
         self.n = 0
         self.nbytes = 0
-        self.since = float("-inf")  # when ``w`` last changed: older transfers are not counted
+        self.since = float("-inf")  # when ``w`` last changed (``delivered``)
 
     def raise_floor(self, n: int) -> None:
         """At least ``n`` in flight from now on (``lo``), the window and its best with it."""
@@ -87,7 +87,7 @@ class UplinkWindow:
         w = self.w
         self._round(rate)
         if self.w != w:
-            self.since = now  # the next round is timed from transfers started from now
+            self.since = now  # the next round starts with a transfer sent mostly from now on
             self.start = None
 
     def _round(self, rate: float) -> None:
