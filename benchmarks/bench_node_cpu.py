@@ -191,6 +191,7 @@ def run(args: argparse.Namespace) -> dict:
     env = dict(kv.split("=", 1) for kv in args.node_env)
     with LoopbackFleet(1, args.nodes, chunk_size=args.chunk_size, tls=not args.no_tls,
                        swarm={"redial_s": 1.0},
+                       node_section={} if args.warm_mib is None else {"warm_memory_mib": args.warm_mib},
                        node_env={f"n0-{i}": env for i in range(args.nodes)}) as fleet:
         fleet.start_nodes_only(base, timeout=args.timeout)
         pub = fleet.start_origin(base, regions=1)
@@ -297,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--node-env", action="append", default=[], metavar="K=V",
                     help="environment variable for every node process (A/B experiments)")
+    ap.add_argument("--warm-mib", type=int, default=None, metavar="MIB",
+                    help="[node] warm_memory_mib of every node (0: off; default: the shipped value)")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -331,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {stage:28s} {100 * n / total:5.1f}%  ~{med * n / total:.2f} CPU-s/GB")
         print("CPU-s by thread of that node:", res["profile_threads"].get("cpu_s"))
     result = {"bench": "node_cpu", "label": args.label, "nodes": args.nodes, "mib": args.mib,
+              "warm_mib": args.warm_mib,
               "chunk_size": args.chunk_size, "tls": not args.no_tls, "cpus": os.cpu_count(),
               "load_avg": os.getloadavg(), "cpu_s_per_gb_median": round(med, 2),
               "by_thread_s_per_gb_median": split, "profile_samples": profile,

@@ -262,8 +262,10 @@ def _fleet(lab: Any, args: argparse.Namespace, workdir: Path) -> Any:
         k, _, v = kv.partition("=")
         knobs[k.strip()] = json.loads(v)
     network = {} if args.unsent_limit_kib is None else {"unsent_limit_kib": args.unsent_limit_kib}
+    node = {} if args.warm_mib is None else {"warm_memory_mib": args.warm_mib}
     fleet = LoopbackFleet(lab.regions, lab.hosts_per_region, chunk_size=args.chunk_size,
-                          lab=lab, tls=args.tls, workdir=workdir, swarm=knobs, network=network)
+                          lab=lab, tls=args.tls, workdir=workdir, swarm=knobs, network=network,
+                          node_section=node)
     # the trainer occupies the last host of region 0: no node there
     fleet.nodes = [n for n in fleet.nodes
                    if (n.host, n.netns) != (lab.ip_trainer, lab.ns_trainer)]
@@ -616,6 +618,7 @@ def inner(args: argparse.Namespace) -> int:
         "lt_cross_peers": args.lt_cross_peers, "lt_pex": not args.lt_no_pex,
         "uplink_burst_kib": args.uplink_burst_kib, "flow_bound_s": round(bound, 3),
         "swarm_knobs": args.swarm or [], "host_sysctls": dict(args.sysctl),
+        "warm_memory_mib": args.warm_mib,
         "cpus": os.cpu_count(), "runs": []}
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     for k in range(args.runs):
@@ -860,6 +863,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="[network] unsent_limit_kib of the trainer and every node: unsent "
                          "bytes the kernel may hold per peer socket (0: the kernel's default; "
                          "default: the shipped value)")
+    ap.add_argument("--warm-mib", type=int, default=None, metavar="MIB",
+                    help="[node] warm_memory_mib of every node: heap touched at start so the "
+                         "first version runs on warm memory (0: off; default: the shipped value)")
     ap.add_argument("--keep-logs", default=None, metavar="DIR",
                     help="copy every node's log (and the origin's, logged at INFO) to "
                          "DIR/run<k>-<system>/ before the run's files are removed")

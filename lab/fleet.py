@@ -114,7 +114,8 @@ class LoopbackFleet:
                  node_keys: list[str] | None = None, model: str = MODEL,
                  gateway: dict[str, Any] | None = None,
                  model_config: dict[str, Any] | None = None,
-                 network: dict[str, Any] | None = None) -> None:
+                 network: dict[str, Any] | None = None,
+                 node_section: dict[str, Any] | None = None) -> None:
         """``lab``: place every node (and the trainer) on an emulated host of a
         ``lab.netlab.NetLab`` instead of 127.0.x.x. The calling process must
         then run inside one of the lab's namespaces (it polls the nodes over HTTP).
@@ -131,7 +132,8 @@ class LoopbackFleet:
         these extra keys (e.g. ``{"retry_after_s": 1}``). ``model_config``: written as
         ``config.json`` beside the base checkpoint (the in-process runner's shape).
         ``network``: extra ``[network]`` keys for the trainer and every node (e.g.
-        ``{"unsent_limit_kib": 0}``)."""
+        ``{"unsent_limit_kib": 0}``). ``node_section``: extra ``[node]`` keys for every
+        node (e.g. ``{"warm_memory_mib": 0}``)."""
         if regions < 1 or nodes_per_region < 1:
             raise FleetError("need at least one region and one node per region")
         if regions > 200 or nodes_per_region > 200:
@@ -151,6 +153,7 @@ class LoopbackFleet:
         self.model = model
         self.gateway = gateway
         self.network = dict(network or {})
+        self.node_section = "".join(f"{k} = {json.dumps(v)}\n" for k, v in (node_section or {}).items())
         self.model_config = model_config
         self.trainer_host = lab.ip_trainer if lab else "127.0.0.1"
         # a trainer placed on a host of a region (lab ``trainer_in_region``) is of that
@@ -264,7 +267,8 @@ class LoopbackFleet:
         )
         for n in self.nodes:
             n.config.write_text(
-                f'[node]\nid = "{n.name}"\nregion = "{n.region}"\nmodel = "{self.model}"\n\n'
+                f'[node]\nid = "{n.name}"\nregion = "{n.region}"\nmodel = "{self.model}"\n'
+                f'{self.node_section}\n'
                 f'{common}listen = "{n.addr}"\nbootstrap = ["{self.trainer_addr}"]\n\n'
                 f'[trust]\ntrainer_keys = ["trainer.key.pub"]\n'
                 + (f'node_key = "keys/{n.name}.x25519"\n' if n.name in keyed else "") + "\n"

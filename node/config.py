@@ -7,7 +7,8 @@ file's directory, so a config and its keys can travel together.
 
 Layout (see configs/node.toml for a commented example)::
 
-    [node]     id, region, model, role ("node" | "origin")
+    [node]     id, region, model, role ("node" | "origin"), warm_memory_mib (heap touched
+               at start so the first version runs on warm memory; 0 = off)
     [network]  listen = "host:port", advertise = "host:port" (default: listen),
                bootstrap = ["host:port", ...], swarm_secret (hex) or swarm_secret_file
     [trust]    trainer_keys = ["trainer.pub", ...]       (Ed25519 public keys, PEM),
@@ -38,7 +39,7 @@ from swarm.errors import ConfigError
 from swarm.protocol.config import CoreConfig, check_knobs
 
 _SECTIONS = {
-    "node": {"id", "region", "model", "role"},
+    "node": {"id", "region", "model", "role", "warm_memory_mib"},
     "network": {"listen", "advertise", "bootstrap", "swarm_secret", "swarm_secret_file",
                 "max_connections", "max_connections_per_ip", "upgrade_timeout_s",
                 "allow_plaintext", "unsent_limit_kib"},
@@ -55,6 +56,7 @@ _SECTIONS = {
     "gateway": None,  # checked by node.gateway_config.parse_gateway
 }
 MAX_CONFIG_BYTES = 1024 * 1024
+MAX_WARM_MEMORY_MIB = 1536  # glibc's trim threshold is an int (node.daemon.tune_malloc)
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,7 @@ class NodeConfig:
     # unsent bytes the kernel may hold per peer socket (TCP_NOTSENT_LOWAT; 0: the kernel's own)
     unsent_limit_kib: int = 128
     gateway: GatewayConfig | None = None  # the version-pinned request gateway (None: off)
+    warm_memory_mib: int = 256  # heap touched once at start (node.daemon.warm_heap)
 
     def core_config(self, active_version: int | None = None) -> CoreConfig:
         """The protocol core's knobs for this node; ``active_version`` defaults to the base."""
@@ -365,6 +368,10 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = Non
     node_id = _nonempty(_get(node, "node", "id", str), "node.id")
     region = _nonempty(_get(node, "node", "region", str), "node.region", 64)
     model = _nonempty(_get(node, "node", "model", str), "node.model")
+    warm = _get(node, "node", "warm_memory_mib", int, 256)
+    if not 0 <= warm <= MAX_WARM_MEMORY_MIB:
+        raise ConfigError(f"node.warm_memory_mib: must be in 0..{MAX_WARM_MEMORY_MIB} "
+                          f"(0 = off), got {warm}")
     listen = _get(net, "network", "listen", str)
     host, port = parse_addr(listen, "network.listen")
     advertise = _get(net, "network", "advertise", str, listen)
@@ -452,7 +459,7 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = Non
         raise ConfigError("gateway: only a rollout node (node.role = \"node\") serves requests")
     cfg = NodeConfig(
         tls=tls, api_listen=api_listen, api_token=api_token, upgrade_timeout_s=float(upgrade),
-        gateway=gateway,
+        gateway=gateway, warm_memory_mib=warm,
         **conn_caps,
         node_id=node_id, region=region, model=model, role=role, listen_host=host,
         listen_port=port, advertise=advertise, bootstrap=tuple(bootstrap), swarm_secret=secret,

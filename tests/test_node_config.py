@@ -38,6 +38,8 @@ def test_valid_config_resolves_paths_and_core_knobs(tmp_path: Path) -> None:
     assert core.active_version == 1 and core.listen_addr == "127.0.0.1:7400"
     assert cfg.unsent_limit_kib == 128  # the shipped default
     assert parse_config(_doc(network={"unsent_limit_kib": 0}), tmp_path).unsent_limit_kib == 0
+    assert cfg.warm_memory_mib == 256
+    assert parse_config(_doc(node={"warm_memory_mib": 0}), tmp_path).warm_memory_mib == 0
 
 
 @pytest.mark.parametrize(("over", "key"), [
@@ -52,6 +54,9 @@ def test_valid_config_resolves_paths_and_core_knobs(tmp_path: Path) -> None:
     ({"network": {"unsent_limit_kib": -1}}, "network.unsent_limit_kib"),
     ({"network": {"unsent_limit_kib": "128"}}, "network.unsent_limit_kib"),
     ({"store": {"fsync": "yes"}}, "store.fsync"),
+    ({"node": {"warm_memory_mib": -1}}, "node.warm_memory_mib"),
+    ({"node": {"warm_memory_mib": 4096}}, "node.warm_memory_mib"),
+    ({"node": {"warm_memory_mib": "256"}}, "node.warm_memory_mib"),
     ({"weights": {"device": "tpu"}}, "weights.device"),
     ({"weights": {"base_version": 0}}, "weights.base_version"),
     ({"trust": {"trainer_keys": []}}, "trust.trainer_keys"),

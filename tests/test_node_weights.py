@@ -79,3 +79,20 @@ def test_full_checkpoint_replaces_state(holder: InProcessWeights) -> None:
 
 def test_auto_device_is_cuda_only_when_present() -> None:
     assert pick_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_loaded_weights_are_the_process_own_memory(tmp_path: Path) -> None:
+    """safetensors maps the file privately: weights left on that mapping would change
+    when the file is rewritten in place (pages never written show the file) and would
+    copy every page on the first patch. The holder keeps its own copy."""
+    path = tmp_path / "base.safetensors"
+    state = {"a": torch.arange(4096, dtype=torch.int16).to(torch.bfloat16)}
+    save_file(state, str(path))
+    h = InProcessWeights.load(path, 1, "cpu")
+    before = state_digest(h.weights)
+    raw = bytearray(path.read_bytes())
+    raw[-4096:] = bytes(4096)  # the tensor's tail, rewritten in place (same inode)
+    with path.open("r+b") as f:
+        f.write(raw)
+    assert state_digest(h.weights) == before
+    assert torch.equal(h.weights["a"], state["a"])
