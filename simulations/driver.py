@@ -217,7 +217,9 @@ class Simulation:
         self.chunks_sent = 0
         self.logs: dict[str, int] = {}
         self.cut: set[str] = set()
-        self.block = sc.interleave_block_bytes
+        # bytes on the wire per payload byte: a shaper counts every packet's headers
+        self.wire = (sc.mss + sc.header_bytes) / sc.mss
+        self.block = sc.interleave_block_bytes * self.wire
         self.shared_cpu = Cores(sc.host_cores) if sc.host_cores > 0 else None
         self.hol_frames = 0  # control frames that waited behind chunk bytes
         self.hol_wait = 0.0  # their total wait, seconds
@@ -559,7 +561,7 @@ class Simulation:
         peer.conns[theirs.cid] = theirs
         mine.fifo = theirs.fifo = now + lat
         if self.sc.slow_start:
-            mine.cwnd = theirs.cwnd = self.sc.initial_window * self.sc.mss
+            mine.cwnd = theirs.cwnd = self.sc.initial_window * (self.sc.mss + self.sc.header_bytes)
         # SYN-ACK reaches the dialler before any byte the listener sends: schedule it first
         self.engine.schedule(now + lat, self._connected, (mine, addr))
         self._deliver(peer, peer.inc, ev.PeerConnected(now, theirs.cid, False, node.addr))
@@ -699,7 +701,7 @@ class Simulation:
                 item[6] = ceil
                 cap = half.cwnd / half.rtt
                 self.engine.schedule(self.engine.now + half.rtt, self._ramp, item)
-        item[4] = self.net.start(item[3], res, self._chunk_left, item, cap)
+        item[4] = self.net.start(item[3] * self.wire, res, self._chunk_left, item, cap)
         half.cur = item
 
     def _ramp(self, item: list[Any]) -> None:

@@ -175,6 +175,9 @@ class Scenario:
     apply_s: float = 0.0
     loss: float = 0.0  # default loss of every link and region ([network] loss)
     mss: int = 1460
+    # per-segment headers a link's shaper counts (Ethernet 14 + IPv4 20 + TCP 32 = 66 with
+    # timestamps): chunk bytes take (mss + header_bytes) / mss of a link's capacity
+    header_bytes: int = 0
     connect_timeout_s: float = 3.0
     sharing: str = "maxmin"  # flow model: local max-min water-filling, or cap/n bottleneck shares
     # 0: a chunk is one message, control frames queue behind every chunk byte queued on the
@@ -427,6 +430,7 @@ def parse_scenario(data: dict[str, Any], default_name: str = "scenario") -> Scen
     net = top.table("network")
     loss = net.num("loss", 0.0, lo=0, hi=0.5)
     mss = net.int("mss", 1460, lo=100, hi=65536)
+    header_bytes = net.int("header_bytes", 0, lo=0, hi=1024)
     ctimeout = net.num("connect_timeout_s", 3.0, lo=0, lo_open=True)
     sharing = net.str("sharing", "maxmin")
     if sharing not in ("maxmin", "bottleneck"):
@@ -594,6 +598,7 @@ def parse_scenario(data: dict[str, Any], default_name: str = "scenario") -> Scen
         apply_s=apply_s,
         loss=loss,
         mss=mss,
+        header_bytes=header_bytes,
         connect_timeout_s=ctimeout,
         sharing=sharing,
         interleave_block_bytes=block,

@@ -20,6 +20,7 @@ from simulations.cpu import Cores, run_job
 from simulations.driver import Half, Simulation
 from simulations.network import mathis_cap, mbps
 from simulations.scenario import parse_scenario
+from swarm.errors import ConfigError
 from swarm.protocol import events as ev
 
 MiB = 2**20
@@ -72,7 +73,7 @@ class Wire:
         src.conns[cid], dst.conns[cid] = mine, theirs
         src.alive = dst.alive = True
         if self.sim.sc.slow_start:
-            mine.cwnd = theirs.cwnd = self.sim.sc.initial_window * self.sim.sc.mss
+            mine.cwnd = theirs.cwnd = self.sim.sc.initial_window * (self.sim.sc.mss + self.sim.sc.header_bytes)
         return mine
 
     def node(self, region: str, i: int):
@@ -248,6 +249,21 @@ def test_slow_start_ramps_a_new_connection():
     assert w.chunks[0][0] == pytest.approx(expected + 0.040, rel=1e-3)
     assert w.chunks[1][0] - 0.6 < 0.5 * expected
     assert half.cwnd == math.inf or half.cwnd > iw * 2**6
+
+
+def test_headers_take_their_share_of_a_shaped_link():
+    """A shaper counts every packet's headers: 4 MiB of chunk over 100 Mbit/s takes
+    (mss + header_bytes) / mss of the payload-only time."""
+    for header, mss in ((0, 1460), (66, 1448)):
+        w = Wire(two_site(network={"header_bytes": header, "mss": mss}))
+        a0, b0 = w.node("a", 0), w.node("b", 0)
+        w.connect(a0, b0)
+        w.chunk(a0, 4 * MiB)
+        w.run()
+        assert w.chunks[0][0] == pytest.approx(4 * MiB * (mss + header) / mss / mbps(100) + 0.040,
+                                               rel=1e-3)
+    with pytest.raises(ConfigError, match=r"network\.header_bytes"):
+        two_site(network={"header_bytes": -1})
 
 
 def test_slow_start_off_by_default():
