@@ -268,8 +268,8 @@ def warm_heap(nbytes: int) -> int:
     for memory touched before. A node keeps its freed heap (``tune_malloc``), so
     from its second version on the chunk buffers kept for uploads, the staged edits
     and the records decoded ahead all reuse memory the process touched already;
-    the first version paid for all of it (~45,000 page faults for a 64 MiB dense
-    patch, ~40 % of that version's CPU). Here that cost moves to start-up, before
+    the first version paid for all of it (~26,000 page faults for a 64 MiB dense
+    patch, ~30 % of that version's CPU). Here that cost moves to start-up, before
     any version is in flight. Call after ``tune_malloc`` succeeded (otherwise the
     freed pieces go back to the kernel) and after the weights are loaded (so the
     base checkpoint does not take the warm memory). Huge pages where the kernel
