@@ -50,6 +50,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import perfstat  # noqa: E402  (benchmarks/perfstat.py: perf record, stop, group)
 
+from node.config import DEFAULT_WARM_MEMORY_MIB  # noqa: E402
+
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 # (stage, substrings of a frame) in priority order: a sample goes to the first stage
@@ -191,7 +193,7 @@ def run(args: argparse.Namespace) -> dict:
     env = dict(kv.split("=", 1) for kv in args.node_env)
     with LoopbackFleet(1, args.nodes, chunk_size=args.chunk_size, tls=not args.no_tls,
                        swarm={"redial_s": 1.0},
-                       node_section={} if args.warm_mib is None else {"warm_memory_mib": args.warm_mib},
+                       node_section={"warm_memory_mib": args.warm_mib},
                        node_env={f"n0-{i}": env for i in range(args.nodes)}) as fleet:
         fleet.start_nodes_only(base, timeout=args.timeout)
         pub = fleet.start_origin(base, regions=1)
@@ -298,8 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--node-env", action="append", default=[], metavar="K=V",
                     help="environment variable for every node process (A/B experiments)")
-    ap.add_argument("--warm-mib", type=int, default=None, metavar="MIB",
-                    help="[node] warm_memory_mib of every node (0: off; default: the shipped value)")
+    ap.add_argument("--warm-mib", type=int, default=DEFAULT_WARM_MEMORY_MIB, metavar="MIB",
+                    help=f"[node] warm_memory_mib of every node (0: off; default: the shipped "
+                         f"{DEFAULT_WARM_MEMORY_MIB})")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)

@@ -58,6 +58,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from node.config import DEFAULT_WARM_MEMORY_MIB  # noqa: E402
+
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 SYSTEMS = ("patchswarm", "oneshot", "libtorrent")
 LT_SCRIPT = ROOT / "benchmarks" / "wan_libtorrent.py"
@@ -262,7 +264,7 @@ def _fleet(lab: Any, args: argparse.Namespace, workdir: Path) -> Any:
         k, _, v = kv.partition("=")
         knobs[k.strip()] = json.loads(v)
     network = {} if args.unsent_limit_kib is None else {"unsent_limit_kib": args.unsent_limit_kib}
-    node = {} if args.warm_mib is None else {"warm_memory_mib": args.warm_mib}
+    node = {"warm_memory_mib": args.warm_mib}
     fleet = LoopbackFleet(lab.regions, lab.hosts_per_region, chunk_size=args.chunk_size,
                           lab=lab, tls=args.tls, workdir=workdir, swarm=knobs, network=network,
                           node_section=node)
@@ -863,9 +865,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="[network] unsent_limit_kib of the trainer and every node: unsent "
                          "bytes the kernel may hold per peer socket (0: the kernel's default; "
                          "default: the shipped value)")
-    ap.add_argument("--warm-mib", type=int, default=None, metavar="MIB",
+    ap.add_argument("--warm-mib", type=int, default=DEFAULT_WARM_MEMORY_MIB, metavar="MIB",
                     help="[node] warm_memory_mib of every node: heap touched at start so the "
-                         "first version runs on warm memory (0: off; default: the shipped value)")
+                         "first version runs on warm memory (0: off; default: the shipped "
+                         f"{DEFAULT_WARM_MEMORY_MIB})")
     ap.add_argument("--keep-logs", default=None, metavar="DIR",
                     help="copy every node's log (and the origin's, logged at INFO) to "
                          "DIR/run<k>-<system>/ before the run's files are removed")

@@ -133,7 +133,10 @@ class LoopbackFleet:
         ``config.json`` beside the base checkpoint (the in-process runner's shape).
         ``network``: extra ``[network]`` keys for the trainer and every node (e.g.
         ``{"unsent_limit_kib": 0}``). ``node_section``: extra ``[node]`` keys for every
-        node (e.g. ``{"warm_memory_mib": 0}``)."""
+        node. A fleet on one machine starts its nodes without warm memory
+        (``warm_memory_mib = 0``: a dozen nodes would hold 256 MiB each for nothing in a
+        demo or a test) unless ``node_section`` sets it; the benchmarks pass the shipped
+        value."""
         if regions < 1 or nodes_per_region < 1:
             raise FleetError("need at least one region and one node per region")
         if regions > 200 or nodes_per_region > 200:
@@ -153,7 +156,8 @@ class LoopbackFleet:
         self.model = model
         self.gateway = gateway
         self.network = dict(network or {})
-        self.node_section = "".join(f"{k} = {json.dumps(v)}\n" for k, v in (node_section or {}).items())
+        node_keys_extra = {"warm_memory_mib": 0, **(node_section or {})}
+        self.node_section = "".join(f"{k} = {json.dumps(v)}\n" for k, v in node_keys_extra.items())
         self.model_config = model_config
         self.trainer_host = lab.ip_trainer if lab else "127.0.0.1"
         # a trainer placed on a host of a region (lab ``trainer_in_region``) is of that

@@ -57,6 +57,7 @@ _SECTIONS = {
 }
 MAX_CONFIG_BYTES = 1024 * 1024
 MAX_WARM_MEMORY_MIB = 1536  # glibc's trim threshold is an int (node.daemon.tune_malloc)
+DEFAULT_WARM_MEMORY_MIB = 256
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,7 @@ class NodeConfig:
     # unsent bytes the kernel may hold per peer socket (TCP_NOTSENT_LOWAT; 0: the kernel's own)
     unsent_limit_kib: int = 128
     gateway: GatewayConfig | None = None  # the version-pinned request gateway (None: off)
-    warm_memory_mib: int = 256  # heap touched once at start (node.daemon.warm_heap)
+    warm_memory_mib: int = DEFAULT_WARM_MEMORY_MIB  # heap touched once at start (node.daemon.warm_heap)
 
     def core_config(self, active_version: int | None = None) -> CoreConfig:
         """The protocol core's knobs for this node; ``active_version`` defaults to the base."""
@@ -368,7 +369,7 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = Non
     node_id = _nonempty(_get(node, "node", "id", str), "node.id")
     region = _nonempty(_get(node, "node", "region", str), "node.region", 64)
     model = _nonempty(_get(node, "node", "model", str), "node.model")
-    warm = _get(node, "node", "warm_memory_mib", int, 256)
+    warm = _get(node, "node", "warm_memory_mib", int, DEFAULT_WARM_MEMORY_MIB)
     if not 0 <= warm <= MAX_WARM_MEMORY_MIB:
         raise ConfigError(f"node.warm_memory_mib: must be in 0..{MAX_WARM_MEMORY_MIB} "
                           f"(0 = off), got {warm}")
