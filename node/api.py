@@ -318,7 +318,8 @@ class _Collector:
             c.add_metric(who, float(tr[key]))
             yield c
         c = CounterMetricFamily("patchswarm_relays", "RELAY orders of the origin, by outcome "
-                                "(at_once, on_arrival: when the chunk was stored, failed)",
+                                "(at_once, on_arrival: when the chunk was stored, cut_through: "
+                                "while it arrived, failed)",
                                 labels=[*labels, "outcome"])
         for outcome, n in sorted(st.get("relays", {}).items()):
             c.add_metric([*who, outcome], float(n))

@@ -138,6 +138,25 @@ class TlsContexts:
 
 
 @dataclass
+class Arrival:
+    """A chunk whose blocks are arriving on link ``conn``, for cut-through relays: its
+    first ``got`` bytes in ``buf`` are final; ``state`` becomes ``stored`` once the whole
+    chunk was verified and kept, ``failed`` if it was not (corrupt, withdrawn, the link
+    closed, a local fault). Every change wakes the writers of the links relaying it."""
+
+    conn: int
+    buf: memoryview
+    length: int
+    got: int = 0
+    state: str = "arriving"  # arriving | stored | failed
+    watchers: list = field(default_factory=list)  # Conns whose writers stream it
+
+    def changed(self) -> None:
+        for w in self.watchers:
+            w.wake.set()
+
+
+@dataclass
 class Conn:
     """One websocket to a peer, with its ordered send queue."""
 
@@ -148,7 +167,7 @@ class Conn:
     # Control frames go before the next block of a chunk (see _writer): they wait for
     # one block on the wire, never for a whole chunk.
     ctrl: deque = field(default_factory=deque)
-    data: deque = field(default_factory=deque)  # (version, index) chunks to send
+    data: deque = field(default_factory=deque)  # (version, index, arriving) chunks to send
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     # Chunks are reassembled in aligned, not zero-filled buffers (the assembler writes
     # every byte it returns): the store writes them to disk with O_DIRECT, no page cache.
@@ -241,6 +260,7 @@ class Driver:
         self.faults = faults or Faults()
         self.keep_versions = keep_versions
         self.conns: dict[int, Conn] = {}
+        self.arrivals: dict[tuple[int, int], Arrival] = {}  # chunks arriving now (cut-through)
         self._ids = itertools.count(1)
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -398,9 +418,10 @@ class Driver:
         elif isinstance(a, ev.SendChunk):
             c = self.conns.get(a.conn)
             if c is None:
-                self.feed(ev.ChunkSent(self.now(), a.conn, a.version, a.index))
+                self.feed(ev.ChunkSent(self.now(), a.conn, a.version, a.index,
+                                       withdrawn=a.arriving))
             else:
-                self._enqueue(c, ("chunk", a.version, a.index))
+                self._enqueue(c, ("chunk", a.version, a.index, a.arriving))
         elif isinstance(a, ev.Connect):
             self._spawn(self._dial(a.addr))
         elif isinstance(a, ev.Close):
@@ -430,7 +451,7 @@ class Driver:
         if item[0] == "frame":
             c.ctrl.append(item[1])
         else:
-            c.data.append((item[1], item[2]))
+            c.data.append((item[1], item[2], item[3]))
         c.wake.set()
 
     def _persist_manifest(self, version: int, raw: bytes, m: Manifest) -> None:
@@ -525,6 +546,8 @@ class Driver:
                     break
                 if wire.is_block_message(data):
                     await self._on_block(c, data)
+                elif wire.is_withdraw_message(data):
+                    await self._on_withdraw(c, data)
                 elif wire.is_chunk_message(data):
                     await self._on_chunk(c, data)
                 else:
@@ -532,6 +555,7 @@ class Driver:
         except (TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
             reason = f"{type(exc).__name__}: {exc}"
         finally:
+            self._arrivals_end(c.id)
             if self.conns.pop(c.id, None) is not None:
                 self.feed(ev.PeerDisconnected(self.now(), c.id, reason[:200]))
             c.closing = True
@@ -555,6 +579,7 @@ class Driver:
         waits for one block on the wire, not for a whole chunk.
         """
         sending: tuple[int, int, bytes] | None = None  # (version, index, payload)
+        stream: Arrival | None = None  # the chunk being sent is still arriving (cut-through)
         offset = 0
         try:
             while not c.closing:
@@ -568,25 +593,54 @@ class Driver:
                         c.wake.clear()
                         await c.wake.wait()
                         continue
-                    v, i = c.data.popleft()
+                    v, i, arriving = c.data.popleft()
+                    stream = self.arrivals.get((v, i)) if arriving else None
+                    if stream is not None:
+                        stream.watchers.append(c)
+                        sending, offset = (v, i, stream.buf), 0
+                        continue
                     payload = await self._chunk_bytes(v, i)
-                    if payload is None:
-                        self.feed(ev.ChunkSent(self.now(), c.id, v, i))
+                    if payload is None:  # an arriving chunk that failed: nothing was sent
+                        self.feed(ev.ChunkSent(self.now(), c.id, v, i, withdrawn=arriving))
                         continue
                     sending, offset = (v, i, payload), 0
                 v, i, payload = sending
                 n = len(payload)
                 end = min(n, offset + wire.BLOCK_BYTES)
+                if stream is not None:
+                    if stream.state == "failed":
+                        # the chunk did not arrive whole and verified: withdraw what we sent
+                        stream.watchers.remove(c)
+                        sending, stream = None, None
+                        if offset:
+                            msg = wire.pack_withdraw(v, i)
+                            await c.ws.send_bytes(msg)
+                            self.wire_bytes["sent"] += len(msg)
+                        self.feed(ev.ChunkSent(self.now(), c.id, v, i, withdrawn=True))
+                        continue
+                    # blocks as they come; the last only once the chunk is verified here
+                    if end > (n if stream.state == "stored" else min(stream.got, n - 1)):
+                        c.wake.clear()
+                        await c.wake.wait()
+                        continue
                 msg = wire.pack_block_header(v, i, n, offset) + payload[offset:end]
+                if stream is not None and offset == 0 and self.faults.corrupt_chunks:
+                    msg = msg[:wire.BLOCK_HEADER_LEN] + bytes([msg[wire.BLOCK_HEADER_LEN] ^ 0xFF]) \
+                        + msg[wire.BLOCK_HEADER_LEN + 1:]
                 await c.ws.send_bytes(msg)
                 self.wire_bytes["sent"] += len(msg)
                 offset = end
                 if offset >= n:
-                    sending = None
+                    if stream is not None:
+                        stream.watchers.remove(c)
+                    sending, stream = None, None
                     self._note_sent(c, v, i)
                     self.feed(ev.ChunkSent(self.now(), c.id, v, i))
         except (ConnectionError, RuntimeError, aiohttp.ClientError):
             return  # the reader notices the closed socket and reports it
+        finally:
+            if stream is not None and c in stream.watchers:
+                stream.watchers.remove(c)
 
     async def _chunk_bytes(self, v: int, i: int) -> memoryview | None:
         try:
@@ -616,12 +670,47 @@ class Driver:
             await self._drop(c, str(exc))
             return
         if whole is None:
+            key = c.blocks.pending
+            a = self.arrivals.get(key)  # type: ignore[arg-type]
+            if a is None:  # its first block: a RELAY order may go on from here (cut-through)
+                a = self.arrivals[key] = Arrival(c.id, c.blocks.buffer, c.blocks.length)  # type: ignore[index,arg-type]
+                self.feed(ev.ChunkArriving(self.now(), c.id, *key))  # type: ignore[misc]
+            if a.conn == c.id:
+                a.got = c.blocks.received
+                if a.watchers:
+                    a.changed()
             now = self.now()
             if now - c.heard_at >= 0.25:  # the core needs to know the link is alive, not every block
                 c.heard_at = now
                 self.feed(ev.Progress(now, c.id))
             return
         await self._on_chunk(c, whole)
+
+    async def _on_withdraw(self, c: Conn, data: bytes) -> None:
+        """The sender withdrew the chunk it was relaying to us (it did not arrive whole
+        and verified there): drop its blocks; nobody is to blame."""
+        if not self.core.authenticated(c.id):
+            await self._drop(c, "withdrawal before the handshake")
+            return
+        try:
+            v, i = c.blocks.withdraw(data)
+        except ProtocolError as exc:
+            await self._drop(c, str(exc))
+            return
+        log.info("peer %s withdrew chunk %d of version %d", c.addr, i, v)
+        a = self.arrivals.get((v, i))
+        if a is not None and a.conn == c.id:
+            self._arrival_failed((v, i), a)
+
+    def _arrival_failed(self, key: tuple[int, int], a: Arrival) -> None:
+        del self.arrivals[key]
+        a.state = "failed"
+        a.changed()
+
+    def _arrivals_end(self, conn: int) -> None:
+        """Link ``conn`` closed: the chunks arriving on it will not arrive."""
+        for key, a in [kv for kv in self.arrivals.items() if kv[1].conn == conn]:
+            self._arrival_failed(key, a)
 
     async def _on_chunk(self, c: Conn, data: bytes | tuple[int, int, memoryview]) -> None:
         if isinstance(data, tuple):
@@ -637,7 +726,14 @@ class Driver:
             # is neither hashed nor stored, and nobody is blamed in a claimed name.
             await self._drop(c, "chunk before the handshake")
             return
+        a = self.arrivals.get((v, i))
+        if a is not None and a.conn == c.id:
+            a.got = a.length  # every byte is here; the last block waits for the verdict
         verdict = await asyncio.to_thread(self._check_and_store, v, i, payload)
+        if a is not None and a.conn == c.id:
+            del self.arrivals[(v, i)]
+            a.state = "stored" if verdict is None else "failed"
+            a.changed()
         if isinstance(verdict, str):  # local fault: the core backs off, blames nobody
             self.store_fault = f"cannot keep chunks: {verdict}"
             self.feed(ev.ChunkNotStored(self.now(), c.id, v, i, verdict[:200]))

@@ -19,7 +19,16 @@ driver only decides how long things take:
   modelled bandwidth; their bytes are counted.
 - ``SendChunk``: a flow of ``size`` bytes through sender uplink, site links and
   receiver downlink (:mod:`simulations.network`), capped per flow by the
-  path's Mathis rate and, on a fresh connection, the slow-start window. When
+  path's Mathis rate and, on a fresh connection, the slow-start window. A chunk
+  that crosses sites (from the origin or another region) is announced to its
+  receiver one latency after its flow starts (``ChunkArriving``: its first
+  block). A chunk sent while it still arrives (``SendChunk.arriving``, a
+  cut-through relay) runs as its own flow from the start; if that flow is done
+  before the sender has verified the chunk, its last block waits for that
+  (``ChunkSent`` and the arrival come one block later), and it is withdrawn if
+  the link the chunk came on closes first. The model is optimistic in one way:
+  the relay's flow is not held to the pace of the chunk's arrival, so its share
+  of the links may come early. When
   its last byte leaves, the sender gets ``ChunkSent``; one latency later the
   chunk has arrived, the receiver's CPU hashes and stores it
   (:mod:`simulations.cpu`) and only then does its core get
@@ -226,6 +235,10 @@ class Simulation:
         self.hol_max = 0.0
         self.churn = {"left": 0, "rejoined": 0, "joined": 0}
         self.pending_faults = 0
+        # cut-through relays: (node, v, i) -> items whose last block waits for the chunk's
+        # verification at ``node``; (node, v, i) -> the half the chunk arrives on
+        self.parked: dict[tuple[SimNode, int, int], list[list[Any]]] = {}
+        self.incoming: dict[tuple[SimNode, int, int], Half] = {}
         self.alive_count = 0  # rollout nodes alive now
         self.published = 0
         self.publish_at: list[float] = []
@@ -586,6 +599,8 @@ class Simulation:
         peer = half.peer
         self._drop_stream(half)
         self._drop_stream(peer)
+        self._withdraw(half)
+        self._withdraw(peer)
         half.node.conns.pop(half.cid, None)
         if notify_self:
             self.engine.schedule(now, self._disconnected, (half, reason))
@@ -611,6 +626,7 @@ class Simulation:
         half.open = False
         half.node.conns.pop(half.cid, None)
         self._drop_stream(half)
+        self._withdraw(half)
         self._deliver(
             half.node,
             half.inc,
@@ -681,7 +697,7 @@ class Simulation:
         if half is None or not half.open:
             return
         half.enq += 1
-        item: list[Any] = [half, a.version, a.index, a.size, None, half.enq, INF]
+        item: list[Any] = [half, a.version, a.index, a.size, None, half.enq, INF, a.arriving, 0.0]
         if half.cur is None:
             self._start_chunk(half, item)
         else:
@@ -702,7 +718,20 @@ class Simulation:
                 cap = half.cwnd / half.rtt
                 self.engine.schedule(self.engine.now + half.rtt, self._ramp, item)
         item[4] = self.net.start(item[3] * self.wire, res, self._chunk_left, item, cap)
+        item[8] = now = self.engine.now
         half.cur = item
+        if src.site != dst.site:
+            # a chunk from outside the region may be relayed on while it arrives
+            key = (peer.node, item[1], item[2])
+            if key not in self.incoming or not self.incoming[key].open:
+                self.incoming[key] = peer
+            self.engine.schedule(now + half.lat, self._arriving, (peer, item[1], item[2]))
+
+    def _arriving(self, item: tuple[Half, int, int]) -> None:
+        half, version, index = item
+        if half.open and half.node.inc == half.inc:
+            self._deliver(half.node, half.inc,
+                          ev.ChunkArriving(self.engine.now, half.cid, version, index))
 
     def _ramp(self, item: list[Any]) -> None:
         half = item[0]
@@ -718,7 +747,7 @@ class Simulation:
             self.engine.schedule(self.engine.now + half.rtt, self._ramp, item)
 
     def _chunk_left(self, item: list[Any]) -> None:
-        half, version, index, size, _flow, seq, _ceil = item
+        half, version, index, size, _flow, seq, _ceil, arriving, _t0 = item
         node = half.node
         peer = half.peer
         src, dst = node.ep.site, peer.node.ep.site
@@ -734,6 +763,20 @@ class Simulation:
             self._put_frame(half, frame, now, now - t)
         if half.queue:
             self._start_chunk(half, half.queue.popleft())
+        if arriving and index not in node.have.get(version, ()):
+            # cut-through: the last block goes once the chunk is verified here, at the
+            # rate this flow ran at (kept in item[8])
+            item[8] = size / max(1e-9, now - item[8])
+            self.parked.setdefault((node, version, index), []).append(item)
+            return
+        self._deliver_sent(item)
+
+    def _deliver_sent(self, item: list[Any]) -> None:
+        """``item``'s last byte left now: tell the sender; the chunk arrives one latency on."""
+        half, version, index, size = item[0], item[1], item[2], item[3]
+        node, peer = half.node, half.peer
+        src, dst = node.ep.site, peer.node.ep.site
+        now = self.engine.now
         at = now + half.lat
         if self.topo.queues:
             at += self.topo.queue_delay(src, dst)
@@ -768,6 +811,28 @@ class Simulation:
         self._deliver(
             node, half.inc, ev.ChunkReceived(self.engine.now, half.cid, version, index, True)
         )
+        key = (node, version, index)
+        self.incoming.pop(key, None)
+        waiting = self.parked.pop(key, None)
+        if waiting:
+            block = self.sc.interleave_block_bytes
+            for item in waiting:  # cut-through relays: their last block leaves now
+                if item[0].open:
+                    last = min(item[3], block or item[3]) * self.wire
+                    self.engine.schedule(self.engine.now + last / item[8], self._deliver_sent, item)
+
+    def _withdraw(self, half: Half) -> None:
+        """The link ``half`` received on closed: cut-through relays of the chunks that were
+        arriving on it are withdrawn (their last block never leaves)."""
+        if not self.incoming:
+            return
+        for key in [k for k, h in self.incoming.items() if h is half]:
+            del self.incoming[key]
+            for item in self.parked.pop(key, ()):
+                h = item[0]
+                if h.open:
+                    self._deliver(h.node, h.inc, ev.ChunkSent(self.engine.now, h.cid, key[1],
+                                                              key[2], withdrawn=True))
 
     def _applied(self, node: SimNode, version: int) -> None:
         now = self.engine.now

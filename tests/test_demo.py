@@ -90,10 +90,10 @@ def test_fleet_converges_bitwise_with_one_copy_per_region() -> None:
         assert sum(trainer["bytes"]["sent"].values()) <= 2 * sum(patch_bytes)
         assert all(st["bad_chunks"] == 0 for st in statuses.values())
         # every chunk a node took from another region was a relay some border carried out
-        # (at once, or the moment it was stored: relay on arrival), and counted as such
+        # (at once, the moment it was stored, or while it arrived: cut-through), and counted as such
         relayed_in = sum(st["chunks"]["received"]["cross_region"] for st in statuses.values())
         carried = sum(st["relays"]["at_once"] + st["relays"]["on_arrival"]
-                      for st in statuses.values())
+                      + st["relays"]["cut_through"] for st in statuses.values())
         assert carried >= relayed_in and (carried > 0) == (relayed_in > 0)
         # each node says where its apply's time went, its CPU included (/status)
         for st in statuses.values():

@@ -6,7 +6,7 @@ import random
 from collections import Counter
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from swarm.protocol import events as ev
@@ -381,7 +381,42 @@ def test_relays_are_ordered_ahead_of_their_chunk_on_a_thin_uplink() -> None:
     carried = Counter()
     for h in hosts:
         carried.update(h.core.counters.relays)
-    assert carried["on_arrival"] > 0 and carried["at_once"] + carried["on_arrival"] <= len(orders)
+    # ordered ahead: they start with the chunk's first block (cut-through), not once it is stored
+    assert carried["cut_through"] > 0
+    assert carried["at_once"] + carried["on_arrival"] + carried["cut_through"] <= len(orders)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.sets(st.integers(0, 11), min_size=1, max_size=4), st.integers(0, 3))
+@example({0}, 0)
+def test_cut_through_relays_of_chunks_that_arrive_corrupt_are_withdrawn(bad: set[int],
+                                                                        seed: int) -> None:
+    """The first copy of some chunks reaches its border corrupt while the border already
+    relays it on (cut-through): that relay is withdrawn and fails loudly (RELAY_FAIL),
+    the origin re-plans it, and every node still ends with the version."""
+    s, net, o, hosts = fleet(3, 3, seed=seed, push_slots=1, max_bad_chunks=100)
+    first: set[int] = set()
+
+    def corrupt_once(v: int, i: int) -> bool:
+        if v == 2 and i in bad and i not in first:
+            first.add(i)
+            return True
+        return False
+
+    o.corrupt = corrupt_once
+    publish(s, net, o, 2, 12)
+    net.run(net.now + 120, stop=lambda: all(2 in h.applied for h in hosts))
+    assert all(2 in h.applied for h in hosts)
+    carried = Counter()
+    for h in hosts:
+        carried.update(h.core.counters.relays)
+    assert carried["cut_through"] > 0
+    withdrawn = [lg for _n, lg in net.logs if lg.event == "relay_withdrawn"]
+    assert carried["failed"] >= len(withdrawn)
+    # a withdrawn relay blames nobody: the only corrupt chunks counted came from the origin
+    assert sum(h.core.counters.bad_chunks for h in hosts) == len(first)
+    if bad == {0}:  # chunk 0 is relayed while it arrives on this schedule: it is withdrawn
+        assert len(withdrawn) == 1
 
 
 def test_nodes_meshed_before_the_trainer_was_up_still_find_it() -> None:

@@ -138,7 +138,7 @@ def test_relay_of_a_chunk_on_its_way_goes_out_the_moment_it_is_stored() -> None:
     assert not _sent_chunks(o.actions)
     got = n.handle(ev.ChunkReceived(n.now, 1, 2, 3, True))  # the origin's push arrives
     assert _sent_chunks(got) == [ev.SendChunk(2, 2, 3, 1000)]
-    assert n.counters.relays == {"at_once": 0, "on_arrival": 1, "failed": 0}
+    assert n.counters.relays == {"at_once": 0, "on_arrival": 1, "cut_through": 0, "failed": 0}
     # carried out once: the next copy of that chunk starts nothing
     assert not _sent_chunks(n.handle(ev.ChunkReceived(n.now, 1, 2, 3, True)))
 
@@ -149,6 +149,63 @@ def test_relay_on_arrival_waits_through_a_corrupt_copy() -> None:
     assert not _sent_chunks(n.handle(ev.ChunkReceived(n.now, 1, 2, 3, False)))
     assert _sent_chunks(n.handle(ev.ChunkReceived(n.now, 1, 2, 3, True))) == [
         ev.SendChunk(2, 2, 3, 1000)]
+
+
+# ---------------------------------------------------------------- cut-through relays
+
+
+def test_a_relay_ordered_before_its_chunk_starts_with_the_first_block() -> None:
+    n, o, _b = _border_holding((0, 1))
+    o.send(wire.Relay(2, 3, "b"))
+    got = n.handle(ev.ChunkArriving(n.now, 1, 2, 3))  # the origin's push: first block
+    assert _sent_chunks(got) == [ev.SendChunk(2, 2, 3, 1000, arriving=True)]
+    assert n.counters.relays == {"at_once": 0, "on_arrival": 0, "cut_through": 1, "failed": 0}
+    # stored later: the relay is under way, nothing starts twice
+    assert not _sent_chunks(n.handle(ev.ChunkReceived(n.now, 1, 2, 3, True)))
+    n.handle(ev.ChunkSent(n.now, 2, 2, 3))
+    assert n.uploading == 0
+
+
+def test_a_relay_ordered_while_its_chunk_arrives_starts_at_once() -> None:
+    n, o, _b = _border_holding((0, 1))
+    n.handle(ev.ChunkArriving(n.now, 1, 2, 3))
+    assert o.send(wire.Relay(2, 3, "b")) == []
+    assert _sent_chunks(o.actions) == [ev.SendChunk(2, 2, 3, 1000, arriving=True)]
+
+
+def test_a_chunk_no_longer_arriving_is_relayed_once_stored_again() -> None:
+    # the link it came on closed before it was whole: the order waits for another copy
+    n, o, _b = _border_holding((0, 1))
+    q = Script(n, 3, node_id="q", region="r")
+    q.handshake()
+    n.handle(ev.ChunkArriving(n.now, q.conn, 2, 3))
+    n.handle(ev.PeerDisconnected(n.now, q.conn, "gone"))
+    assert o.send(wire.Relay(2, 3, "b")) == []
+    assert not _sent_chunks(o.actions)
+    assert _sent_chunks(n.handle(ev.ChunkReceived(n.now, 1, 2, 3, True))) == [
+        ev.SendChunk(2, 2, 3, 1000)]
+
+
+def test_a_withdrawn_cut_through_fails_the_relay_loudly_and_blames_nobody() -> None:
+    n, o, b = _border_holding((0, 1))
+    o.send(wire.Relay(2, 3, "b"))
+    n.handle(ev.ChunkArriving(n.now, 1, 2, 3))
+    got = n.handle(ev.ChunkReceived(n.now, 1, 2, 3, False))  # the copy on its way was corrupt
+    got += n.handle(ev.ChunkSent(n.now, 2, 2, 3, withdrawn=True))  # so its last block never left
+    assert wire.RelayFail(2, 3, "b") in o.frames(got)
+    assert n.counters.relays["failed"] == 1
+    assert n.uploading == 0
+    assert not b.closed()
+    assert n.counters.sent_chunks == dict.fromkeys(n.counters.sent_chunks, 0)
+
+
+def test_arrivals_from_unknown_links_versions_or_held_chunks_start_nothing() -> None:
+    n, o, _b = _border_holding((0, 1))
+    o.send(wire.Relay(2, 3, "b"))
+    for e in (ev.ChunkArriving(n.now, 99, 2, 3), ev.ChunkArriving(n.now, 1, 9, 3),
+              ev.ChunkArriving(n.now, 1, 2, 7), ev.ChunkArriving(n.now, 1, 2, 0)):
+        assert not _sent_chunks(n.handle(e))
+    assert not n.is_arriving(2, 3)
 
 
 def test_relay_on_arrival_fails_loudly_when_its_target_leaves() -> None:

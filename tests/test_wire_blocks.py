@@ -92,3 +92,55 @@ def test_a_block_that_does_not_continue_the_chunk_is_refused(second) -> None:
 def test_malformed_blocks_are_refused(msg) -> None:
     with pytest.raises(ProtocolError):
         wire.BlockAssembler().feed(msg)
+
+
+# ---- withdrawals (cut-through relays: a chunk the sender could not verify is dropped)
+
+
+@given(payload=st.binary(min_size=2, max_size=3000), cuts=st.lists(st.integers(0, 3000), max_size=6),
+       sent=st.integers(1, 8), after=st.binary(max_size=2000))
+def test_a_withdrawn_chunk_is_dropped_and_the_link_goes_on(payload, cuts, sent, after) -> None:
+    """Any prefix of a chunk's blocks, then its withdrawal: nothing of it is returned,
+    and the next chunk on the link reassembles exactly."""
+    asm = wire.BlockAssembler()
+    msgs = blocks(1, 5, payload, cuts)[:-1][:sent]
+    if not msgs:  # a one-block chunk cannot be withdrawn: its only block completes it
+        return
+    for m in msgs:
+        assert asm.feed(m) is None
+    assert asm.received == sum(len(m) - wire.BLOCK_HEADER_LEN for m in msgs)
+    assert bytes(asm.buffer[:asm.received]) == payload[:asm.received]
+    assert asm.withdraw(wire.pack_withdraw(1, 5)) == (1, 5)
+    assert asm.pending is None and asm.received == 0 and asm.buffer is None
+    got = None
+    for m in blocks(1, 5, after, [len(after) // 2]):
+        got = asm.feed(m)
+    assert got is not None and bytes(got[2]) == after
+
+
+@pytest.mark.parametrize("msg", [
+    wire.pack_withdraw(1, 6),  # not the chunk in progress
+    wire.pack_withdraw(2, 5),
+    wire.pack_withdraw(1, 5) + b"x",  # malformed
+    b"PSW1" + bytes(3),
+    b"PSB1" + bytes(8),
+])
+def test_a_withdrawal_of_anything_but_the_chunk_in_progress_is_refused(msg) -> None:
+    asm = wire.BlockAssembler()
+    asm.feed(wire.pack_block_header(1, 5, 100, 0) + b"x" * 10)
+    with pytest.raises(ProtocolError):
+        asm.withdraw(msg)
+
+
+def test_a_withdrawal_with_no_chunk_in_progress_is_refused() -> None:
+    with pytest.raises(ProtocolError, match="not in progress"):
+        wire.BlockAssembler().withdraw(wire.pack_withdraw(1, 5))
+
+
+def test_withdrawals_are_told_apart_from_blocks_chunks_and_frames() -> None:
+    w = wire.pack_withdraw(3, 4)
+    assert wire.is_withdraw_message(w) and not wire.is_block_message(w)
+    assert not wire.is_chunk_message(w)
+    assert wire.unpack_withdraw(w) == (3, 4)
+    with pytest.raises(ProtocolError):
+        wire.unpack_withdraw(wire.pack_withdraw(3, 4)[:-1])

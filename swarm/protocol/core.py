@@ -77,6 +77,8 @@ class NodeCore(ReadModel):
         self.exchange = ChunkExchange(self, config, self.versions, policy or RarestFirst(rng))
         self.requests = self.exchange.requests
         self.uploads = self.exchange.uploads
+        # chunks whose first block came and that are not stored yet: (v, i) -> conn (cut-through)
+        self.arriving: dict[tuple[int, int], int] = {}
         self.apply = ApplyState()
         self.haves = HaveBatch(config.have_batch_s)
         self._next_hb = now + config.heartbeat_s
@@ -172,10 +174,16 @@ class NodeCore(ReadModel):
         """Send chunk ``i`` of ``v`` outside the upload slots (origin pushes)."""
         self._out.append(ev.SendChunk(conn, v, i, self.versions.states[v].chunk_length(i)))
 
-    def relay_chunk(self, conn: int, v: int, i: int) -> None:
-        """Carry out a RELAY order: send chunk ``i`` of ``v`` to the border on ``conn``."""
+    def relay_chunk(self, conn: int, v: int, i: int, arriving: bool = False) -> None:
+        """Carry out a RELAY order: send chunk ``i`` of ``v`` to the border on ``conn``
+        (``arriving``: while it is still arriving here, see ``ev.SendChunk``)."""
         self.uploads.relay(conn, v, i)
-        self.send_chunk(conn, v, i)
+        self._out.append(ev.SendChunk(conn, v, i, self.versions.states[v].chunk_length(i),
+                                      arriving))
+
+    def is_arriving(self, v: int, i: int) -> bool:
+        """Whether chunk ``i`` of ``v`` is arriving now (its first block came, ``ChunkArriving``)."""
+        return (v, i) in self.arriving
 
     def close(self, p: Peer, reason: str, level: str = "info") -> None:
         self.log(level, "peer_closed", peer=p.node_id or p.addr, conn=p.conn, reason=reason)
@@ -255,6 +263,9 @@ class NodeCore(ReadModel):
         """Drop every trace of a connection (its requests go back to the pool)."""
         if self.peers.pop(p.conn, None) is None:
             return
+        if self.arriving:
+            for key in [k for k, c in self.arriving.items() if c == p.conn]:
+                del self.arriving[key]
         if p.node_id and self.by_id.get(p.node_id) == p.conn:
             del self.by_id[p.node_id]
         if p.state is not READY:
@@ -272,7 +283,28 @@ class NodeCore(ReadModel):
         p = self.peers.get(conn)
         return p is not None and p.state is READY
 
+    def _on_arriving(self, e: ev.ChunkArriving) -> None:
+        p = self.peers.get(e.conn)
+        if p is None or p.state is not READY:
+            return
+        v, i = e.version, e.index
+        st = self.versions.get(v)
+        if st is None or not 0 <= i < st.chunk_count or (st.have >> i) & 1:
+            return
+        if (v, i) not in self.arriving:  # the first sender's blocks are the ones relayed on
+            self.arriving[(v, i)] = e.conn
+            self.role.on_arriving(v, i)
+
+    def _arrived(self, conn: int, v: int, i: int) -> None:
+        if self.arriving.get((v, i)) == conn:
+            del self.arriving[(v, i)]
+
+    def _on_not_stored(self, e: ev.ChunkNotStored) -> None:
+        self._arrived(e.conn, e.version, e.index)
+        self.exchange.on_not_stored(e)
+
     def _on_chunk(self, e: ev.ChunkReceived) -> None:
+        self._arrived(e.conn, e.version, e.index)
         p = self.peers.get(e.conn)
         if p is not None and p.state is not READY:
             # Nothing but the handshake is read from an unauthenticated peer, and
@@ -590,7 +622,8 @@ _HANDLERS: dict[type, Callable[[NodeCore, Any], None]] = {
     ev.PeerDisconnected: NodeCore._on_disconnected,
     ev.FrameReceived: NodeCore._on_frame,
     ev.ChunkReceived: NodeCore._on_chunk,
-    ev.ChunkNotStored: lambda core, e: core.exchange.on_not_stored(e),
+    ev.ChunkNotStored: NodeCore._on_not_stored,
+    ev.ChunkArriving: NodeCore._on_arriving,
     ev.ChunkSent: lambda core, e: core.exchange.on_sent(e),
     ev.Publish: NodeCore._on_publish,
     ev.LocalChunks: NodeCore._on_local,

@@ -22,8 +22,9 @@ class Counters:
         self.bad_chunks = 0
         self.local_faults = 0  # chunks we failed to keep for a local reason (not the sender's)
         # a border's RELAY orders: carried out at once (chunk held), carried out the moment
-        # the chunk was stored (relay on arrival), failed (RELAY_FAIL sent)
-        self.relays = {"at_once": 0, "on_arrival": 0, "failed": 0}
+        # the chunk was stored (relay on arrival), started while the chunk was still
+        # arriving (cut-through), failed (RELAY_FAIL sent; withdrawn cut-throughs included)
+        self.relays = {"at_once": 0, "on_arrival": 0, "cut_through": 0, "failed": 0}
 
     def sent(self, kind: PeerKind, src: str, dst: str, size: int) -> None:
         self.sent_bytes[kind] += size

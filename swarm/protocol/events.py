@@ -112,7 +112,26 @@ class ChunkNotStored(Event):
 
 @dataclass(frozen=True, slots=True)
 class ChunkSent(Event):
-    """The last byte of a ``SendChunk`` left this node (frees an upload slot)."""
+    """The last byte of a ``SendChunk`` left this node (frees an upload slot).
+
+    ``withdrawn``: a chunk sent while it was still arriving (``SendChunk.arriving``)
+    did not arrive whole and verified here, so its last block never left and the
+    receiver was told to drop what it got (the relay failed; nobody is to blame).
+    """
+
+    conn: int
+    version: int
+    index: int
+    withdrawn: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkArriving(Event):
+    """The first block of chunk ``index`` of ``version`` arrived on ``conn`` (an
+    authenticated peer); the rest is on its way. A RELAY order for it can start
+    at once (cut-through). A driver may leave this out for chunks that cannot be
+    relayed on (from a peer of our own region): the core then relays them once stored.
+    """
 
     conn: int
     version: int
@@ -191,12 +210,18 @@ class SendChunk(Action):
 
     ``size`` is the chunk's length from the manifest, for drivers that model
     transfer time. Answer with ``ChunkSent`` once it has left.
+
+    ``arriving``: the chunk is still arriving here (cut-through relay). Send its
+    blocks as they come in; the last only once the whole chunk was verified and
+    stored. If it is not (corrupt, the link it came on closed, a local fault), tell
+    the receiver to drop the blocks it got and answer ``ChunkSent(withdrawn=True)``.
     """
 
     conn: int
     version: int
     index: int
     size: int
+    arriving: bool = False
 
 
 @dataclass(frozen=True, slots=True)

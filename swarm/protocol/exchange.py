@@ -252,9 +252,14 @@ class ChunkExchange:
         p = self.peers.get(e.conn)
         st = self.versions.get(e.version)
         key = (e.conn, e.version, e.index)
-        if not self.uploads.finish_relay(key) and not self.host.role.on_sent(*key):
+        if self.uploads.finish_relay(key):
+            if e.withdrawn:
+                self.host.role.on_withdrawn(*key)
+        elif not self.host.role.on_sent(*key):
             self.uploads.finish(key)
-        if p is not None and st is not None and 0 <= e.index < st.chunk_count:
+        if e.withdrawn:
+            pass  # its last block never left: no chunk was delivered
+        elif p is not None and st is not None and 0 <= e.index < st.chunk_count:
             self.host.counters.sent(p.kind, self.cfg.region, p.region, st.chunk_length(e.index))
         self.pump()
         self.wake_refused()

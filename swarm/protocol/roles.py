@@ -41,7 +41,8 @@ class Host(Protocol):
 
     def send(self, p: Peer, frame: bytes) -> None: ...
     def send_chunk(self, conn: int, v: int, i: int) -> None: ...
-    def relay_chunk(self, conn: int, v: int, i: int) -> None: ...
+    def relay_chunk(self, conn: int, v: int, i: int, arriving: bool = False) -> None: ...
+    def is_arriving(self, v: int, i: int) -> bool: ...
     def dial(self, addr: str) -> None: ...
     def close(self, p: Peer, reason: str, level: str = "info") -> None: ...
     def log(self, level: str, event: str, **fields: Any) -> None: ...
@@ -114,6 +115,12 @@ class Role:
 
     def on_stored(self, v: int, i: int) -> None:
         """We stored chunk ``i`` of ``v`` (verified; we did not hold it before)."""
+
+    def on_arriving(self, v: int, i: int) -> None:
+        """The first block of chunk ``i`` of ``v`` arrived; the rest is on its way."""
+
+    def on_withdrawn(self, conn: int, v: int, i: int) -> None:
+        """A relay we started while its chunk was arriving failed (``ChunkSent.withdrawn``)."""
 
     def after_sent(self) -> None:
         """A chunk left and the upload slots were topped up."""
@@ -193,6 +200,30 @@ class NodeRole(Role):
         else:
             self.host.counters.relays["on_arrival"] += 1
             self.host.relay_chunk(tc, v, i)
+
+    def on_arriving(self, v: int, i: int) -> None:
+        target = self.pending.take(v, i) if self.pending else None
+        if target is not None:
+            self._cut_through(v, i, target)
+
+    def _cut_through(self, v: int, i: int, target: str) -> None:
+        """Relay a chunk whose blocks are arriving now: each block goes on as it comes
+        in, the last once the whole chunk was verified here. The relay no longer waits
+        for the chunk (0.3-0.7 s for 4 MiB on a shared 100 Mbit uplink), and the
+        connection to the target carries data while the chunk arrives instead of
+        idling (and restarting from slow start) between relays."""
+        tc = self.host.by_id.get(target)
+        if tc is None:
+            self._relay_fail(v, i, target)
+            return
+        self.host.counters.relays["cut_through"] += 1
+        self.host.relay_chunk(tc, v, i, arriving=True)
+
+    def on_withdrawn(self, conn: int, v: int, i: int) -> None:
+        p = self.host.peers.get(conn)
+        target = p.node_id if p is not None else ""
+        self.host.log("info", "relay_withdrawn", version=v, index=i, peer=target)
+        self._relay_fail(v, i, target)
 
     # ---- version reports (the origin's fleet view)
     def on_versions_changed(self) -> None:
@@ -351,6 +382,8 @@ class NodeRole(Role):
         elif (st.have >> i) & 1:
             host.counters.relays["at_once"] += 1
             host.relay_chunk(tc, v, i)
+        elif host.is_arriving(v, i):
+            self._cut_through(v, i, target)
         elif not self.pending.add(v, i, target, host.now + self.cfg.request_timeout_s):
             self._relay_fail(v, i, target)  # relay on arrival (``relays``): no room
 

@@ -155,11 +155,11 @@ class Net:
                 return
             peer, pc = link
             done = now + a.size / self.rate
-            bad = h.corrupt(a.version, a.index)
             self.sent_chunks.append((h.core.cfg.node_id, peer.core.cfg.node_id, a.version, a.index))
-            self.at(done, lambda: h.conns.get(a.conn) and self.deliver(h, ev.ChunkSent(self.now, a.conn, a.version, a.index)))
-            self.at(done + lat, lambda: peer.conns.get(pc) and self.deliver(
-                peer, ev.ChunkReceived(self.now, pc, a.version, a.index, not bad)))
+            # the receiver hears of the first block one latency on (cut-through relays)
+            self.at(now + lat, lambda: peer.conns.get(pc) and self.deliver(
+                peer, ev.ChunkArriving(self.now, pc, a.version, a.index)))
+            self.at(done, lambda: self._chunk_left(h, a, peer, pc))
         elif isinstance(a, ev.Connect):
             target = self.hosts.get(a.addr)
             if target is None or not target.alive:
@@ -185,6 +185,23 @@ class Net:
             ok = h.apply_ok
             self.at(now + 0.01, lambda: (h.applied.append(a.version) if ok else None,
                                          self.deliver(h, ev.Applied(self.now, a.version, ok)))[-1])
+
+    def _chunk_left(self, h: MemHost, a: ev.SendChunk, peer: MemHost, pc: int) -> None:
+        """``a``'s bytes are out; a chunk sent while it arrived (``a.arriving``) goes out
+        whole once ``h`` holds it, and is withdrawn if it stopped arriving without that."""
+        if not h.alive or a.conn not in h.conns:
+            return
+        v, i = a.version, a.index
+        if a.arriving and i not in h.core.have(v):
+            if h.core.is_arriving(v, i):
+                self.at(self.now + 0.01, lambda: self._chunk_left(h, a, peer, pc))
+            else:
+                self.deliver(h, ev.ChunkSent(self.now, a.conn, v, i, withdrawn=True))
+            return
+        bad = h.corrupt(v, i)
+        self.deliver(h, ev.ChunkSent(self.now, a.conn, v, i))
+        self.at(self.now + self.latency, lambda: peer.conns.get(pc) and self.deliver(
+            peer, ev.ChunkReceived(self.now, pc, v, i, not bad)))
 
     def kill(self, h: MemHost) -> None:
         """The host vanishes: its peers see their connections drop."""

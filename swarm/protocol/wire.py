@@ -450,6 +450,33 @@ def is_block_message(data: bytes | memoryview) -> bool:
     return bytes(data[:4]) == BLOCK_MAGIC
 
 
+# A sender that relays a chunk while it still arrives (cut-through) sends its last
+# block only once the chunk was verified; if it is not, it sends this instead: "drop
+# the blocks of this chunk you got from me". It follows at least one block of that chunk.
+WITHDRAW_MAGIC = b"PSW1"
+_WITHDRAW = struct.Struct(">4sQI")  # magic, version, index
+
+
+def is_withdraw_message(data: bytes | memoryview) -> bool:
+    return bytes(data[:4]) == WITHDRAW_MAGIC
+
+
+def pack_withdraw(version: int, index: int) -> bytes:
+    return _WITHDRAW.pack(WITHDRAW_MAGIC, version, index)
+
+
+def unpack_withdraw(data: bytes | memoryview) -> tuple[int, int]:
+    """``(version, index)`` of a withdrawal; ``ProtocolError`` if malformed."""
+    if len(data) != _WITHDRAW.size:
+        raise ProtocolError(f"withdrawal of {len(data)} bytes (expected {_WITHDRAW.size})")
+    magic, version, index = _WITHDRAW.unpack(data)
+    if magic != WITHDRAW_MAGIC:
+        raise ProtocolError("withdrawal without the PSW1 magic")
+    if version > MAX_VERSION or index >= MAX_CHUNKS:
+        raise ProtocolError("withdrawal header out of range")
+    return version, index
+
+
 def pack_block_header(version: int, index: int, length: int, offset: int) -> bytes:
     return _BLOCK_HEADER.pack(BLOCK_MAGIC, version, index, length, offset)
 
@@ -501,6 +528,34 @@ class BlockAssembler:
     def pending(self) -> tuple[int, int] | None:
         """(version, index) of the chunk in progress, if any."""
         return self._key
+
+    @property
+    def received(self) -> int:
+        """Bytes of the chunk in progress received so far (from its start, in order)."""
+        return self._got if self._key is not None else 0
+
+    @property
+    def length(self) -> int:
+        """Length of the chunk in progress (0 if none)."""
+        return self._length if self._key is not None else 0
+
+    @property
+    def buffer(self) -> memoryview | None:
+        """The buffer the chunk in progress is assembled in: its first ``received``
+        bytes are final (a cut-through relay sends them on before the chunk is whole)."""
+        return self._buf if self._key is not None else None
+
+    def withdraw(self, data: bytes | memoryview) -> tuple[int, int]:
+        """Take a withdrawal (``pack_withdraw``): drop the chunk in progress it names.
+
+        ``ProtocolError`` unless that chunk is the one in progress: a sender withdraws
+        only a chunk it sent blocks of, and those are the last blocks on the link.
+        """
+        key = unpack_withdraw(data)
+        if key != self._key:
+            raise ProtocolError(f"withdrawal of chunk {key[1]} v{key[0]}, not in progress")
+        self._key, self._buf, self._length, self._got = None, None, 0, 0
+        return key
 
     def feed(self, data: bytes | memoryview) -> tuple[int, int, memoryview] | None:
         """Take one block message; ``(version, index, payload)`` once a chunk is whole."""
