@@ -202,6 +202,8 @@ class NodeRole(Role):
             self.host.relay_chunk(tc, v, i)
 
     def on_arriving(self, v: int, i: int) -> None:
+        if not self.cfg.cut_through:
+            return
         target = self.pending.take(v, i) if self.pending else None
         if target is not None:
             self._cut_through(v, i, target)
@@ -382,7 +384,7 @@ class NodeRole(Role):
         elif (st.have >> i) & 1:
             host.counters.relays["at_once"] += 1
             host.relay_chunk(tc, v, i)
-        elif host.is_arriving(v, i):
+        elif self.cfg.cut_through and host.is_arriving(v, i):
             self._cut_through(v, i, target)
         elif not self.pending.add(v, i, target, host.now + self.cfg.request_timeout_s):
             self._relay_fail(v, i, target)  # relay on arrival (``relays``): no room
