@@ -267,7 +267,7 @@ def _fleet(lab: Any, args: argparse.Namespace, workdir: Path) -> Any:
     node = {"warm_memory_mib": args.warm_mib}
     fleet = LoopbackFleet(lab.regions, lab.hosts_per_region, chunk_size=args.chunk_size,
                           lab=lab, tls=args.tls, workdir=workdir, swarm=knobs, network=network,
-                          node_section=node)
+                          node_section=node, node_log_level="debug" if args.keep_logs else None)
     # the trainer occupies the last host of region 0: no node there
     fleet.nodes = [n for n in fleet.nodes
                    if (n.host, n.netns) != (lab.ip_trainer, lab.ns_trainer)]
@@ -871,7 +871,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"{DEFAULT_WARM_MEMORY_MIB})")
     ap.add_argument("--keep-logs", default=None, metavar="DIR",
                     help="copy every node's log (and the origin's, logged at INFO) to "
-                         "DIR/run<k>-<system>/ before the run's files are removed")
+                         "DIR/run<k>-<system>/ before the run's files are removed; the nodes "
+                         "then log at DEBUG (a line per chunk transfer)")
     ap.add_argument("--timeout", type=float, default=300.0, metavar="S",
                     help="give up on a transfer after this long (default 300)")
     ap.add_argument("--out", default=None, metavar="FILE",

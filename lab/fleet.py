@@ -115,7 +115,8 @@ class LoopbackFleet:
                  gateway: dict[str, Any] | None = None,
                  model_config: dict[str, Any] | None = None,
                  network: dict[str, Any] | None = None,
-                 node_section: dict[str, Any] | None = None) -> None:
+                 node_section: dict[str, Any] | None = None,
+                 node_log_level: str | None = None) -> None:
         """``lab``: place every node (and the trainer) on an emulated host of a
         ``lab.netlab.NetLab`` instead of 127.0.x.x. The calling process must
         then run inside one of the lab's namespaces (it polls the nodes over HTTP).
@@ -136,7 +137,8 @@ class LoopbackFleet:
         node. A fleet on one machine starts its nodes without warm memory
         (``warm_memory_mib = 0``: a dozen nodes would hold 256 MiB each for nothing in a
         demo or a test) unless ``node_section`` sets it; the benchmarks pass the shipped
-        value."""
+        value. ``node_log_level``: every node's ``[log] level`` (e.g. "debug": a line per
+        chunk transfer, for timelines)."""
         if regions < 1 or nodes_per_region < 1:
             raise FleetError("need at least one region and one node per region")
         if regions > 200 or nodes_per_region > 200:
@@ -159,6 +161,7 @@ class LoopbackFleet:
         node_keys_extra = {"warm_memory_mib": 0, **(node_section or {})}
         self.node_section = "".join(f"{k} = {json.dumps(v)}\n" for k, v in node_keys_extra.items())
         self.model_config = model_config
+        self.node_log = f'[log]\nlevel = "{node_log_level}"\n\n' if node_log_level else ""
         self.trainer_host = lab.ip_trainer if lab else "127.0.0.1"
         # a trainer placed on a host of a region (lab ``trainer_in_region``) is of that
         # region: the origin then feeds it over its LAN and counts only the others as
@@ -280,6 +283,7 @@ class LoopbackFleet:
                 f'[weights]\nbase = "base.safetensors"\nbase_version = 1\ndevice = "cpu"\n\n'
                 f'{self._tls_sections(n.name, n.region, n.host)}'
                 f'{self._gateway_section(n)}'
+                f'{self.node_log}'
                 f'[swarm]\n{knobs}'
             )
 

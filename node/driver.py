@@ -149,6 +149,7 @@ class Arrival:
     length: int
     got: int = 0
     state: str = "arriving"  # arriving | stored | failed
+    t0: float = 0.0  # when its first block came (loop time; the debug log's transfer times)
     watchers: list = field(default_factory=list)  # Conns whose writers stream it
 
     def changed(self) -> None:
@@ -581,6 +582,7 @@ class Driver:
         sending: tuple[int, int, bytes] | None = None  # (version, index, payload)
         stream: Arrival | None = None  # the chunk being sent is still arriving (cut-through)
         offset = 0
+        started = 0.0
         try:
             while not c.closing:
                 if c.ctrl:
@@ -595,6 +597,7 @@ class Driver:
                         continue
                     v, i, arriving = c.data.popleft()
                     stream = self.arrivals.get((v, i)) if arriving else None
+                    started = self.now()
                     if stream is not None:
                         stream.watchers.append(c)
                         sending, offset = (v, i, stream.buf), 0
@@ -631,6 +634,11 @@ class Driver:
                 self.wire_bytes["sent"] += len(msg)
                 offset = end
                 if offset >= n:
+                    if log.isEnabledFor(logging.DEBUG):
+                        log.debug("chunk_sent", extra={"fields": {
+                            "peer": c.addr, "version": v, "index": i,
+                            "started_at": round(time.time() - (self.now() - started), 3),
+                            "s": round(self.now() - started, 3), "cut_through": stream is not None}})
                     if stream is not None:
                         stream.watchers.remove(c)
                     sending, stream = None, None
@@ -673,7 +681,8 @@ class Driver:
             key = c.blocks.pending
             a = self.arrivals.get(key)  # type: ignore[arg-type]
             if a is None:  # its first block: a RELAY order may go on from here (cut-through)
-                a = self.arrivals[key] = Arrival(c.id, c.blocks.buffer, c.blocks.length)  # type: ignore[index,arg-type]
+                a = self.arrivals[key] = Arrival(c.id, c.blocks.buffer, c.blocks.length,  # type: ignore[index,arg-type]
+                                                 t0=self.now())
                 self.feed(ev.ChunkArriving(self.now(), c.id, *key))  # type: ignore[misc]
             if a.conn == c.id:
                 a.got = c.blocks.received
@@ -734,6 +743,11 @@ class Driver:
             del self.arrivals[(v, i)]
             a.state = "stored" if verdict is None else "failed"
             a.changed()
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("chunk_received", extra={"fields": {
+                    "peer": c.addr, "version": v, "index": i, "state": a.state,
+                    "first_block_at": round(time.time() - (self.now() - a.t0), 3),
+                    "s": round(self.now() - a.t0, 3), "relays": len(a.watchers)}})
         if isinstance(verdict, str):  # local fault: the core backs off, blames nobody
             self.store_fault = f"cannot keep chunks: {verdict}"
             self.feed(ev.ChunkNotStored(self.now(), c.id, v, i, verdict[:200]))
