@@ -712,7 +712,7 @@ class Driver:
             self._arrival_failed((v, i), a)
 
     def _arrival_failed(self, key: tuple[int, int], a: Arrival) -> None:
-        del self.arrivals[key]
+        self.arrivals.pop(key, None)
         a.state = "failed"
         a.changed()
 
@@ -740,7 +740,7 @@ class Driver:
             a.got = a.length  # every byte is here; the last block waits for the verdict
         verdict = await asyncio.to_thread(self._check_and_store, v, i, payload)
         if a is not None and a.conn == c.id:
-            del self.arrivals[(v, i)]
+            self.arrivals.pop((v, i), None)
             a.state = "stored" if verdict is None else "failed"
             a.changed()
             if log.isEnabledFor(logging.DEBUG):

@@ -764,10 +764,15 @@ class Simulation:
         if half.queue:
             self._start_chunk(half, half.queue.popleft())
         if arriving and index not in node.have.get(version, ()):
+            key = (node, version, index)
+            src = self.incoming.get(key)
+            if src is None or not src.open:  # it stopped arriving: withdrawn
+                self._withdrawn(half, version, index)
+                return
             # cut-through: the last block goes once the chunk is verified here, at the
             # rate this flow ran at (kept in item[8])
             item[8] = size / max(1e-9, now - item[8])
-            self.parked.setdefault((node, version, index), []).append(item)
+            self.parked.setdefault(key, []).append(item)
             return
         self._deliver_sent(item)
 
@@ -829,10 +834,16 @@ class Simulation:
         for key in [k for k, h in self.incoming.items() if h is half]:
             del self.incoming[key]
             for item in self.parked.pop(key, ()):
-                h = item[0]
-                if h.open:
-                    self._deliver(h.node, h.inc, ev.ChunkSent(self.engine.now, h.cid, key[1],
-                                                              key[2], withdrawn=True))
+                self._withdrawn(item[0], key[1], key[2])
+
+    def _withdrawn(self, half: Half, version: int, index: int) -> None:
+        """A cut-through relay on ``half`` is withdrawn: its receiver drops what came."""
+        key = (half.peer.node, version, index)
+        if self.incoming.get(key) is half.peer:
+            del self.incoming[key]
+        if half.open:
+            self._deliver(half.node, half.inc,
+                          ev.ChunkSent(self.engine.now, half.cid, version, index, withdrawn=True))
 
     def _applied(self, node: SimNode, version: int) -> None:
         now = self.engine.now

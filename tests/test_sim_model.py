@@ -361,3 +361,49 @@ def test_bound_waits_out_a_cut():
     # 20 Mbit/s in: 3.36 s of inflow, 0.5 s of it before the cut, the rest after it heals
     assert b.terms["inflow[b]"] == pytest.approx(8 * MiB / mbps(20) + 3.0)
     assert b.binding == "inflow[b]"
+
+
+# ---------------------------------------------------------------- cut-through relays
+
+
+def _relay_pair():
+    """a0 -> b0 over a 100 Mbit uplink; b0 (1 Gbit uplink) relays the chunk on to a1
+    while it arrives (``SendChunk(arriving=True)``)."""
+    w = Wire(two_site(defaults={"uplink_mbps": 100, "downlink_mbps": 1000, "latency_ms": 0.5},
+                      regions=[{"name": "a", "nodes": 4},
+                               {"name": "b", "nodes": 4, "uplink_mbps": 1000}],
+                      replace=("regions",)))
+    events: list = []
+    w.sim._deliver = lambda node, inc, e: events.append((node, e))
+    a0, b0, a1 = w.node("a", 0), w.node("b", 0), w.node("a", 1)
+    up = w.connect(a0, b0, cid=1)
+    w.connect(b0, a1, cid=2)
+    w.chunk(a0, 4 * MiB, 0, cid=1)
+    w.at(0.05, w.sim._send_chunk, b0, ev.SendChunk(2, 2, 0, 4 * MiB, arriving=True))
+    return w, events, up, (a0, b0, a1)
+
+
+def test_a_cut_through_relay_arrives_once_the_relay_verified_the_chunk_not_a_hop_later():
+    w, events, _up, (_a0, b0, a1) = _relay_pair()
+    w.run()
+    (t_b0, _), = [(t, i) for t, i in w.verified if t < 1.0][:1]
+    arrivals = [t for t, _i in w.chunks]
+    assert len(arrivals) == 2  # at b0, then at a1
+    # the relay's flow (1 Gbit) was done long before; its last block waited for b0's verdict
+    assert t_b0 < arrivals[1] < t_b0 + 0.045
+    assert arrivals[1] < t_b0 + 4 * MiB / mbps(100)  # store-and-forward would add a hop
+    # the receivers heard of the first block one latency after each flow started
+    arriving = [(n, e) for n, e in events if isinstance(e, ev.ChunkArriving)]
+    assert [n for n, _e in arriving] == [b0, a1]
+    sent = [e for n, e in events if isinstance(e, ev.ChunkSent) and n is b0]
+    assert sent == [ev.ChunkSent(sent[0].now, 2, 2, 0)]
+
+
+def test_a_cut_through_relay_is_withdrawn_when_its_chunk_stops_arriving():
+    w, events, up, (_a0, b0, _a1) = _relay_pair()
+    w.at(0.2, w.sim._teardown, up, "test", False)  # a0 -> b0 closes mid-chunk
+    w.run()
+    assert w.chunks == []  # nothing arrived, at b0 or at a1
+    sent = [e for n, e in events if isinstance(e, ev.ChunkSent) and n is b0]
+    assert sent == [ev.ChunkSent(sent[0].now, 2, 2, 0, withdrawn=True)]
+    assert not w.sim.parked and not w.sim.incoming

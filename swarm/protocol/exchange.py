@@ -257,9 +257,8 @@ class ChunkExchange:
                 self.host.role.on_withdrawn(*key)
         elif not self.host.role.on_sent(*key):
             self.uploads.finish(key)
-        if e.withdrawn:
-            pass  # its last block never left: no chunk was delivered
-        elif p is not None and st is not None and 0 <= e.index < st.chunk_count:
+        # a withdrawn chunk's last block never left: no chunk was delivered
+        if not e.withdrawn and p is not None and st is not None and 0 <= e.index < st.chunk_count:
             self.host.counters.sent(p.kind, self.cfg.region, p.region, st.chunk_length(e.index))
         self.pump()
         self.wake_refused()
