@@ -338,14 +338,17 @@ def test_random_event_sequences_keep_invariants(script: list[tuple[str, int]]) -
         _invariants(h)
 
 
-@settings(max_examples=25, deadline=None)
-@given(st.lists(st.tuples(st.floats(0.0, 0.4), st.integers(0, 8)), max_size=4), st.integers(0, 3))
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 0.4), st.integers(0, 8)), max_size=4), st.integers(0, 3),
+       st.booleans())
 def test_relays_on_arrival_survive_borders_dying_mid_transfer(kills: list[tuple[float, int]],
-                                                              seed: int) -> None:
+                                                              seed: int, cut_through: bool) -> None:
     """A thin origin uplink (``push_slots=1``), three regions: relays are ordered ahead of
-    their chunk (relay on arrival). Borders die at random moments of the transfer; every
-    live node still gets the version, and no order is left waiting in a live node."""
-    s, net, o, hosts = fleet(3, 3, seed=seed, push_slots=1, request_timeout_s=2.0)
+    their chunk (relay on arrival; with ``cut_through`` they start with its first block).
+    Borders die at random moments of the transfer; every live node still gets the version,
+    and no order is left waiting in a live node."""
+    s, net, o, hosts = fleet(3, 3, seed=seed, push_slots=1, request_timeout_s=2.0,
+                             cut_through=cut_through)
     t0 = net.now
     publish(s, net, o, 2, 12)
     for at, k in sorted(kills):
@@ -381,9 +384,20 @@ def test_relays_are_ordered_ahead_of_their_chunk_on_a_thin_uplink() -> None:
     carried = Counter()
     for h in hosts:
         carried.update(h.core.counters.relays)
-    # ordered ahead: they start with the chunk's first block (cut-through), not once it is stored
-    assert carried["cut_through"] > 0
-    assert carried["at_once"] + carried["on_arrival"] + carried["cut_through"] <= len(orders)
+    assert carried["on_arrival"] > 0 and carried["cut_through"] == 0  # the default: off
+    assert carried["at_once"] + carried["on_arrival"] <= len(orders)
+
+
+def test_with_cut_through_relays_ordered_ahead_start_with_the_first_block() -> None:
+    s, net, o, hosts = fleet(3, 3, push_slots=1, cut_through=True)
+    publish(s, net, o, 2, 12)
+    net.run(net.now + 60, stop=lambda: all(2 in h.applied for h in hosts))
+    assert all(2 in h.applied for h in hosts)
+    assert inflow(net, 2) == {"reg0": 12, "reg1": 12, "reg2": 12}
+    carried = Counter()
+    for h in hosts:
+        carried.update(h.core.counters.relays)
+    assert carried["cut_through"] > 0 and carried["failed"] == 0
 
 
 @settings(max_examples=20, deadline=None)
@@ -394,7 +408,7 @@ def test_cut_through_relays_of_chunks_that_arrive_corrupt_are_withdrawn(bad: set
     """The first copy of some chunks reaches its border corrupt while the border already
     relays it on (cut-through): that relay is withdrawn and fails loudly (RELAY_FAIL),
     the origin re-plans it, and every node still ends with the version."""
-    s, net, o, hosts = fleet(3, 3, seed=seed, push_slots=1, max_bad_chunks=100)
+    s, net, o, hosts = fleet(3, 3, seed=seed, push_slots=1, max_bad_chunks=100, cut_through=True)
     first: set[int] = set()
 
     def corrupt_once(v: int, i: int) -> bool:

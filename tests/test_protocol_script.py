@@ -100,9 +100,9 @@ def test_role_from_a_peer_that_is_not_the_origin_closes_it() -> None:
 
 # ---------------------------------------------------------------- node side: RELAY
 
-def _border_holding(chunks: tuple[int, ...]) -> tuple[NodeCore, Script, Script]:
+def _border_holding(chunks: tuple[int, ...], **knobs) -> tuple[NodeCore, Script, Script]:
     s = Signer()
-    n = _core("a", "r", signer=s, active_version=1)
+    n = _core("a", "r", signer=s, active_version=1, **knobs)
     n.handle(ev.LocalChunks(0.0, s.manifest(2, 4), chunks))
     o = Script(n, 1, node_id="origin", region="trainer", role="origin", outbound=True)
     o.handshake()
@@ -154,8 +154,17 @@ def test_relay_on_arrival_waits_through_a_corrupt_copy() -> None:
 # ---------------------------------------------------------------- cut-through relays
 
 
+def test_without_cut_through_an_arriving_chunk_is_relayed_once_stored() -> None:
+    n, o, _b = _border_holding((0, 1))  # the default: cut_through off
+    o.send(wire.Relay(2, 3, "b"))
+    assert not _sent_chunks(n.handle(ev.ChunkArriving(n.now, 1, 2, 3)))
+    assert _sent_chunks(n.handle(ev.ChunkReceived(n.now, 1, 2, 3, True))) == [
+        ev.SendChunk(2, 2, 3, 1000)]
+    assert n.counters.relays["cut_through"] == 0
+
+
 def test_a_relay_ordered_before_its_chunk_starts_with_the_first_block() -> None:
-    n, o, _b = _border_holding((0, 1))
+    n, o, _b = _border_holding((0, 1), cut_through=True)
     o.send(wire.Relay(2, 3, "b"))
     got = n.handle(ev.ChunkArriving(n.now, 1, 2, 3))  # the origin's push: first block
     assert _sent_chunks(got) == [ev.SendChunk(2, 2, 3, 1000, arriving=True)]
@@ -167,7 +176,7 @@ def test_a_relay_ordered_before_its_chunk_starts_with_the_first_block() -> None:
 
 
 def test_a_relay_ordered_while_its_chunk_arrives_starts_at_once() -> None:
-    n, o, _b = _border_holding((0, 1))
+    n, o, _b = _border_holding((0, 1), cut_through=True)
     n.handle(ev.ChunkArriving(n.now, 1, 2, 3))
     assert o.send(wire.Relay(2, 3, "b")) == []
     assert _sent_chunks(o.actions) == [ev.SendChunk(2, 2, 3, 1000, arriving=True)]
@@ -175,7 +184,7 @@ def test_a_relay_ordered_while_its_chunk_arrives_starts_at_once() -> None:
 
 def test_a_chunk_no_longer_arriving_is_relayed_once_stored_again() -> None:
     # the link it came on closed before it was whole: the order waits for another copy
-    n, o, _b = _border_holding((0, 1))
+    n, o, _b = _border_holding((0, 1), cut_through=True)
     q = Script(n, 3, node_id="q", region="r")
     q.handshake()
     n.handle(ev.ChunkArriving(n.now, q.conn, 2, 3))
@@ -187,7 +196,7 @@ def test_a_chunk_no_longer_arriving_is_relayed_once_stored_again() -> None:
 
 
 def test_a_withdrawn_cut_through_fails_the_relay_loudly_and_blames_nobody() -> None:
-    n, o, b = _border_holding((0, 1))
+    n, o, b = _border_holding((0, 1), cut_through=True)
     o.send(wire.Relay(2, 3, "b"))
     n.handle(ev.ChunkArriving(n.now, 1, 2, 3))
     got = n.handle(ev.ChunkReceived(n.now, 1, 2, 3, False))  # the copy on its way was corrupt
@@ -200,7 +209,7 @@ def test_a_withdrawn_cut_through_fails_the_relay_loudly_and_blames_nobody() -> N
 
 
 def test_arrivals_from_unknown_links_versions_or_held_chunks_start_nothing() -> None:
-    n, o, _b = _border_holding((0, 1))
+    n, o, _b = _border_holding((0, 1), cut_through=True)
     o.send(wire.Relay(2, 3, "b"))
     for e in (ev.ChunkArriving(n.now, 99, 2, 3), ev.ChunkArriving(n.now, 1, 9, 3),
               ev.ChunkArriving(n.now, 1, 2, 7), ev.ChunkArriving(n.now, 1, 2, 0)):

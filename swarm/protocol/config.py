@@ -87,7 +87,9 @@ class CoreConfig:
     uplink_window: int = 2  # origin: least chunks leaving through its site uplink at once (swarm.protocol.uplink)
     uplink_window_max: int = 256  # ... and most; the window adapts between them by measured delivery rate
     relay_slots: int = 1  # concurrent cross-region relays per border node
-    cut_through: bool = True  # border: relay a chunk while it arrives (the last block once verified)
+    # border: relay a chunk while it arrives (the last block once verified). Off: no measured
+    # gain on the emulated WAN, and the simulator's fat-trainer scenarios lose (docs/simulation.md)
+    cut_through: bool = False
     border_grace_s: float = 5.0  # wait before re-sending what a departed border held
     relay_wait_s: float = 5.0  # origin: push a chunk a linked region could relay only after relays into the region stalled this long
     # ---- versions
