@@ -10,8 +10,10 @@ plain websocket reader with the receiver's own ``BlockAssembler``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -88,21 +90,39 @@ async def _take(messages: asyncio.Queue, asm: wire.BlockAssembler, upto: int) ->
     return out
 
 
+@contextlib.asynccontextmanager
+async def _relaying(arriving: bool = True) -> AsyncIterator[tuple[asyncio.Queue, Arrival | None, list]]:
+    """A driver whose writer relays chunk 0 of version 2 over a real websocket: yields
+    what the far end received (a queue), the chunk's arrival (None: not arriving any
+    more) and the ``ChunkSent`` events the core got."""
+    messages: asyncio.Queue = asyncio.Queue()
+    runner, session, ws = await _link(messages)
+    sent: list[ev.ChunkSent] = []
+    drv = _driver(sent)
+    a = None
+    if arriving:
+        a = drv.arrivals[(2, 0)] = Arrival(conn=99, buf=memoryview(bytearray(PAYLOAD)), length=N)
+    c = Conn(id=7, ws=ws, outbound=True, addr="peer")
+    c.data.append((2, 0, True))
+    writer = asyncio.create_task(drv._writer(c))
+    try:
+        yield messages, a, sent
+    finally:
+        c.closing = True
+        writer.cancel()
+        await ws.close()
+        await session.close()
+        await runner.cleanup()
+
+
 def test_blocks_go_on_as_they_arrive_and_the_last_once_the_chunk_is_stored() -> None:
     asyncio.run(_stream_then_store())
 
 
 async def _stream_then_store() -> None:
-    messages: asyncio.Queue = asyncio.Queue()
-    runner, session, ws = await _link(messages)
-    sent: list[ev.ChunkSent] = []
-    drv = _driver(sent)
-    a = drv.arrivals[(2, 0)] = Arrival(conn=99, buf=memoryview(bytearray(PAYLOAD)), length=N)
-    c = Conn(id=7, ws=ws, outbound=True, addr="peer")
-    c.data.append((2, 0, True))
-    writer = asyncio.create_task(drv._writer(c))
-    asm = wire.BlockAssembler()
-    try:
+    async with _relaying() as (messages, a, sent):
+        assert a is not None
+        asm = wire.BlockAssembler()
         assert await _quiet(messages)  # nothing arrived yet: nothing goes
         a.got = wire.BLOCK_BYTES
         a.changed()
@@ -120,12 +140,6 @@ async def _stream_then_store() -> None:
         await asyncio.sleep(0.05)
         assert sent == [ev.ChunkSent(sent[0].now, 7, 2, 0)]
         assert not a.watchers
-    finally:
-        c.closing = True
-        writer.cancel()
-        await ws.close()
-        await session.close()
-        await runner.cleanup()
 
 
 @pytest.mark.parametrize("blocks_first", [0, 2])
@@ -134,16 +148,9 @@ def test_a_chunk_that_fails_here_is_withdrawn_from_the_receiver(blocks_first) ->
 
 
 async def _stream_then_fail(blocks_first: int) -> None:
-    messages: asyncio.Queue = asyncio.Queue()
-    runner, session, ws = await _link(messages)
-    sent: list[ev.ChunkSent] = []
-    drv = _driver(sent)
-    a = drv.arrivals[(2, 0)] = Arrival(conn=99, buf=memoryview(bytearray(PAYLOAD)), length=N)
-    c = Conn(id=7, ws=ws, outbound=True, addr="peer")
-    c.data.append((2, 0, True))
-    writer = asyncio.create_task(drv._writer(c))
-    asm = wire.BlockAssembler()
-    try:
+    async with _relaying() as (messages, a, sent):
+        assert a is not None
+        asm = wire.BlockAssembler()
         a.got = blocks_first * wire.BLOCK_BYTES
         a.changed()
         if blocks_first:
@@ -155,12 +162,6 @@ async def _stream_then_fail(blocks_first: int) -> None:
             assert asm.withdraw(msg) == (2, 0)
         assert await _quiet(messages)  # and nothing else: no block was sent before
         assert sent == [ev.ChunkSent(sent[0].now, 7, 2, 0, withdrawn=True)]
-    finally:
-        c.closing = True
-        writer.cancel()
-        await ws.close()
-        await session.close()
-        await runner.cleanup()
 
 
 def test_an_arriving_chunk_gone_before_its_turn_is_withdrawn_without_a_byte() -> None:
@@ -169,22 +170,9 @@ def test_an_arriving_chunk_gone_before_its_turn_is_withdrawn_without_a_byte() ->
 
 
 async def _gone_before_its_turn() -> None:
-    messages: asyncio.Queue = asyncio.Queue()
-    runner, session, ws = await _link(messages)
-    sent: list[ev.ChunkSent] = []
-    drv = _driver(sent)
-    c = Conn(id=7, ws=ws, outbound=True, addr="peer")
-    c.data.append((2, 0, True))
-    writer = asyncio.create_task(drv._writer(c))
-    try:
+    async with _relaying(arriving=False) as (messages, _a, sent):
         assert await _quiet(messages)
         assert sent == [ev.ChunkSent(sent[0].now, 7, 2, 0, withdrawn=True)]
-    finally:
-        c.closing = True
-        writer.cancel()
-        await ws.close()
-        await session.close()
-        await runner.cleanup()
 
 
 def test_a_fleet_relays_chunks_while_they_arrive_and_ends_bitwise_equal() -> None:
