@@ -80,6 +80,10 @@ def status_dict(driver: Driver, model: str) -> dict[str, Any]:
         "region_bytes": {"sent": counters["region_sent"], "received": counters["region_recv"]},
         "bad_chunks": counters["bad_chunks"],
         "dup_chunks": counters["dup_chunks"],
+        # chunks peers withdrew while sending them to us (they did not arrive whole there)
+        "withdrawn_chunks": counters.get("withdrawn", 0),
+        # answers this node started while the chunk still arrived here (serve_arriving)
+        "served_arriving": counters.get("served_arriving", 0),
         "wire_bytes": dict(driver.wire_bytes),
         "apply_seconds": {str(k): round(v, 6) for k, v in driver.apply_seconds.items()},
         # where each apply's time went (wait, read, stage, commit, engine; cpu_s: the
@@ -298,6 +302,16 @@ class _Collector:
         c = CounterMetricFamily("patchswarm_bad_chunks", "Chunks that failed verification",
                                 labels=labels)
         c.add_metric(who, float(st["bad_chunks"]))
+        yield c
+        c = CounterMetricFamily("patchswarm_withdrawn_chunks", "Chunks a peer withdrew while "
+                                "sending them (they did not arrive whole there; nobody blamed)",
+                                labels=labels)
+        c.add_metric(who, float(st.get("withdrawn_chunks", 0)))
+        yield c
+        c = CounterMetricFamily("patchswarm_chunks_served_arriving", "Chunks this node began "
+                                "sending to a region peer while they still arrived here",
+                                labels=labels)
+        c.add_metric(who, float(st.get("served_arriving", 0)))
         yield c
         g = GaugeMetricFamily("patchswarm_store_bytes", "Bytes held in the chunk store",
                               labels=labels)

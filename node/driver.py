@@ -604,6 +604,10 @@ class Driver:
                         continue
                     payload = await self._chunk_bytes(v, i)
                     if payload is None:  # an arriving chunk that failed: nothing was sent
+                        if arriving:  # the peer may have asked for it: "it will not come"
+                            msg = wire.pack_withdraw(v, i)
+                            await c.ws.send_bytes(msg)
+                            self.wire_bytes["sent"] += len(msg)
                         self.feed(ev.ChunkSent(self.now(), c.id, v, i, withdrawn=arriving))
                         continue
                     sending, offset = (v, i, payload), 0
@@ -615,10 +619,9 @@ class Driver:
                         # the chunk did not arrive whole and verified: withdraw what we sent
                         stream.watchers.remove(c)
                         sending, stream = None, None
-                        if offset:
-                            msg = wire.pack_withdraw(v, i)
-                            await c.ws.send_bytes(msg)
-                            self.wire_bytes["sent"] += len(msg)
+                        msg = wire.pack_withdraw(v, i)  # also before any block: a requester waits
+                        await c.ws.send_bytes(msg)
+                        self.wire_bytes["sent"] += len(msg)
                         self.feed(ev.ChunkSent(self.now(), c.id, v, i, withdrawn=True))
                         continue
                     # blocks as they come; the last only once the chunk is verified here
@@ -696,8 +699,9 @@ class Driver:
         await self._on_chunk(c, whole)
 
     async def _on_withdraw(self, c: Conn, data: bytes) -> None:
-        """The sender withdrew the chunk it was relaying to us (it did not arrive whole
-        and verified there): drop its blocks; nobody is to blame."""
+        """The sender withdrew the chunk it was sending us while it arrived there (a
+        cut-through relay, or an answer with ``serve_arriving``): it did not arrive whole
+        and verified there. Drop its blocks; nobody is to blame; the core asks elsewhere."""
         if not self.core.authenticated(c.id):
             await self._drop(c, "withdrawal before the handshake")
             return
@@ -710,6 +714,7 @@ class Driver:
         a = self.arrivals.get((v, i))
         if a is not None and a.conn == c.id:
             self._arrival_failed((v, i), a)
+        self.feed(ev.ChunkWithdrawn(self.now(), c.id, v, i))
 
     def _arrival_failed(self, key: tuple[int, int], a: Arrival) -> None:
         self.arrivals.pop(key, None)

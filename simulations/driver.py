@@ -239,6 +239,10 @@ class Simulation:
         # verification at ``node``; (node, v, i) -> the half the chunk arrives on
         self.parked: dict[tuple[SimNode, int, int], list[list[Any]]] = {}
         self.incoming: dict[tuple[SimNode, int, int], Half] = {}
+        # serve_arriving: chunks from a region peer are announced while they arrive too,
+        # and sends of an arriving chunk are paced: (node, v, i) -> their items
+        self.arrive_all = bool({**STRATEGY_KNOBS[strategy], **sc.protocol}.get("serve_arriving"))
+        self.paced: dict[tuple[SimNode, int, int], list[list[Any]]] = {}
         self.alive_count = 0  # rollout nodes alive now
         self.published = 0
         self.publish_at: list[float] = []
@@ -720,8 +724,17 @@ class Simulation:
         item[4] = self.net.start(item[3] * self.wire, res, self._chunk_left, item, cap)
         item[8] = now = self.engine.now
         half.cur = item
-        if src.site != dst.site:
-            # a chunk from outside the region may be relayed on while it arrives
+        if item[7]:
+            # sent while it arrives here: it cannot leave faster than it comes in (it
+            # follows the rate of the flow bringing it in until it is verified here)
+            up = self.incoming.get((half.node, item[1], item[2]))
+            cur = up.peer.cur if up is not None and up.open else None
+            if cur is not None and cur[1] == item[1] and cur[2] == item[2] and cur[4].alive:
+                self.net.follow(item[4], cur[4])
+                self.paced.setdefault((half.node, item[1], item[2]), []).append(item)
+        if src.site != dst.site or self.arrive_all:
+            # a chunk from outside the region may be relayed on while it arrives (and,
+            # with serve_arriving, any chunk may be served on while it arrives)
             key = (peer.node, item[1], item[2])
             if key not in self.incoming or not self.incoming[key].open:
                 self.incoming[key] = peer
@@ -770,8 +783,12 @@ class Simulation:
                 self._withdrawn(half, version, index)
                 return
             # cut-through: the last block goes once the chunk is verified here, at the
-            # rate this flow ran at (kept in item[8])
-            item[8] = size / max(1e-9, now - item[8])
+            # rate this flow ran at (kept in item[8]); one held to the chunk's arrival
+            # (``FlowNet.follow``) is let go then, at its path's rate
+            if item in self.paced.get(key, ()):
+                item[8] = min(item[4].base, *(r.cap for r in item[4].resources))
+            else:
+                item[8] = size / max(1e-9, now - item[8])
             self.parked.setdefault(key, []).append(item)
             return
         self._deliver_sent(item)
@@ -818,6 +835,9 @@ class Simulation:
         )
         key = (node, version, index)
         self.incoming.pop(key, None)
+        if self.paced:
+            for item in self.paced.pop(key, ()):
+                self.net.unfollow(item[4])  # verified here: it may leave as fast as its path allows
         waiting = self.parked.pop(key, None)
         if waiting:
             block = self.sc.interleave_block_bytes
@@ -837,13 +857,23 @@ class Simulation:
                 self._withdrawn(item[0], key[1], key[2])
 
     def _withdrawn(self, half: Half, version: int, index: int) -> None:
-        """A cut-through relay on ``half`` is withdrawn: its receiver drops what came."""
+        """A chunk sent on ``half`` while it arrived is withdrawn: its receiver drops
+        what came (``ChunkWithdrawn``, one latency on) and asks elsewhere."""
         key = (half.peer.node, version, index)
         if self.incoming.get(key) is half.peer:
             del self.incoming[key]
+        self.paced.pop((half.node, version, index), None)
         if half.open:
             self._deliver(half.node, half.inc,
                           ev.ChunkSent(self.engine.now, half.cid, version, index, withdrawn=True))
+            self.engine.schedule(self.engine.now + half.lat, self._withdrawal_arrives,
+                                 (half.peer, version, index))
+
+    def _withdrawal_arrives(self, item: tuple[Half, int, int]) -> None:
+        half, version, index = item
+        if half.open and half.node.inc == half.inc:
+            self._deliver(half.node, half.inc,
+                          ev.ChunkWithdrawn(self.engine.now, half.cid, version, index))
 
     def _applied(self, node: SimNode, version: int) -> None:
         now = self.engine.now

@@ -75,8 +75,11 @@ class Flow:
     __slots__ = (
         "alive",
         "arg",
+        "base",
         "cap",
         "done",
+        "followers",
+        "leader",
         "rate",
         "remaining",
         "resources",
@@ -104,6 +107,9 @@ class Flow:
         self.t = now
         self.token = 0
         self.alive = True
+        self.leader: Flow | None = None  # this flow cannot run faster than its leader
+        self.base = cap  # its own ceiling while it follows
+        self.followers: list[Flow] | None = None
 
 
 class FlowNet:
@@ -116,6 +122,8 @@ class FlowNet:
         self.maxmin = sharing == "maxmin"
         self.active = 0
         self.completed = 0
+        self._moved: dict[Flow, None] = {}  # leaders whose rate changed: followers to re-cap
+        self._depth = 0
 
     # ------------------------------------------------------------------ flows
     def start(
@@ -143,10 +151,45 @@ class FlowNet:
 
     def set_cap(self, flow: Flow, cap: float) -> None:
         """Change one flow's own ceiling (a TCP window opening) and re-rate around it."""
+        if flow.leader is not None:
+            flow.base = cap
+            cap = self._led(flow)
+        self._set_cap(flow, cap)
+
+    def _set_cap(self, flow: Flow, cap: float) -> None:
         if not flow.alive or cap == flow.cap:
             return
         flow.cap = cap
         self._reshare(flow.resources, self.engine.now, flow)
+
+    def follow(self, flow: Flow, leader: Flow) -> None:
+        """``flow`` forwards what ``leader`` brings in (a chunk sent on while it arrives):
+        it runs no faster than ``leader`` does now, whatever its own share, until
+        ``unfollow``. Its own ceiling (``set_cap``) still applies beneath."""
+        if not flow.alive or not leader.alive or flow.leader is not None:
+            return
+        flow.leader, flow.base = leader, flow.cap
+        if leader.followers is None:
+            leader.followers = []
+        leader.followers.append(flow)
+        self._set_cap(flow, self._led(flow))
+
+    def unfollow(self, flow: Flow) -> None:
+        """``flow`` may run at its own ceiling again (what it forwards is all there)."""
+        leader = flow.leader
+        if leader is None:
+            return
+        flow.leader = None
+        if leader.followers is not None and flow in leader.followers:
+            leader.followers.remove(flow)
+        self._set_cap(flow, flow.base)
+
+    @staticmethod
+    def _led(flow: Flow) -> float:
+        leader = flow.leader
+        if leader is None or not leader.alive:
+            return flow.base
+        return min(flow.base, max(leader.rate, 1.0))
 
     def set_capacity(self, resource: Resource, cap: float) -> None:
         """Change a capacity mid-run (slow-node faults) and re-rate its flows."""
@@ -162,6 +205,13 @@ class FlowNet:
 
     # -------------------------------------------------------------- internals
     def _remove(self, flow: Flow) -> None:
+        if flow.followers:  # all it brings in is in: its followers may run at their own pace
+            self._moved[flow] = None
+        if flow.leader is not None:  # a follower that ends or is cancelled
+            lf = flow.leader.followers
+            if lf is not None and flow in lf:
+                lf.remove(flow)
+            flow.leader = None
         flow.alive = False
         flow.token += 1
         for r in flow.resources:
@@ -170,10 +220,27 @@ class FlowNet:
         self._reshare(flow.resources, self.engine.now)
 
     def _reshare(self, resources: tuple[Resource, ...], now: float, new: Flow | None = None) -> None:
-        if self.maxmin:
-            self._reshare_maxmin(resources, now, new)
-        else:
-            self._reshare_bottleneck(resources, now, new)
+        self._depth += 1
+        try:
+            if self.maxmin:
+                self._reshare_maxmin(resources, now, new)
+            else:
+                self._reshare_bottleneck(resources, now, new)
+        finally:
+            self._depth -= 1
+        if self._depth == 0 and self._moved:
+            self._recap_followers()
+
+    def _recap_followers(self) -> None:
+        """Leaders changed rate: their followers' ceilings follow (bounded passes)."""
+        for _ in range(64):
+            moved, self._moved = self._moved, {}
+            for leader in moved:
+                for g in list(leader.followers or ()):
+                    self._set_cap(g, self._led(g))
+            if not self._moved:
+                return
+        self._moved = {}
 
     # ---- bottleneck-share mode: each resource offers cap/n to each of its flows
     def _reshare_bottleneck(self, resources: tuple[Resource, ...], now: float, new: Flow | None) -> None:
@@ -300,6 +367,8 @@ class FlowNet:
         f.t = now
         f.rate = rate
         f.token += 1
+        if f.followers:
+            self._moved[f] = None
         if f.remaining <= 0.0 or rate == INF:
             self.engine.schedule(now, self._finish, (f, f.token))
         elif rate > 0.0:

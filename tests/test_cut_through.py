@@ -157,20 +157,23 @@ async def _stream_then_fail(blocks_first: int) -> None:
             await _take(messages, asm, a.got)
         a.state = "failed"  # corrupt, or its link closed, or a local fault
         a.changed()
-        if blocks_first:  # the receiver is told to drop what it got
-            msg = await asyncio.wait_for(messages.get(), 5)
-            assert asm.withdraw(msg) == (2, 0)
-        assert await _quiet(messages)  # and nothing else: no block was sent before
+        # the receiver is told to drop what it got (with no block yet: that it will not come)
+        msg = await asyncio.wait_for(messages.get(), 5)
+        assert asm.withdraw(msg) == (2, 0) and asm.pending is None
+        assert await _quiet(messages)  # and nothing else
         assert sent == [ev.ChunkSent(sent[0].now, 7, 2, 0, withdrawn=True)]
 
 
-def test_an_arriving_chunk_gone_before_its_turn_is_withdrawn_without_a_byte() -> None:
-    # the arrival failed and left the registry before the writer got to the relay
+def test_an_arriving_chunk_gone_before_its_turn_is_withdrawn_without_a_block() -> None:
+    # the arrival failed and left the registry before the writer got to the relay: the
+    # withdrawal alone goes (a requester waits for the chunk, serve_arriving)
     asyncio.run(_gone_before_its_turn())
 
 
 async def _gone_before_its_turn() -> None:
     async with _relaying(arriving=False) as (messages, _a, sent):
+        msg = await asyncio.wait_for(messages.get(), 5)
+        assert wire.is_withdraw_message(msg) and wire.BlockAssembler().withdraw(msg) == (2, 0)
         assert await _quiet(messages)
         assert sent == [ev.ChunkSent(sent[0].now, 7, 2, 0, withdrawn=True)]
 

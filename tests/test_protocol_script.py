@@ -620,31 +620,65 @@ def _two_regions(window: int, window_max: int) -> tuple[Signer, NodeCore, Script
     return s, o, a, b
 
 
-def test_the_first_region_to_show_a_version_takes_only_its_share_of_the_uplink() -> None:
-    """At the window's floor (one transfer per remote region) the region whose border
-    echoes the ANNOUNCE first must not take the whole window: the other region's slot
-    waits for its echo, a round trip later, instead of its downlink idling until the
-    first region's HAVEs come back."""
+def test_a_new_version_is_pushed_at_once_each_region_taking_its_share_of_the_uplink() -> None:
+    """The newest version goes to every linked border with its ANNOUNCE, and the first
+    pushes follow on the same links at once, not a round trip later when the borders'
+    echoes show the version. At the window's floor (one transfer per remote region)
+    each region takes its share: one of the window's two, novel chunks each."""
     s, o, a, b = _two_regions(window=1, window_max=2)  # floor: 2 remote regions
-    o.handle(ev.Publish(o.now, s.manifest(2, 8)))
+    got = o.handle(ev.Publish(o.now, s.manifest(2, 8)))
+    for x in (a, b):  # the ANNOUNCE first, then the push, on each link
+        kinds = [type(wire.decode(e.frame)).__name__ if isinstance(e, ev.SendFrame) else "chunk"
+                 for e in got if getattr(e, "conn", None) == x.conn
+                 and isinstance(e, (ev.SendFrame, ev.SendChunk))]
+        assert kinds.index("Announce") < kinds.index("chunk"), kinds
+    pushes = _pushes(got)
+    assert sorted(c for c, _ in pushes) == [1, 2], pushes
+    assert len({i for _, i in pushes}) == 2  # novel chunks each
+    # the echoes change nothing: the window is full
     a.send(wire.Announce(s.manifest(2, 8)))
-    first = _pushes(a.actions)
-    assert [c for c, _ in first] == [1], first  # its share: one of the window's two
-    b.send(wire.Announce(s.manifest(2, 8)))
-    second = _pushes(b.actions)
-    assert [c for c, _ in second] == [2], second
-    assert {i for _, i in first}.isdisjoint(i for _, i in second)  # novel chunks each
+    assert _pushes(a.actions) == []
+
+
+def test_a_border_linked_after_the_publish_takes_chunks_once_it_shows_the_version() -> None:
+    """Only the borders linked when a version is published count it as shown: one that
+    links later may have moved past it (a newer anchor), so it waits for the echo."""
+    s = Signer()
+    o = _core("origin", "home", role="origin", signer=s, border_nodes=1, uplink_window=2,
+              uplink_window_max=2, border_inflight=8, relay=False)
+    o.handle(ev.Publish(o.now, s.manifest(2, 2)))
+    a = Script(o, 1, node_id="a", region="r1")
+    a.handshake()
+    assert _pushes(a.actions) == []
+    a.send(wire.Announce(s.manifest(2, 2)))
+    assert len(_pushes(a.actions)) == 2  # alone: the whole window
+
+
+def test_a_version_re_seeded_after_a_restart_waits_for_the_echo() -> None:
+    """A restarted origin re-seeds what it published before (its store holds it): an
+    older version than the newest is pushed only to borders that show it, since a node
+    already past it would drop what it is sent."""
+    s, o, a, b = _two_regions(window=2, window_max=2)
+    o.handle(ev.Publish(o.now, s.manifest(3, 2)))  # the newest
+    o.handle(ev.LocalChunks(o.now, s.manifest(2, 2), (0, 1)))  # an older one, re-seeded
+    assert 2 in o.role.plans
+    assert all(2 not in o.peers[x.conn].bits for x in (a, b))
 
 
 def test_a_region_alone_may_use_the_whole_window() -> None:
     """The share binds only while another remote region still wants chunks: once the
     other region holds everything, one region may fill the window."""
-    s, o, a, b = _two_regions(window=4, window_max=4)
-    o.handle(ev.Publish(o.now, s.manifest(2, 2)))
-    b.send(wire.Announce(s.manifest(2, 2)))
-    for conn, i in _pushes(b.actions):
+    s = Signer()
+    o = _core("origin", "home", role="origin", signer=s, border_nodes=1, uplink_window=4,
+              uplink_window_max=4, border_inflight=8, relay=False)
+    b = Script(o, 2, node_id="b", region="r2")
+    b.handshake()
+    got = o.handle(ev.Publish(o.now, s.manifest(2, 2)))
+    for conn, i in _pushes(got):
         o.handle(ev.ChunkSent(o.now, conn, 2, i))
     b.send(wire.Have(2, (0, 1)))  # r2 is complete
+    a = Script(o, 1, node_id="a", region="r1")
+    a.handshake()
     a.send(wire.Announce(s.manifest(2, 2)))
     assert len(_pushes(a.actions)) == 2  # both chunks at once: nobody else wants the uplink
 
@@ -662,10 +696,10 @@ def test_the_origin_pushes_itself_before_its_own_regions_borders_relay_out() -> 
         x.handshake()
     a.send(wire.Links(("h",)))  # r1's border is linked to the home border: it could relay
     h.send(wire.Links(("a",)))
-    o.handle(ev.Publish(o.now, s.manifest(2, 4)))
+    got = o.handle(ev.Publish(o.now, s.manifest(2, 4)))  # pushes start with the ANNOUNCE
     h.send(wire.Announce(s.manifest(2, 4)))
     h.send(wire.Have(2, (0, 1, 2, 3)))  # the home border holds everything
     a.send(wire.Announce(s.manifest(2, 4)))
-    acts = a.actions + h.actions
+    acts = got + a.actions + h.actions
     assert [c for c, _ in _pushes(acts) if c == 1], acts  # the origin pushed into r1
     assert not [f for f in h.frames(acts) if isinstance(f, wire.Relay)]  # h did not relay

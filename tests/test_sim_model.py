@@ -389,7 +389,7 @@ def test_a_cut_through_relay_arrives_once_the_relay_verified_the_chunk_not_a_hop
     (t_b0, _), = [(t, i) for t, i in w.verified if t < 1.0][:1]
     arrivals = [t for t, _i in w.chunks]
     assert len(arrivals) == 2  # at b0, then at a1
-    # the relay's flow (1 Gbit) was done long before; its last block waited for b0's verdict
+    # the relay's flow ran no faster than the chunk came in; its last block waited for b0's verdict
     assert t_b0 < arrivals[1] < t_b0 + 0.045
     assert arrivals[1] < t_b0 + 4 * MiB / mbps(100)  # store-and-forward would add a hop
     # the receivers heard of the first block one latency after each flow started
@@ -406,4 +406,54 @@ def test_a_cut_through_relay_is_withdrawn_when_its_chunk_stops_arriving():
     assert w.chunks == []  # nothing arrived, at b0 or at a1
     sent = [e for n, e in events if isinstance(e, ev.ChunkSent) and n is b0]
     assert sent == [ev.ChunkSent(sent[0].now, 2, 2, 0, withdrawn=True)]
-    assert not w.sim.parked and not w.sim.incoming
+    assert not w.sim.parked and not w.sim.incoming and not w.sim.paced
+    # the receiver hears of it one latency on: it drops the blocks and asks elsewhere
+    gone = [(n, e) for n, e in events if isinstance(e, ev.ChunkWithdrawn)]
+    assert [(n, e.conn, e.version, e.index) for n, e in gone] == [(_a1, 2, 2, 0)]
+    assert gone[0][1].now > sent[0].now
+
+
+def test_a_chunk_sent_on_while_it_arrives_runs_no_faster_than_it_comes_in():
+    """b0 relays on at 1 Gbit what reaches it at 100 Mbit: the relay's flow follows the
+    incoming one's rate, and is let go once the chunk was verified at b0."""
+    w, _events, up, (_a0, b0, _a1) = _relay_pair()
+    seen = []
+
+    def look(_=None):
+        relay = b0.conns[2].cur
+        seen.append((relay[4].rate, up.cur[4].rate, relay[4].leader is up.cur[4]))
+
+    w.at(0.2, look)
+    w.run()
+    (relay_rate, in_rate, following), = seen
+    assert following and relay_rate == pytest.approx(in_rate) and in_rate == pytest.approx(mbps(100), rel=0.05)
+    assert not w.sim.paced  # let go at the verdict
+
+
+def test_with_serve_arriving_a_region_takes_chunks_from_peers_they_still_arrive_at():
+    """A whole run: region b's nodes ask each other for chunks while they arrive (the
+    simulator announces every chunk's first block with the knob on); every node ends
+    with the version, and some answers were started while their chunk arrived."""
+    from simulations.runner import run_strategy
+
+    sc = two_site(payload={"patch": "64 MiB", "chunk": "4 MiB"},
+                  defaults={"uplink_mbps": 1000, "downlink_mbps": 1000, "latency_ms": 0.5},
+                  regions=[{"name": "a", "nodes": 6}, {"name": "b", "nodes": 6}],
+                  protocol={"serve_arriving": True}, replace=("regions",))
+    sims = []
+    real_run = Simulation.run
+
+    def run(self):
+        sims.append(self)
+        return real_run(self)
+
+    Simulation.run = run  # type: ignore[method-assign]
+    try:
+        res, fig = run_strategy(sc, "patchswarm")
+    finally:
+        Simulation.run = real_run  # type: ignore[method-assign]
+    assert len(res.done[min(res.done)]) == 12
+    nodes = [n for n in sims[0].nodes if not n.origin]
+    assert sum(n.core.counters.served_arriving for n in nodes) > 0
+    assert sum(n.core.counters.bad_chunks for n in nodes) == 0
+    assert fig["cross_region_ratio"] <= 1.02

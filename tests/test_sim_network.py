@@ -191,6 +191,59 @@ def test_capacity_change_rerates(sharing):
     assert done == [pytest.approx(0.5 + 50.0 / 25.0)]
 
 
+# ---- following: a chunk sent on while it arrives runs no faster than it comes in
+
+
+@pytest.mark.parametrize("sharing", SHARING)
+def test_a_follower_runs_at_its_leaders_rate_and_follows_it(sharing):
+    """A leader on a 100 B/s link, a follower on a 1000 B/s one: the follower runs at
+    100; a second flow on the leader's link halves both; once the follower is let go
+    it takes its own link's rate."""
+    eng = Engine()
+    net = FlowNet(eng, sharing)
+    slow, fast = Resource("slow", 100.0), Resource("fast", 1000.0)
+    leader = net.start(1000.0, (slow,), lambda _: None)
+    follower = net.start(10_000.0, (fast,), lambda _: None)
+    net.follow(follower, leader)
+    assert follower.rate == pytest.approx(100.0)
+    other = net.start(1000.0, (slow,), lambda _: None)
+    assert leader.rate == pytest.approx(50.0) and follower.rate == pytest.approx(50.0)
+    net.cancel(other)
+    assert follower.rate == pytest.approx(100.0)
+    net.unfollow(follower)
+    assert follower.rate == pytest.approx(1000.0)
+
+
+@pytest.mark.parametrize("sharing", SHARING)
+def test_a_follower_is_let_go_when_its_leader_is_done(sharing):
+    """The leader's last byte left at 1 s (100 B at 100 B/s): the follower, 100 B in at
+    that rate, sends its other 900 B at its own 1000 B/s and is done at 1.9 s."""
+    eng = Engine()
+    net = FlowNet(eng, sharing)
+    slow, fast = Resource("slow", 100.0), Resource("fast", 1000.0)
+    done = []
+    leader = net.start(100.0, (slow,), lambda _: done.append(("leader", eng.now)))
+    follower = net.start(1000.0, (fast,), lambda _: done.append(("follower", eng.now)))
+    net.follow(follower, leader)
+    eng.run()
+    assert done == [("leader", pytest.approx(1.0)), ("follower", pytest.approx(1.9))]
+
+
+@pytest.mark.parametrize("sharing", SHARING)
+def test_a_followers_own_ceiling_still_holds_beneath(sharing):
+    """A TCP window (``set_cap``) below the leader's rate binds; raised above, the
+    leader's rate binds again."""
+    eng = Engine()
+    net = FlowNet(eng, sharing)
+    leader = net.start(1e6, (Resource("slow", 100.0),), lambda _: None)
+    follower = net.start(1e6, (Resource("fast", 1000.0),), lambda _: None)
+    net.follow(follower, leader)
+    net.set_cap(follower, 40.0)
+    assert follower.rate == pytest.approx(40.0)
+    net.set_cap(follower, 500.0)
+    assert follower.rate == pytest.approx(100.0)
+
+
 def test_loss_caps_a_flow_at_the_mathis_ceiling():
     sc = scenario(up=10_000.0, down=10_000.0, lat_ms=50.0, loss=0.01)
     topo = Topology.build(sc)

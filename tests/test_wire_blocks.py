@@ -132,9 +132,22 @@ def test_a_withdrawal_of_anything_but_the_chunk_in_progress_is_refused(msg) -> N
         asm.withdraw(msg)
 
 
-def test_a_withdrawal_with_no_chunk_in_progress_is_refused() -> None:
-    with pytest.raises(ProtocolError, match="not in progress"):
-        wire.BlockAssembler().withdraw(wire.pack_withdraw(1, 5))
+@given(payload=st.binary(min_size=1, max_size=3000), cuts=st.lists(st.integers(0, 3000), max_size=6))
+def test_a_withdrawal_before_any_block_names_its_chunk_and_changes_nothing(payload, cuts) -> None:
+    """A requested chunk whose first block never left is withdrawn with no chunk in
+    progress: the assembler says which, and the link's next chunk reassembles exactly."""
+    asm = wire.BlockAssembler()
+    assert asm.withdraw(wire.pack_withdraw(1, 5)) == (1, 5)
+    assert asm.pending is None and asm.received == 0
+    got = None
+    for m in blocks(2, 7, payload, cuts):
+        got = asm.feed(m)
+    assert got is not None and got[:2] == (2, 7) and bytes(got[2]) == payload
+
+
+def test_a_malformed_withdrawal_with_no_chunk_in_progress_is_refused() -> None:
+    with pytest.raises(ProtocolError):
+        wire.BlockAssembler().withdraw(wire.pack_withdraw(1, 5)[:-1])
 
 
 def test_withdrawals_are_told_apart_from_blocks_chunks_and_frames() -> None:

@@ -90,6 +90,9 @@ class CoreConfig:
     # border: relay a chunk while it arrives (the last block once verified). Off: no measured
     # gain on the emulated WAN, and the simulator's fat-trainer scenarios lose (docs/simulation.md)
     cut_through: bool = False
+    # a chunk arriving from a peer may be asked for by the region's peers at once (sent
+    # block by block as it comes, the last once verified here): see docs/protocol.md
+    serve_arriving: bool = False
     border_grace_s: float = 5.0  # wait before re-sending what a departed border held
     relay_wait_s: float = 5.0  # origin: push a chunk a linked region could relay only after relays into the region stalled this long
     # ---- versions

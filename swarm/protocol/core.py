@@ -171,8 +171,13 @@ class NodeCore(ReadModel):
         self._out.append(ev.SendFrame(p.conn, frame))
 
     def send_chunk(self, conn: int, v: int, i: int) -> None:
-        """Send chunk ``i`` of ``v`` outside the upload slots (origin pushes)."""
-        self._out.append(ev.SendChunk(conn, v, i, self.versions.states[v].chunk_length(i)))
+        """Send chunk ``i`` of ``v`` (an upload, or an origin push); one we do not hold
+        yet is sent while it arrives (``serve_arriving``, see ``ev.SendChunk``)."""
+        st = self.versions.states[v]
+        arriving = not (st.have >> i) & 1
+        if arriving:
+            self.counters.served_arriving += 1
+        self._out.append(ev.SendChunk(conn, v, i, st.chunk_length(i), arriving))
 
     def relay_chunk(self, conn: int, v: int, i: int, arriving: bool = False) -> None:
         """Carry out a RELAY order: send chunk ``i`` of ``v`` to the border on ``conn``
@@ -294,14 +299,40 @@ class NodeCore(ReadModel):
         if (v, i) not in self.arriving:  # the first sender's blocks are the ones relayed on
             self.arriving[(v, i)] = e.conn
             self.role.on_arriving(v, i)
+            if self.cfg.serve_arriving:
+                self._tell_arriving(e.conn, v, i)
+
+    def _tell_arriving(self, src: int, v: int, i: int) -> None:
+        """``serve_arriving``: COMING to the region's peers that lack chunk ``i``, so
+        they may ask for it while it arrives (``exchange.on_request``). Not a HAVE:
+        they still count it missing here, so their HAVE reaches us if it never does."""
+        bit = 1 << i
+        frame = None
+        for p in self.peers.values():
+            if p.conn == src or p.kind is not SAME or p.state is not READY:
+                continue
+            pb = p.bits.get(v)
+            if pb is None or pb & bit:
+                continue
+            if frame is None:
+                frame = wire.Coming.pack(v, [i])
+            self.send(p, frame)
 
     def _arrived(self, conn: int, v: int, i: int) -> None:
+        """The chunk arriving on ``conn`` is whole, or will not come from it."""
         if self.arriving.get((v, i)) == conn:
             del self.arriving[(v, i)]
 
     def _on_not_stored(self, e: ev.ChunkNotStored) -> None:
         self._arrived(e.conn, e.version, e.index)
         self.exchange.on_not_stored(e)
+
+    def _on_withdrawn(self, e: ev.ChunkWithdrawn) -> None:
+        p = self.peers.get(e.conn)
+        if p is None or p.state is not READY:
+            return
+        self._arrived(e.conn, e.version, e.index)
+        self.exchange.on_withdrawn(p, e.version, e.index)
 
     def _on_chunk(self, e: ev.ChunkReceived) -> None:
         self._arrived(e.conn, e.version, e.index)
@@ -496,6 +527,7 @@ class NodeCore(ReadModel):
             self.versions.drop(v)
             for p in self.peers.values():
                 p.bits.pop(v, None)
+                p.coming.pop(v, None)
         self._replan()
 
     def _on_publish(self, e: ev.Publish) -> None:
@@ -624,6 +656,7 @@ _HANDLERS: dict[type, Callable[[NodeCore, Any], None]] = {
     ev.ChunkReceived: NodeCore._on_chunk,
     ev.ChunkNotStored: NodeCore._on_not_stored,
     ev.ChunkArriving: NodeCore._on_arriving,
+    ev.ChunkWithdrawn: NodeCore._on_withdrawn,
     ev.ChunkSent: lambda core, e: core.exchange.on_sent(e),
     ev.Publish: NodeCore._on_publish,
     ev.LocalChunks: NodeCore._on_local,

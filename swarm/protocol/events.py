@@ -129,9 +129,21 @@ class ChunkSent(Event):
 class ChunkArriving(Event):
     """The first block of chunk ``index`` of ``version`` arrived on ``conn`` (an
     authenticated peer); the rest is on its way. A RELAY order for it can start
-    at once (cut-through). A driver may leave this out for chunks that cannot be
-    relayed on (from a peer of our own region): the core then relays them once stored.
+    at once (cut-through), and with ``serve_arriving`` the region's peers may ask
+    for it at once. A driver may leave this out for chunks from a peer of our own
+    region when neither knob is on: the core then relays them once stored.
     """
+
+    conn: int
+    version: int
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkWithdrawn(Event):
+    """The peer on ``conn`` withdrew chunk ``index`` of ``version`` it was sending us
+    while it arrived there: it did not arrive whole and verified at the sender.
+    Whatever blocks came are dropped; nobody is to blame; ask someone else."""
 
     conn: int
     version: int

@@ -42,6 +42,7 @@ class ExchangeHost(Protocol):
     def queue_have(self, v: int, i: int) -> None: ...
     def check_apply(self) -> None: ...
     def shown(self, v: int) -> None: ...
+    def is_arriving(self, v: int, i: int) -> bool: ...
 
 
 class ChunkExchange:
@@ -62,7 +63,7 @@ class ChunkExchange:
     def frame_handlers(self) -> dict[type[wire.Frame], Any]:
         return {wire.Bitfield: self.on_bitfield, wire.Have: self.on_have,
                 wire.Request: self.on_request, wire.Cancel: self.on_cancel,
-                wire.Reject: self.on_reject}
+                wire.Reject: self.on_reject, wire.Coming: self.on_coming}
 
     def forget(self, p: Peer) -> None:
         """``p`` (READY) is gone: its holdings, requests and uploads go with it."""
@@ -91,7 +92,46 @@ class ChunkExchange:
         add = 0
         for i in f.indices:
             add |= 1 << i
+        if p.coming:
+            self._uncome(p, f.version, add)
         self._holdings(p, f.version, add, fill_anyway=False)
+
+    def on_coming(self, p: Peer, f: wire.Coming) -> None:
+        """A region peer says chunks are arriving there (``serve_arriving``): we may ask
+        for them now. Ours to use only if we serve arriving chunks too; they count as
+        held for requests, and as missing there for our HAVEs."""
+        if p.kind is not SAME or not self.cfg.serve_arriving:
+            return
+        v = f.version
+        add = 0
+        for i in f.indices:
+            add |= 1 << i
+        st = self.versions.get(v)
+        if st is None or v not in p.bits:
+            return  # a version it has not shown: nothing to ask for yet
+        add &= st.full & ~p.bits[v]
+        if add:
+            p.coming[v] = p.coming.get(v, 0) | add
+            self._holdings(p, v, add, fill_anyway=False)
+
+    def _uncome(self, p: Peer, v: int, bits: int) -> None:
+        c = p.coming.get(v, 0) & ~bits
+        if c:
+            p.coming[v] = c
+        else:
+            p.coming.pop(v, None)
+
+    def _not_coming(self, p: Peer, v: int, i: int) -> None:
+        """Chunk ``i`` will not come from ``p`` after all: drop it from what ``p`` holds
+        (its HAVE, once it stores it, brings it back)."""
+        bit = 1 << i
+        self._uncome(p, v, bit)
+        old = p.bits.get(v, 0)
+        if old & bit:
+            p.bits[v] = old & ~bit
+            st = self.versions.get(v)
+            if st is not None and st.avail is not None and p.can_req:
+                st.avail[i] -= 1
 
     def _holdings(self, p: Peer, v: int, add: int, *, fill_anyway: bool) -> None:
         """``p`` says it holds the chunks ``add`` of ``v`` (BITFIELD or HAVE).
@@ -124,12 +164,15 @@ class ChunkExchange:
         v = f.version
         st = self.versions.get(v)
         allowed = st is not None and self.host.role.may_serve(p)
+        # serve_arriving: a region peer may have a chunk that is still arriving here
+        early = allowed and self.cfg.serve_arriving and p.kind is SAME
         rejected = []
         for i in f.indices:
-            if not allowed or not (st.have >> i) & 1:  # type: ignore[union-attr]
+            held = allowed and (st.have >> i) & 1  # type: ignore[union-attr]
+            if not held and not (early and self.host.is_arriving(v, i)):
                 rejected.append(i)
                 continue
-            offer = self.uploads.offer(p.conn, v, i)
+            offer = self.uploads.offer(p.conn, v, i, early=not held)
             if offer is Offer.SEND:
                 self.host.send_chunk(p.conn, v, i)
             elif offer is Offer.REFUSED:
@@ -142,8 +185,11 @@ class ChunkExchange:
 
     def on_reject(self, p: Peer, f: wire.Reject) -> None:
         v = f.version
+        coming = p.coming.get(v, 0)
         for i in f.indices:
             self.requests.forget(p, (v, i), self.versions)
+            if (coming >> i) & 1:  # it said it was coming: not (or not any more)
+                self._not_coming(p, v, i)
         p.busy = True
         self.fill_all(skip=p)
 
@@ -230,6 +276,17 @@ class ChunkExchange:
         self.host.log("error", "chunk_not_stored", version=e.version, index=e.index,
                       reason=e.reason, hold_s=self.hold_s)
 
+    def on_withdrawn(self, p: Peer, v: int, i: int) -> None:
+        """``p`` withdrew chunk ``i`` of ``v`` it was sending us while it arrived there
+        (``serve_arriving``): it does not hold it after all. Forget the request and
+        the bit (its HAVE comes once it holds it), blame nobody, ask elsewhere."""
+        self.host.counters.withdrawn += 1
+        p.busy = False
+        if (v, i) in p.req:
+            self.requests.forget(p, (v, i), self.versions)
+        self._not_coming(p, v, i)
+        self.fill_all()
+
     def _on_bad_chunk(self, p: Peer | None, st: VersionState, i: int) -> None:
         v = st.version
         self.host.counters.bad_chunks += 1
@@ -239,6 +296,8 @@ class ChunkExchange:
             old = p.bits.get(v, 0)
             if old & bit:  # never ask this peer for that chunk again
                 p.bits[v] = old & ~bit
+                if p.coming:
+                    self._uncome(p, v, bit)
                 if st.avail is not None and p.can_req:
                     st.avail[i] -= 1
             # counted per node id: a reconnect does not wipe the slate

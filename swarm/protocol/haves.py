@@ -69,6 +69,8 @@ def have_frames(v: int, idx: list[int], peers: Iterable[Peer], *,
         pb = p.bits.get(v)
         if pb is None:
             continue
+        if p.coming:  # chunks only arriving there are still missing there
+            pb &= ~p.coming.get(v, 0)
         if p.is_origin:
             if not to_origin:
                 continue

@@ -26,7 +26,7 @@ class Peer:
     a key in ``bits`` means the peer knows that version's manifest."""
 
     __slots__ = (
-        "addr", "bits", "border", "busy", "can_req", "conn", "ewma", "hello_in",
+        "addr", "bits", "border", "busy", "can_req", "coming", "conn", "ewma", "hello_in",
         "hello_out", "identity", "kept", "kind", "last_heard", "last_sent", "links", "listen_addr",
         "node_id", "outbound", "region", "relay_busy", "req", "role", "samples", "since",
         "state", "timeouts",
@@ -50,6 +50,8 @@ class Peer:
         self.kept = False  # origin kept this link (ROLE keep sent / received)
         self.can_req = False  # we may request chunks from this peer
         self.bits: dict[int, int] = {}
+        # of ``bits``, the chunks it only said are arriving there (COMING, not stored yet)
+        self.coming: dict[int, int] = {}
         self.req: dict[tuple[int, int], float] = {}  # our outstanding requests -> sent at
         self.last_heard = now
         self.last_sent = now

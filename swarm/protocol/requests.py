@@ -40,7 +40,7 @@ class RarestFirst:
 class Requests:
     """Requests we have out: per peer in ``Peer.req``, per chunk in ``asked``."""
 
-    __slots__ = ("asked", "budget", "cfg", "n", "policy")
+    __slots__ = ("asked", "budget", "cfg", "early", "n", "policy")
 
     def __init__(self, cfg: CoreConfig, policy: PickPolicy) -> None:
         self.cfg = cfg
@@ -48,6 +48,8 @@ class Requests:
         self.n = 0  # outstanding requests, all peers
         self.budget = cfg.max_requests
         self.asked: dict[Key, list[int]] = {}  # (v, i) -> conns asked
+        # requests for chunks only arriving at the peer asked (COMING): (conn, v, i)
+        self.early: set[tuple[int, int, int]] = set()
 
     @property
     def full(self) -> bool:
@@ -71,6 +73,17 @@ class Requests:
             assert avail is not None  # every wanted version counts its holders
             missing = st.full & ~st.have
             cand = pb & missing & ~st.inflight
+            coming = p.coming.get(v, 0) & cand if p.coming else 0
+            if coming:
+                # Chunks the peer only has arriving come no faster than they arrive there:
+                # ask for one only when the peer holds nothing else we miss, one at a time.
+                if cand & ~coming:
+                    cand &= ~coming
+                    coming = 0
+                elif self.early:
+                    cand = 0
+                else:
+                    room = 1
             picks = self.policy.pick(cand, avail, room) if cand else []
             if not picks and popcount(missing) <= c.endgame_chunks:
                 # endgame: everything missing is in flight; ask a second peer once
@@ -89,6 +102,8 @@ class Requests:
             infl = st.inflight
             for i in picks:
                 key = (v, i)
+                if (coming >> i) & 1:
+                    self.early.add((p.conn, v, i))
                 p.req[key] = now
                 lst = self.asked.get(key)
                 if lst is None:
@@ -109,6 +124,8 @@ class Requests:
         if p.req.pop(key, None) is None:
             return False
         self.n -= 1
+        if self.early:
+            self.early.discard((p.conn, *key))
         lst = self.asked.get(key)
         if lst is not None:
             if p.conn in lst:
@@ -131,4 +148,6 @@ class Requests:
             if q is not None and q.req.pop(key, None) is not None:
                 self.n -= 1
                 out.append(q)
+            if self.early:
+                self.early.discard((conn, *key))
         return out

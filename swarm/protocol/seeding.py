@@ -312,6 +312,14 @@ class OriginRole(Role):
         self.versions.append(v)
         self.versions.sort()
         self.plans[v] = {}
+        if v == self.versions[-1]:
+            # The ANNOUNCE of v just went to every linked node, ahead of anything we send
+            # on those links next: a border may take pushes of v now, not a round trip
+            # later when its echo shows v. (Not for an older version re-seeded after a
+            # restart: a node already past it would drop what we push.)
+            for p in self.host.peers.values():
+                if p.ready and p.border and v not in p.bits:
+                    p.bits[v] = 0
         if self.mode is DIRECT:
             for p in self.host.peers.values():
                 if p.ready and p.kept:
@@ -491,10 +499,12 @@ class OriginRole(Role):
             union = 0  # chunks that entered (or are entering) a region remote from the origin
             for r, lst in self.borders.items():
                 # only borders that showed the version take its chunks: one that has
-                # not (yet) may skip it (it took a newer anchor, or the version is
-                # outside the window it accepts), and a chunk it drops would hold a
-                # slot of the uplink window until it times out; waiting for the echo
-                # of the ANNOUNCE costs one round trip per version
+                # not may skip it (it took a newer anchor, or the version is outside
+                # the window it accepts), and a chunk it drops would hold a slot of the
+                # uplink window until it times out. The newest version, just
+                # published, counts as shown on every linked border (``on_publish``):
+                # its ANNOUNCE is ahead of our pushes on the link, and the echo would
+                # cost a round trip before the first byte
                 hs = [b for b in lst if b.ready and v in b.bits]
                 holders[r] = hs
                 bits = 0

@@ -197,6 +197,8 @@ class Net:
                 self.at(self.now + 0.01, lambda: self._chunk_left(h, a, peer, pc))
             else:
                 self.deliver(h, ev.ChunkSent(self.now, a.conn, v, i, withdrawn=True))
+                self.at(self.now + self.latency, lambda: peer.conns.get(pc) and self.deliver(
+                    peer, ev.ChunkWithdrawn(self.now, pc, v, i)))
             return
         bad = h.corrupt(v, i)
         self.deliver(h, ev.ChunkSent(self.now, a.conn, v, i))

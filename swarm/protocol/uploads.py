@@ -16,14 +16,19 @@ class Offer(enum.Enum):
 
 
 class UploadSlots:
-    """At most ``slots`` chunks in flight (answers to requests); relays are counted apart."""
+    """At most ``slots`` chunks in flight (answers to requests); relays are counted apart.
+    Answers sent while the chunk still arrives here (``early``) take only a slot that
+    is free of all others, and do not hold it against chunks held here: those go at
+    the pace the chunk comes in, and must not keep out chunks that would leave at
+    full speed."""
 
-    __slots__ = ("active", "queue", "queue_len", "refused", "relays", "slots")
+    __slots__ = ("active", "early", "queue", "queue_len", "refused", "relays", "slots")
 
     def __init__(self, slots: int, queue_len: int) -> None:
         self.slots = slots
         self.queue_len = queue_len
         self.active: set[Upload] = set()
+        self.early: set[Upload] = set()
         self.queue: deque[Upload] = deque()
         self.relays: set[Upload] = set()  # RELAY orders being carried out
         self.refused: dict[int, None] = {}  # conns turned away for want of a slot, oldest first
@@ -31,7 +36,12 @@ class UploadSlots:
     def __len__(self) -> int:
         return len(self.active)
 
-    def offer(self, conn: int, v: int, i: int) -> Offer:
+    def offer(self, conn: int, v: int, i: int, early: bool = False) -> Offer:
+        if early:  # still arriving here: only a slot nothing else uses, no queue
+            if len(self.early) + len(self.active) < self.slots:
+                self.early.add((conn, v, i))
+                return Offer.SEND
+            return Offer.REFUSED
         if len(self.active) < self.slots:
             self.active.add((conn, v, i))
             return Offer.SEND
@@ -58,11 +68,14 @@ class UploadSlots:
 
     def finish(self, key: Upload) -> None:
         self.active.discard(key)
+        self.early.discard(key)
 
     def drop_conn(self, conn: int) -> bool:
         """Forget a connection's uploads; True if slots were in use (worth a ``pump``)."""
         if self.relays:
             self.relays = {r for r in self.relays if r[0] != conn}
+        if self.early:
+            self.early = {u for u in self.early if u[0] != conn}
         if self.active:
             self.active = {u for u in self.active if u[0] != conn}
             return True

@@ -219,13 +219,25 @@ class Status(Frame):
     served: int | None
 
 
+@dataclass(frozen=True, slots=True)
+class Coming(Frame):
+    """node -> region peer: these chunks are arriving here; ask for them now, they are
+    sent as they come (``serve_arriving``). Not a HAVE: a REJECT or a withdrawal takes
+    it back, and a HAVE follows once each is stored."""
+
+    TYPE: ClassVar[int] = 17
+    NAME: ClassVar[str] = "COMING"
+    version: int
+    indices: tuple[int, ...] | list[int]
+
+
 FRAME_TYPES: dict[int, type[Frame]] = {
     cls.TYPE: cls for cls in (Hello, Auth, Ping, Peers, Role, Announce, Bitfield, Have, Request,
-                              Cancel, Reject, Relay, RelayFail, Links, Report, Status)
+                              Cancel, Reject, Relay, RelayFail, Links, Report, Status, Coming)
 }
 # the integer type codes, for tests and tools that build raw frames
 HELLO, AUTH, PING, PEERS, ROLE, ANNOUNCE, BITFIELD, HAVE, REQUEST, CANCEL, REJECT, RELAY, \
-    RELAY_FAIL, LINKS, REPORT, STATUS = range(1, 17)
+    RELAY_FAIL, LINKS, REPORT, STATUS, COMING = range(1, 18)
 MAX_STATUS_FIELDS = 16  # a later STATUS format may append up to this many fields
 NAMES = {t: cls.NAME for t, cls in FRAME_TYPES.items()}
 
@@ -387,7 +399,7 @@ def _decode(frame: bytes) -> Frame:
     return cls(*f[1:])
 
 
-_INDEX_FRAMES = frozenset((Have, Request, Cancel, Reject))
+_INDEX_FRAMES = frozenset((Have, Request, Cancel, Reject, Coming))
 
 
 # ---- bitfields: Python ints, bit i = chunk i
@@ -452,7 +464,7 @@ def is_block_message(data: bytes | memoryview) -> bool:
 
 # A sender that relays a chunk while it still arrives (cut-through) sends its last
 # block only once the chunk was verified; if it is not, it sends this instead: "drop
-# the blocks of this chunk you got from me". It follows at least one block of that chunk.
+# the blocks of this chunk you got from me" (or, before any block of it: "it will not come").
 WITHDRAW_MAGIC = b"PSW1"
 _WITHDRAW = struct.Struct(">4sQI")  # magic, version, index
 
@@ -548,10 +560,14 @@ class BlockAssembler:
     def withdraw(self, data: bytes | memoryview) -> tuple[int, int]:
         """Take a withdrawal (``pack_withdraw``): drop the chunk in progress it names.
 
-        ``ProtocolError`` unless that chunk is the one in progress: a sender withdraws
-        only a chunk it sent blocks of, and those are the last blocks on the link.
+        With no chunk in progress it names one whose first block never left (a
+        requested chunk the sender could not start). ``ProtocolError`` if another
+        chunk is in progress: its blocks are the last on the link, a withdrawal of
+        anything else breaks the order.
         """
         key = unpack_withdraw(data)
+        if self._key is None:
+            return key
         if key != self._key:
             raise ProtocolError(f"withdrawal of chunk {key[1]} v{key[0]}, not in progress")
         self._key, self._buf, self._length, self._got = None, None, 0, 0
