@@ -22,13 +22,14 @@ driver only decides how long things take:
   path's Mathis rate and, on a fresh connection, the slow-start window. A chunk
   that crosses sites (from the origin or another region) is announced to its
   receiver one latency after its flow starts (``ChunkArriving``: its first
-  block). A chunk sent while it still arrives (``SendChunk.arriving``, a
-  cut-through relay) runs as its own flow from the start; if that flow is done
-  before the sender has verified the chunk, its last block waits for that
-  (``ChunkSent`` and the arrival come one block later), and it is withdrawn if
-  the link the chunk came on closes first. The model is optimistic in one way:
-  the relay's flow is not held to the pace of the chunk's arrival, so its share
-  of the links may come early. When
+  block; with ``serve_arriving`` every chunk is). A chunk sent while it still
+  arrives (``SendChunk.arriving``: a cut-through relay, or an answer with
+  ``serve_arriving``) runs as its own flow from the start, free while it is
+  behind the flow bringing the chunk in, then no faster than that flow
+  (``FlowNet.follow``); if it is done before the sender has verified the chunk,
+  its last block waits for that (``ChunkSent`` and the arrival come one block
+  later, at the path's rate), and it is withdrawn if the link the chunk came on
+  closes first (the receiver hears ``ChunkWithdrawn`` one latency on). When
   its last byte leaves, the sender gets ``ChunkSent``; one latency later the
   chunk has arrived, the receiver's CPU hashes and stores it
   (:mod:`simulations.cpu`) and only then does its core get
@@ -241,7 +242,10 @@ class Simulation:
         self.incoming: dict[tuple[SimNode, int, int], Half] = {}
         # serve_arriving: chunks from a region peer are announced while they arrive too,
         # and sends of an arriving chunk are paced: (node, v, i) -> their items
-        self.arrive_all = bool({**STRATEGY_KNOBS[strategy], **sc.protocol}.get("serve_arriving"))
+        from swarm.protocol.config import CoreConfig
+
+        knobs = {**STRATEGY_KNOBS[strategy], **sc.protocol}
+        self.arrive_all = bool(knobs.get("serve_arriving", CoreConfig.serve_arriving))
         self.paced: dict[tuple[SimNode, int, int], list[list[Any]]] = {}
         self.alive_count = 0  # rollout nodes alive now
         self.published = 0

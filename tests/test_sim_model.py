@@ -439,7 +439,8 @@ def test_with_serve_arriving_a_region_takes_chunks_from_peers_they_still_arrive_
     sc = two_site(payload={"patch": "64 MiB", "chunk": "4 MiB"},
                   defaults={"uplink_mbps": 1000, "downlink_mbps": 1000, "latency_ms": 0.5},
                   regions=[{"name": "a", "nodes": 6}, {"name": "b", "nodes": 6}],
-                  protocol={"serve_arriving": True}, replace=("regions",))
+                  protocol={"serve_arriving": True, "serve_arriving_region": 0},
+                  replace=("regions",))
     sims = []
     real_run = Simulation.run
 

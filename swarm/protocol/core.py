@@ -299,7 +299,9 @@ class NodeCore(ReadModel):
         if (v, i) not in self.arriving:  # the first sender's blocks are the ones relayed on
             self.arriving[(v, i)] = e.conn
             self.role.on_arriving(v, i)
-            if self.cfg.serve_arriving:
+            c = self.cfg
+            if c.serve_arriving and (c.serve_arriving_region <= 1 or
+                                     self.book.region_count(c.region) + 1 >= c.serve_arriving_region):
                 self._tell_arriving(e.conn, v, i)
 
     def _tell_arriving(self, src: int, v: int, i: int) -> None:

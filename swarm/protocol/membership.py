@@ -61,6 +61,10 @@ class AddressBook:
         ids = lst if len(lst) <= k else self._rng.sample(lst, k)
         return [(i, *self._entries[i]) for i in ids]
 
+    def region_count(self, region: str) -> int:
+        """Entries of ``region`` (bounded by the per-region cap)."""
+        return len(self._regions.get(region, ()))
+
     def region_ids(self, region: str) -> list[str]:
         return list(self._regions.get(region, ()))
 
