@@ -789,7 +789,7 @@ class Simulation:
             # cut-through: the last block goes once the chunk is verified here, at the
             # rate this flow ran at (kept in item[8]); one held to the chunk's arrival
             # (``FlowNet.follow``) is let go then, at its path's rate
-            if item in self.paced.get(key, ()):
+            if any(x is item for x in self.paced.get(key, ())):
                 item[8] = min(item[4].base, *(r.cap for r in item[4].resources))
             else:
                 item[8] = size / max(1e-9, now - item[8])

@@ -41,8 +41,35 @@ def fleet(regions: int, per: int, *, seed: int = 0, start: bool = True, peer_boo
     return s, net, o, hosts
 
 
+def corrupt_first_copies(bad: set[int], first: set[int]):  # type: ignore[no-untyped-def]
+    """A ``Host.corrupt`` predicate: the first copy of each chunk in ``bad`` of version 2
+    is sent corrupt (recorded in ``first``), every later one is good."""
+
+    def corrupt_once(v: int, i: int) -> bool:
+        if v == 2 and i in bad and i not in first:
+            first.add(i)
+            return True
+        return False
+
+    return corrupt_once
+
+
 def publish(s: Signer, net: Net, o: Host, v: int, chunks: int) -> None:
     net.deliver(o, ev.Publish(net.now, s.manifest(v, chunks)))
+
+
+def publish_and_kill(s: Signer, net: Net, o: Host, hosts: list[Host],
+                     kills: list[tuple[float, int]], keep: int) -> list[Host]:
+    """Publish version 2 (12 chunks); at each ``(seconds after, k)`` kill host ``k`` unless
+    its region would keep fewer than ``keep`` live nodes. The live hosts."""
+    t0 = net.now
+    publish(s, net, o, 2, 12)
+    for at, k in sorted(kills):
+        net.run(t0 + at)
+        h = hosts[k % len(hosts)]
+        if h.alive and sum(x.alive for x in hosts if x.region == h.region) > keep:
+            net.kill(h)
+    return [h for h in hosts if h.alive]
 
 
 def inflow(net: Net, v: int) -> Counter:
@@ -349,14 +376,7 @@ def test_relays_on_arrival_survive_borders_dying_mid_transfer(kills: list[tuple[
     and no order is left waiting in a live node."""
     s, net, o, hosts = fleet(3, 3, seed=seed, push_slots=1, request_timeout_s=2.0,
                              cut_through=cut_through)
-    t0 = net.now
-    publish(s, net, o, 2, 12)
-    for at, k in sorted(kills):
-        net.run(t0 + at)
-        h = hosts[k % len(hosts)]
-        if h.alive and sum(x.alive for x in hosts if x.region == h.region) > 1:
-            net.kill(h)
-    live = [h for h in hosts if h.alive]
+    live = publish_and_kill(s, net, o, hosts, kills, keep=1)
     net.run(net.now + 60, stop=lambda: all(2 in h.applied for h in live))
     assert all(2 in h.applied for h in live)
     net.run(net.now + 5)  # orders still waiting expire within request_timeout_s
@@ -410,14 +430,7 @@ def test_cut_through_relays_of_chunks_that_arrive_corrupt_are_withdrawn(bad: set
     the origin re-plans it, and every node still ends with the version."""
     s, net, o, hosts = fleet(3, 3, seed=seed, push_slots=1, max_bad_chunks=100, cut_through=True)
     first: set[int] = set()
-
-    def corrupt_once(v: int, i: int) -> bool:
-        if v == 2 and i in bad and i not in first:
-            first.add(i)
-            return True
-        return False
-
-    o.corrupt = corrupt_once
+    o.corrupt = corrupt_first_copies(bad, first)
     publish(s, net, o, 2, 12)
     net.run(net.now + 120, stop=lambda: all(2 in h.applied for h in hosts))
     assert all(2 in h.applied for h in hosts)

@@ -22,7 +22,7 @@ from swarm.protocol import wire
 from swarm.protocol.config import CoreConfig
 from swarm.protocol.core import NodeCore
 from swarm.protocol.testing import MODEL, SECRET, Script, Signer
-from tests.test_protocol_core import fleet, publish
+from tests.test_protocol_core import corrupt_first_copies, fleet, publish, publish_and_kill
 
 V = 2  # the version in flight; 4 chunks of 1000 bytes
 
@@ -200,26 +200,12 @@ def test_arriving_chunks_that_turn_out_corrupt_or_whose_sender_dies_are_withdraw
     """The origin's first copy of some chunks is corrupt, and nodes die mid-transfer,
     while region peers already forward those chunks as they arrive. Every live node
     still gets the version; only the origin is ever blamed for a corrupt chunk; no
-    request, early HAVE or arrival is left behind in a live node."""
+    request or arrival is left behind in a live node."""
     s, net, o, hosts = fleet(2, 5, seed=seed, serve_arriving=True, serve_arriving_region=0,
                              max_bad_chunks=100, request_timeout_s=2.0)
     first: set[int] = set()
-
-    def corrupt_once(v: int, i: int) -> bool:
-        if v == 2 and i in bad and i not in first:
-            first.add(i)
-            return True
-        return False
-
-    o.corrupt = corrupt_once
-    t0 = net.now
-    publish(s, net, o, 2, 12)
-    for at, k in sorted(kills):
-        net.run(t0 + at)
-        h = hosts[k % len(hosts)]
-        if h.alive and sum(x.alive for x in hosts if x.region == h.region) > 2:
-            net.kill(h)
-    live = [h for h in hosts if h.alive]
+    o.corrupt = corrupt_first_copies(bad, first)
+    live = publish_and_kill(s, net, o, hosts, kills, keep=2)
     net.run(net.now + 120, stop=lambda: _done(live))
     assert _done(live)
     assert sum(h.core.counters.bad_chunks for h in hosts) == len(first)
