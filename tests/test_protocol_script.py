@@ -550,6 +550,47 @@ def test_origin_pushes_into_a_region_stay_on_its_warm_connection() -> None:
     assert len(set(used)) == 1, used
 
 
+def _slow_path_run(factor: float) -> tuple[list[tuple[int, int]], float]:
+    """Two remote regions, one push window of four (two each): r1's pushes are delivered
+    in 0.1 s, r2's two are still on their way at 0.5 s when they leave the origin. What
+    the origin pushes next, and when."""
+    s = Signer()
+    o = _core("origin", "home", role="origin", signer=s, border_nodes=1, uplink_window=4,
+              uplink_window_max=4, border_inflight=8, relay=False, slow_path_factor=factor)
+    a = Script(o, 1, node_id="a", region="r1")
+    b = Script(o, 2, node_id="b", region="slow")
+    for x in (a, b):
+        x.handshake()
+    t = o.now
+    acts = o.handle(ev.Publish(t, s.manifest(2, 16)))
+    for x in (a, b):
+        x.send(wire.Announce(s.manifest(2, 16)))
+        acts += x.actions
+    first = _pushes(acts)
+    assert sorted(c for c, _ in first) == [1, 1, 2, 2], first
+    for conn, i in first:  # r1's pushes leave and are confirmed in 0.1 s
+        if conn == 1:
+            o.handle(ev.ChunkSent(t + 0.1, 1, 2, i))
+            a.send(wire.Have(2, (i,)), now=t + 0.1)
+    late = t + 0.5
+    nxt: list[tuple[int, int]] = []
+    for conn, i in first:  # r2's leave the origin at 0.5 s, not delivered yet
+        if conn == 2:
+            nxt += _pushes(o.handle(ev.ChunkSent(late, 2, 2, i)))
+    return nxt, o.role.push_s.get("r1", 0.0)
+
+
+def test_a_region_behind_a_slow_direct_path_gets_one_push_at_a_time() -> None:
+    """A push into ``slow`` has taken 5x r1's measured push: while it is under way the
+    window's free places go to r1, not to more pushes down the slow path (the rest of
+    ``slow``'s copy can come by relay)."""
+    nxt, r1 = _slow_path_run(2.0)
+    assert r1 == pytest.approx(0.1)
+    assert nxt and {c for c, _ in nxt} == {1}, nxt
+    off, _ = _slow_path_run(0.0)  # the knob off: the fair share, both places to r2 again
+    assert 2 in {c for c, _ in off}, off
+
+
 def test_a_departed_border_leaves_no_warm_connection_behind() -> None:
     s = Signer()
     o = _core("origin", "home", role="origin", signer=s, border_nodes=2, uplink_window=1,

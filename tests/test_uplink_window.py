@@ -118,7 +118,39 @@ def test_a_doubling_is_judged_by_transfers_sent_after_it() -> None:
     # settled at 5-7 here).
     win = UplinkWindow(5, 256)
     seen = drive_lagged(win, capacity=300.0, per_push=30.0, rtt=0.12, deliveries=400)
-    assert min(seen[-100:]) >= 10, seen[-20:]
+    # it settles at the pipe's 10 (300 / 30) and probes one less now and then
+    assert sorted(seen[-100:])[50] >= 10 and min(seen[-100:]) >= 9, seen[-20:]
+
+
+def drive_rates(win: UplinkWindow, rate_of: dict[int, float], deliveries: int) -> list[int]:
+    """Deliveries of a full window at ``rate_of[w]`` chunks/s (the nearest window below)."""
+    now, seen = 0.0, []
+    for _ in range(deliveries):
+        w = win.w
+        rate = rate_of[max(k for k in rate_of if k <= w)]
+        now += 1.0 / rate
+        win.delivered(1, now, True)
+        seen.append(win.w)
+    return seen
+
+
+def test_start_up_goes_on_through_one_round_that_did_not_pay() -> None:
+    # The origin's pushes into a region stay on its warm connection: doubling 3 -> 6 put
+    # two pushes on each border's downlink and paid nothing; 12 spread over two borders
+    # a region and doubled the rate. One round that does not pay does not end start-up
+    # (BBR waits for three); two in a row do.
+    win = UplinkWindow(3, 256)
+    seen = drive_rates(win, {3: 90.0, 6: 90.0, 12: 250.0, 24: 250.0}, deliveries=120)
+    assert 12 in seen and not win.startup
+    assert win.best_w == 12 and win.w in (11, 12, 13), seen[-20:]
+
+
+def test_start_up_ends_after_two_rounds_that_did_not_pay() -> None:
+    # a thin uplink: no window beats the first; start-up ends after 4 and 8, back at 2
+    win = UplinkWindow(2, 256)
+    seen = drive_rates(win, {2: 12.0}, deliveries=40)
+    assert max(seen) == 8 and not win.startup
+    assert seen[-1] <= 3 and win.best_w == 2, seen
 
 
 def test_lagged_haves_on_a_thin_uplink_keep_the_window_small() -> None:

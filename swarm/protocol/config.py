@@ -35,7 +35,7 @@ KNOB_RANGES: dict[str, tuple[float, float]] = {
     "endgame_chunks": (0, 1 << 20), "slow_factor": (1.0, 1e6), "slow_min_samples": (1, 1 << 20),
     "max_bad_chunks": (1, 1 << 20), "ban_s": (0.0, 365 * _DAY), "max_timeouts": (1, 1 << 20),
     "border_inflight": (1, 4096), "push_slots": (1, 65_536), "relay_slots": (1, 4096),
-    "uplink_window": (1, 65_536), "uplink_window_max": (1, 65_536),
+    "uplink_window": (1, 65_536), "uplink_window_max": (1, 65_536), "slow_path_factor": (0.0, 1e6),
     "border_grace_s": (0.0, _DAY), "keep_versions": (1, 1 << 20), "apply_retries": (0, 1000),
     "apply_retry_s": (0.0, _DAY), "status_interval_s": (0.0, _DAY), "status_delay_s": (0.0, 3600.0),
     "fleet_max": (1, 10_000_000), "unavailable_s": (0.0, _DAY),
@@ -87,6 +87,10 @@ class CoreConfig:
     uplink_window: int = 2  # origin: least chunks leaving through its site uplink at once (swarm.protocol.uplink)
     uplink_window_max: int = 256  # ... and most; the window adapts between them by measured delivery rate
     relay_slots: int = 1  # concurrent cross-region relays per border node
+    # origin: a remote region whose pushes take this many times the fastest other region's
+    # (or not measured yet) gets one push at a time; the rest of its copy comes by relay
+    # and the uplink window's other slots go to the others (0: off)
+    slow_path_factor: float = 2.0
     # border: relay a chunk while it arrives (the last block once verified). Off: no measured
     # gain on the emulated WAN, and the simulator's fat-trainer scenarios lose (docs/simulation.md)
     cut_through: bool = False

@@ -620,7 +620,32 @@ class OriginRole(Role):
         into = self._uplink_by_region()
         if into.get(r, 0) < share:
             return True
-        return not any(into.get(x, 0) < share and self._wants(x) for x in remote if x != r)
+        return not any(into.get(x, 0) < share and self._wants(x) and not self._push_capped(x)
+                       for x in remote if x != r)
+
+    def _push_capped(self, r: str) -> bool:
+        """Whether remote region ``r`` takes no more direct pushes now: its path from the
+        origin is slow, ``slow_path_factor`` x the fastest other region's measured push
+        (a push still under way counts as taking at least its age so far), and one is
+        under way. A region behind a slow direct link gets its pushes one at a time and
+        the rest of its copy by relay; the uplink window's other slots go to the others."""
+        f = self.cfg.slow_path_factor
+        home = self.cfg.region  # pushes at home cross no uplink: no measure for remote paths
+        others = [s for x, s in self.push_s.items() if x != r and x != home]
+        if f <= 0 or not others:
+            return False
+        now = self.host.now
+        oldest = None
+        for plans in self.plans.values():
+            plan = plans.get(r)
+            if plan is not None and plan.infl:
+                for e in plan.inflight.values():
+                    if e[0] == ORIGIN_SRC and (oldest is None or e[3] < oldest):
+                        oldest = e[3]
+        if oldest is None:
+            return False  # nothing under way: one may go
+        took = max(self.push_s.get(r, 0.0), now - oldest)
+        return took > f * min(others)
 
     def _uplink_by_region(self) -> dict[str, int]:
         """Transfers crossing the site uplink now, per remote region they go into."""
@@ -809,7 +834,7 @@ class OriginRole(Role):
         """
         if len(self.pushes) >= self.cfg.push_slots:
             return -1
-        if plan.remote and not self._uplink_free(r, plan):
+        if plan.remote and (not self._uplink_free(r, plan) or self._push_capped(r)):
             return -1
         t = self._target(bs, load, warm=self.warm.get((ORIGIN_SRC, r)))
         if t is None:

@@ -11,8 +11,13 @@ relay them on idle meanwhile. The origin does not know the right number.
 ``UplinkWindow`` finds it the way BBR's start-up does, at chunk granularity: a
 *round* is ``w`` deliveries while the window is full; its delivery rate is bytes
 delivered over the round's duration. While a round's rate beats the best by
-``startup_gain`` the window doubles; then it settles at the window of the best
-rate and every ``hold`` rounds probes one more, kept only if the rate grows by
+``startup_gain`` the window doubles; start-up ends after ``full_rounds`` (2) rounds in a
+row that do not (BBR waits for three: the origin's pushes into a region stay on its warm
+connection, so one doubling may stack pushes on a border's downlink and pay nothing, and
+the next spread them over more borders and pay). Then it settles at the window of the
+best rate (a larger window of a round that did not pay takes over only by
+``probe_gain``, so a thin uplink keeps few in flight) and every ``hold`` rounds probes
+one more, kept only if the rate grows by
 ``probe_gain``, or (every other probe) one less, kept if the rate stays within
 ``1 / probe_gain`` (fewer in flight, each chunk sooner). Deliveries while the window is not full (nothing more to send)
 say nothing about the uplink and restart the round.
@@ -31,11 +36,12 @@ from __future__ import annotations
 
 
 class UplinkWindow:
-    __slots__ = ("best", "best_w", "down", "hi", "hold", "lo", "n", "nbytes", "probe_gain",
-                 "probing", "rounds", "since", "start", "startup", "startup_gain", "w")
+    __slots__ = ("best", "best_w", "down", "flat", "full_rounds", "hi", "hold", "lo", "n",
+                 "nbytes", "probe_gain", "probing", "rounds", "since", "start", "startup",
+                 "startup_gain", "w")
 
     def __init__(self, lo: int, hi: int, *, startup_gain: float = 1.25,
-                 probe_gain: float = 1.1, hold: int = 4) -> None:
+                 probe_gain: float = 1.1, hold: int = 4, full_rounds: int = 2) -> None:
         if not 1 <= lo <= hi:
             raise ValueError(f"uplink window bounds {lo}..{hi}")
         self.lo, self.hi = lo, hi
@@ -44,6 +50,8 @@ class UplinkWindow:
         self.best = 0.0  # bytes/s of the last round at best_w
         self.best_w = lo
         self.startup = True
+        self.full_rounds = full_rounds
+        self.flat = 0  # start-up rounds in a row that did not beat the best by startup_gain
         self.probing = False
         self.down = False  # the next probe is one less
         self.rounds = 0  # rounds since the last probe
@@ -94,11 +102,18 @@ class UplinkWindow:
         if self.startup:
             if rate >= self.best * self.startup_gain and self.w < self.hi:
                 self.best, self.best_w = rate, self.w
+                self.flat = 0
+                self.w = min(self.hi, self.w * 2)
+                return
+            # A round that did not pay: a larger window takes over the best only by a
+            # clear gain (``probe_gain``), so a thin uplink settles at few in flight.
+            self.flat += 1
+            if rate >= self.best * self.probe_gain:
+                self.best, self.best_w = rate, self.w
+            if self.flat < self.full_rounds and self.w < self.hi:
                 self.w = min(self.hi, self.w * 2)
                 return
             self.startup = False
-            if rate > self.best:
-                self.best, self.best_w = rate, self.w
             self.w = self.best_w
             return
         if self.probing:
