@@ -87,9 +87,9 @@ class CoreConfig:
     uplink_window: int = 2  # origin: least chunks leaving through its site uplink at once (swarm.protocol.uplink)
     uplink_window_max: int = 256  # ... and most; the window adapts between them by measured delivery rate
     relay_slots: int = 1  # concurrent cross-region relays per border node
-    # origin: a remote region whose pushes take this many times the fastest other region's
-    # (or not measured yet) gets one push at a time; the rest of its copy comes by relay
-    # and the uplink window's other slots go to the others (0: off)
+    # origin: a remote region whose pushes take this many times the fastest other remote
+    # region's (a push under way counts its age) gets one push at a time; the rest of its
+    # copy comes by relay and the uplink window's other slots go to the others (0: off)
     slow_path_factor: float = 2.0
     # border: relay a chunk while it arrives (the last block once verified). Off: no measured
     # gain on the emulated WAN, and the simulator's fat-trainer scenarios lose (docs/simulation.md)
