@@ -147,8 +147,8 @@ class Half:
     it is still in slow start (``INF`` once open).
     """
 
-    __slots__ = ("cid", "cur", "cwnd", "enq", "fifo", "held", "inc", "lat", "node", "open",
-                 "peer", "queue", "rtt")
+    __slots__ = ("cid", "cur", "cwnd", "enq", "fifo", "held", "inc", "last", "lat", "node",
+                 "open", "peer", "queue", "rtt")
 
     def __init__(self, node: SimNode, cid: int, lat: float) -> None:
         self.node = node
@@ -164,6 +164,7 @@ class Half:
         self.enq = 0  # chunks queued on this end so far (their sequence numbers)
         self.held: deque[tuple[int, bytes, float]] = deque()  # (gate seq, frame, sent at)
         self.cwnd = INF  # bytes per RTT while ramping up (slow start)
+        self.last = 0.0  # when the last chunk's last byte left (the window was last in use)
 
 
 @dataclass
@@ -195,6 +196,7 @@ class RunResult:
     encode_s: float = 0.0
     hol: dict[str, float] = field(default_factory=dict)  # control frames behind chunk bytes
     cpu_busy_s: float = 0.0  # CPU seconds the nodes spent (hash, io, apply)
+    idle_restarts: int = 0  # chunks that started on a connection back in slow start after idle
 
 
 class Simulation:
@@ -232,6 +234,7 @@ class Simulation:
         self.block = sc.interleave_block_bytes * self.wire
         self.shared_cpu = Cores(sc.host_cores) if sc.host_cores > 0 else None
         self.hol_frames = 0  # control frames that waited behind chunk bytes
+        self.idle_restarts = 0  # chunks started on a connection idle past a retransmission timeout
         self.hol_wait = 0.0  # their total wait, seconds
         self.hol_max = 0.0
         self.churn = {"left": 0, "rejoined": 0, "joined": 0}
@@ -441,6 +444,7 @@ class Simulation:
                 "max_s": self.hol_max,
             },
             cpu_busy_s=sum(n.cpu.busy_s for n in self.nodes if n.cpu is not None),
+            idle_restarts=self.idle_restarts,
         )
 
     def _on_batch(self) -> None:
@@ -577,6 +581,7 @@ class Simulation:
         peer.cid += 1
         mine = Half(node, node.cid, lat)
         theirs = Half(peer, peer.cid, lat)
+        mine.last = theirs.last = now
         mine.peer, theirs.peer = theirs, mine
         node.conns[mine.cid] = mine
         peer.conns[theirs.cid] = theirs
@@ -716,6 +721,8 @@ class Simulation:
         src, dst = half.node.ep, peer.node.ep
         res = self.topo.flow_resources(src, dst)
         cap = self.topo.flow_cap[(src.site, dst.site)]
+        if self.sc.slow_start and self.sc.idle_restart:
+            self._idle_restart(half, cap, res)
         if half.cwnd != INF:
             # slow start: the window doubles every RTT until the path, not the window, limits
             ceil = min(cap, min(r.cap for r in res))
@@ -743,6 +750,28 @@ class Simulation:
             if key not in self.incoming or not self.incoming[key].open:
                 self.incoming[key] = peer
             self.engine.schedule(now + half.lat, self._arriving, (peer, item[1], item[2]))
+
+    def _idle_restart(self, half: Half, cap: float, res: list[Resource]) -> None:
+        """A connection's window decays while it carries no chunk: Linux halves a window
+        the sender did not fill for a retransmission timeout (RTT + 200 ms here) toward
+        what it used (``tcp_cwnd_application_limited``, RFC 2861: control frames use a
+        few segments of it), and restarts it from the initial window after a timeout with
+        nothing sent at all (``tcp_slow_start_after_idle``). Modelled as: one halving per
+        timeout since the last chunk left, down to the initial window. An open window
+        counts as the path's rate times the RTT."""
+        if half.cur is not None or half.queue:
+            return
+        idle = self.engine.now - half.last
+        rto = half.rtt + 0.2
+        if idle <= rto or half.rtt <= 0.0:
+            return
+        iw = self.sc.initial_window * (self.sc.mss + self.sc.header_bytes)
+        if half.cwnd == INF:
+            w = min(cap, min(r.cap for r in res)) * half.rtt
+        else:
+            w = half.cwnd
+        half.cwnd = max(float(iw), w / 2.0 ** min(60, int(idle // rto)))
+        self.idle_restarts += 1
 
     def _arriving(self, item: tuple[Half, int, int]) -> None:
         half, version, index = item
@@ -774,6 +803,7 @@ class Simulation:
         self.pair_bytes[key] = self.pair_bytes.get(key, 0) + size
         now = self.engine.now
         half.cur = None
+        half.last = now
         held = half.held
         while held and held[0][0] <= seq:  # frames that waited for this chunk's last byte
             _, frame, t = held.popleft()

@@ -149,6 +149,7 @@ def figures(sc: Scenario, run: RunResult, bound: Bound) -> dict[str, Any]:
         "chunks_sent": run.chunks_sent,
         "control_hol": {k: _r(v) for k, v in run.hol.items()},
         "cpu_busy_s": _r(run.cpu_busy_s),
+        "idle_restarts": run.idle_restarts,
         "churn": run.churn,
         "logs": dict(sorted(run.logs.items())),
         "virtual_end_s": _r(run.end_time),

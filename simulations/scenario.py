@@ -185,6 +185,10 @@ class Scenario:
     interleave_block_bytes: int = 256 * 1024
     slow_start: bool = False  # a connection's first bytes ramp up from initial_window, x2 per RTT
     initial_window: int = 10  # segments (Linux IW10)
+    # with slow_start: a connection that sent nothing for a retransmission timeout (its RTT +
+    # 200 ms) halves its window per timeout idle, down to initial_window (Linux's default,
+    # net.ipv4.tcp_slow_start_after_idle = 1)
+    idle_restart: bool = True
     encode_s: float = 0.0  # trainer: time from the publish call to the hand-off to its core
     host_cores: int = 0  # > 0: every node shares one CPU of this many cores (one emulation box)
     max_time_s: float = 3600.0
@@ -441,6 +445,7 @@ def parse_scenario(data: dict[str, Any], default_name: str = "scenario") -> Scen
         raise ConfigError("network.interleave_block_bytes: must be >= 0 (0: whole-chunk messages)")
     slow_start = net.bool("slow_start", False)
     iw = net.int("initial_window", 10, lo=1, hi=1000)
+    idle_restart = net.bool("idle_restart", True)
     net.done()
 
     ct = top.table("cpu")
@@ -604,6 +609,7 @@ def parse_scenario(data: dict[str, Any], default_name: str = "scenario") -> Scen
         interleave_block_bytes=block,
         slow_start=slow_start,
         initial_window=iw,
+        idle_restart=idle_restart,
         encode_s=encode_s,
         host_cores=host_cores,
         max_time_s=max_time,

@@ -251,6 +251,43 @@ def test_slow_start_ramps_a_new_connection():
     assert half.cwnd == math.inf or half.cwnd > iw * 2**6
 
 
+def test_a_window_left_unused_decays_back_to_slow_start():
+    """Linux halves a window the sender left unused for a retransmission timeout (RTT +
+    200 ms here): 3 s after its last chunk a connection is back at IW10 and its next
+    chunk takes as long as a fresh connection's first. ``idle_restart = false`` keeps
+    the window open."""
+    def second_chunk(idle_restart: bool) -> tuple[float, float, int]:
+        sc = two_site(defaults={"uplink_mbps": 1000, "downlink_mbps": 1000, "latency_ms": 0.5},
+                      network={"slow_start": True, "idle_restart": idle_restart})
+        w = Wire(sc)
+        a0, b0 = w.node("a", 0), w.node("b", 0)
+        w.connect(a0, b0)
+        w.chunk(a0, MiB, 0)
+        w.at(3.5, w.chunk, a0, MiB, 1)
+        w.run()
+        return w.chunks[0][0], w.chunks[1][0] - 3.5, w.sim.idle_restarts
+    first, again, restarts = second_chunk(True)
+    assert again == pytest.approx(first, rel=1e-3) and restarts == 1
+    first, open_, restarts = second_chunk(False)
+    assert open_ < 0.5 * first and restarts == 0
+
+
+def test_a_window_unused_for_less_than_a_timeout_stays_as_it_was():
+    def second_chunk(idle_restart: bool) -> tuple[float, int]:
+        sc = two_site(defaults={"uplink_mbps": 1000, "downlink_mbps": 1000, "latency_ms": 0.5},
+                      network={"slow_start": True, "idle_restart": idle_restart})
+        w = Wire(sc)
+        a0, b0 = w.node("a", 0), w.node("b", 0)
+        w.connect(a0, b0)
+        w.chunk(a0, MiB, 0)
+        w.at(0.7, w.chunk, a0, MiB, 1)  # the first left at ~0.49 s: 0.21 s idle, under 0.28
+        w.run()
+        return w.chunks[1][0] - 0.7, w.sim.idle_restarts
+    took, restarts = second_chunk(True)
+    assert restarts == 0
+    assert took == pytest.approx(second_chunk(False)[0], rel=1e-9)
+
+
 def test_headers_take_their_share_of_a_shaped_link():
     """A shaper counts every packet's headers: 4 MiB of chunk over 100 Mbit/s takes
     (mss + header_bytes) / mss of the payload-only time."""
