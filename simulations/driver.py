@@ -766,10 +766,7 @@ class Simulation:
         if idle <= rto or half.rtt <= 0.0:
             return
         iw = self.sc.initial_window * (self.sc.mss + self.sc.header_bytes)
-        if half.cwnd == INF:
-            w = min(cap, min(r.cap for r in res)) * half.rtt
-        else:
-            w = half.cwnd
+        w = min(cap, min(r.cap for r in res)) * half.rtt if half.cwnd == INF else half.cwnd
         half.cwnd = max(float(iw), w / 2.0 ** min(60, int(idle // rto)))
         self.idle_restarts += 1
 
