@@ -251,41 +251,36 @@ def test_slow_start_ramps_a_new_connection():
     assert half.cwnd == math.inf or half.cwnd > iw * 2**6
 
 
+def _two_chunks(second_at: float, idle_restart: bool) -> tuple[float, float, int]:
+    """1 MiB on a fresh 80 ms-RTT connection, another at ``second_at`` on the same one:
+    (first's arrival, second's time from ``second_at``, chunks started on a decayed window)."""
+    sc = two_site(defaults={"uplink_mbps": 1000, "downlink_mbps": 1000, "latency_ms": 0.5},
+                  network={"slow_start": True, "idle_restart": idle_restart})
+    w = Wire(sc)
+    a0, b0 = w.node("a", 0), w.node("b", 0)
+    w.connect(a0, b0)
+    w.chunk(a0, MiB, 0)
+    w.at(second_at, w.chunk, a0, MiB, 1)
+    w.run()
+    return w.chunks[0][0], w.chunks[1][0] - second_at, w.sim.idle_restarts
+
+
 def test_a_window_left_unused_decays_back_to_slow_start():
     """Linux halves a window the sender left unused for a retransmission timeout (RTT +
     200 ms here): 3 s after its last chunk a connection is back at IW10 and its next
     chunk takes as long as a fresh connection's first. ``idle_restart = false`` keeps
     the window open."""
-    def second_chunk(idle_restart: bool) -> tuple[float, float, int]:
-        sc = two_site(defaults={"uplink_mbps": 1000, "downlink_mbps": 1000, "latency_ms": 0.5},
-                      network={"slow_start": True, "idle_restart": idle_restart})
-        w = Wire(sc)
-        a0, b0 = w.node("a", 0), w.node("b", 0)
-        w.connect(a0, b0)
-        w.chunk(a0, MiB, 0)
-        w.at(3.5, w.chunk, a0, MiB, 1)
-        w.run()
-        return w.chunks[0][0], w.chunks[1][0] - 3.5, w.sim.idle_restarts
-    first, again, restarts = second_chunk(True)
+    first, again, restarts = _two_chunks(3.5, True)
     assert again == pytest.approx(first, rel=1e-3) and restarts == 1
-    first, open_, restarts = second_chunk(False)
-    assert open_ < 0.5 * first and restarts == 0
+    first, kept_open, restarts = _two_chunks(3.5, False)
+    assert kept_open < 0.5 * first and restarts == 0
 
 
 def test_a_window_unused_for_less_than_a_timeout_stays_as_it_was():
-    def second_chunk(idle_restart: bool) -> tuple[float, int]:
-        sc = two_site(defaults={"uplink_mbps": 1000, "downlink_mbps": 1000, "latency_ms": 0.5},
-                      network={"slow_start": True, "idle_restart": idle_restart})
-        w = Wire(sc)
-        a0, b0 = w.node("a", 0), w.node("b", 0)
-        w.connect(a0, b0)
-        w.chunk(a0, MiB, 0)
-        w.at(0.7, w.chunk, a0, MiB, 1)  # the first left at ~0.49 s: 0.21 s idle, under 0.28
-        w.run()
-        return w.chunks[1][0] - 0.7, w.sim.idle_restarts
-    took, restarts = second_chunk(True)
+    # the first chunk left at ~0.49 s: 0.21 s idle at 0.7 s, under the 0.28 s timeout
+    _, took, restarts = _two_chunks(0.7, True)
     assert restarts == 0
-    assert took == pytest.approx(second_chunk(False)[0], rel=1e-9)
+    assert took == pytest.approx(_two_chunks(0.7, False)[1], rel=1e-9)
 
 
 def test_headers_take_their_share_of_a_shaped_link():
