@@ -196,7 +196,7 @@ class RunResult:
     encode_s: float = 0.0
     hol: dict[str, float] = field(default_factory=dict)  # control frames behind chunk bytes
     cpu_busy_s: float = 0.0  # CPU seconds the nodes spent (hash, io, apply)
-    idle_restarts: int = 0  # chunks that started on a connection back in slow start after idle
+    idle_restarts: int = 0  # chunks started on a window decayed since the last chunk
 
 
 class Simulation:
@@ -234,9 +234,9 @@ class Simulation:
         self.block = sc.interleave_block_bytes * self.wire
         self.shared_cpu = Cores(sc.host_cores) if sc.host_cores > 0 else None
         self.hol_frames = 0  # control frames that waited behind chunk bytes
-        self.idle_restarts = 0  # chunks started on a connection idle past a retransmission timeout
         self.hol_wait = 0.0  # their total wait, seconds
         self.hol_max = 0.0
+        self.idle_restarts = 0  # chunks started on a window decayed since the last chunk
         self.churn = {"left": 0, "rejoined": 0, "joined": 0}
         self.pending_faults = 0
         # cut-through relays: (node, v, i) -> items whose last block waits for the chunk's

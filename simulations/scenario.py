@@ -185,9 +185,9 @@ class Scenario:
     interleave_block_bytes: int = 256 * 1024
     slow_start: bool = False  # a connection's first bytes ramp up from initial_window, x2 per RTT
     initial_window: int = 10  # segments (Linux IW10)
-    # with slow_start: a connection that sent nothing for a retransmission timeout (its RTT +
-    # 200 ms) halves its window per timeout idle, down to initial_window (Linux's default,
-    # net.ipv4.tcp_slow_start_after_idle = 1)
+    # with slow_start: a connection's window halves once per retransmission timeout (its RTT
+    # + 200 ms) since its last chunk left, down to initial_window (Linux halves a window left
+    # unused, RFC 2861, and restarts an idle one: Simulation._idle_restart)
     idle_restart: bool = True
     encode_s: float = 0.0  # trainer: time from the publish call to the hand-off to its core
     host_cores: int = 0  # > 0: every node shares one CPU of this many cores (one emulation box)
