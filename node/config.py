@@ -42,7 +42,7 @@ _SECTIONS = {
     "node": {"id", "region", "model", "role", "warm_memory_mib"},
     "network": {"listen", "advertise", "bootstrap", "swarm_secret", "swarm_secret_file",
                 "max_connections", "max_connections_per_ip", "upgrade_timeout_s",
-                "allow_plaintext", "unsent_limit_kib"},
+                "allow_plaintext", "unsent_limit_kib", "read_coalesce_ms"},
     "trust": {"trainer_keys", "node_key"},
     "store": {"dir", "quota_bytes", "keep_versions", "fsync"},
     "weights": {"base", "base_version", "device"},
@@ -110,9 +110,12 @@ class NodeConfig:
     api_token: str | None = None  # bearer token for every API path but /healthz
     max_connections: int = 1024  # open connections on the swarm port, all peers
     max_connections_per_ip: int = 32  # from one address
-    upgrade_timeout_s: float = 10.0  # to finish TLS + the websocket upgrade
+    upgrade_timeout_s: float = 10.0  # to finish TLS + the link preface
     # unsent bytes the kernel may hold per peer socket (TCP_NOTSENT_LOWAT; 0: the kernel's own)
     unsent_limit_kib: int = 128
+    # a peer link reads its socket at most every this often while data streams in (0: at
+    # once; node.link.ReadPacer)
+    read_coalesce_ms: float = 2.0
     gateway: GatewayConfig | None = None  # the version-pinned request gateway (None: off)
     warm_memory_mib: int = DEFAULT_WARM_MEMORY_MIB  # heap touched once at start (node.daemon.warm_heap)
 
@@ -447,6 +450,9 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = Non
     upgrade = _get(net, "network", "upgrade_timeout_s", (int, float), 10.0)
     if isinstance(upgrade, bool) or not 0.1 <= upgrade <= 600:
         raise ConfigError(f"network.upgrade_timeout_s: must be a number in 0.1..600, got {upgrade!r}")
+    coalesce = _get(net, "network", "read_coalesce_ms", (int, float), 2.0)
+    if isinstance(coalesce, bool) or not 0 <= coalesce <= 50:
+        raise ConfigError(f"network.read_coalesce_ms: must be a number in 0..50, got {coalesce!r}")
     tls = _tls(data.get("tls"), base_dir, node_id, region, role)
     plaintext = _get(net, "network", "allow_plaintext", bool, False)
     if tls is None and not plaintext and not _loopback(host):
@@ -460,7 +466,7 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = Non
         raise ConfigError("gateway: only a rollout node (node.role = \"node\") serves requests")
     cfg = NodeConfig(
         tls=tls, api_listen=api_listen, api_token=api_token, upgrade_timeout_s=float(upgrade),
-        gateway=gateway, warm_memory_mib=warm,
+        read_coalesce_ms=float(coalesce), gateway=gateway, warm_memory_mib=warm,
         **conn_caps,
         node_id=node_id, region=region, model=model, role=role, listen_host=host,
         listen_port=port, advertise=advertise, bootstrap=tuple(bootstrap), swarm_secret=secret,

@@ -1,9 +1,9 @@
-"""The real driver: runs a ``NodeCore`` over aiohttp websockets, real timers and disk.
+"""The real driver: runs a ``NodeCore`` over peer links, real timers and disk.
 
-One aiohttp application serves the peer protocol (websocket at ``/swarm``)
-and the HTTP API on the same port. Every websocket message is binary: a
-control frame (msgpack, fed to the core as ``FrameReceived``) or a chunk
-(``PSC1`` header + payload, see ``swarm.protocol.wire``). The driver owns
+Peers connect to the swarm port over ``node.link`` (length-prefixed messages over
+mutual TLS, read in batches); without TLS the HTTP API may share that port. Every
+link message is a control frame (msgpack, fed to the core as ``FrameReceived``) or a
+chunk block (``PSB1`` header + bytes, see ``swarm.protocol.wire``). The driver owns
 everything the core may not touch:
 
 - chunk payloads: on ``SendChunk`` it reads the chunk from the ``ChunkStore``
@@ -58,13 +58,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 from node.engines.base import CommitStats, Engine, EngineError, WeightUpdate
 from node.engines.config import EngineConfig
 from node.engines.inprocess import InProcessWeights, merge_changes
-from node.guard import ConnectionGuard, GuardedSite
+from node.guard import ConnectionGuard
+from node.link import READ_COALESCE_S, Link, LinkServer, dial
 from node.ports import StorePort, TrustPort
 from node.store import aligned_buffer
 from swarm.errors import ChunkError, PatchswarmError, ProtocolError, StoreError
@@ -76,8 +76,7 @@ from swarm.trust.manifest import Manifest
 
 log = logging.getLogger("patchswarm.node")
 
-SWARM_PATH = "/swarm"
-MAX_WS_MESSAGE = wire.CHUNK_HEADER_LEN + wire.MAX_CHUNK_BYTES
+MAX_LINK_MESSAGE = wire.CHUNK_HEADER_LEN + wire.MAX_CHUNK_BYTES
 SEND_QUEUE_LIMIT = 4096  # frames queued per peer before it is dropped as too slow
 CONNECT_TIMEOUT_S = 5.0
 AHEAD_GRACE_TRIES = 3  # probes an engine ahead of a restarted node is given before a rebuild
@@ -159,10 +158,10 @@ class Arrival:
 
 @dataclass
 class Conn:
-    """One websocket to a peer, with its ordered send queue."""
+    """One link to a peer, with its ordered send queue."""
 
     id: int
-    ws: web.WebSocketResponse | aiohttp.ClientWebSocketResponse
+    ws: Link
     outbound: bool
     addr: str
     # Control frames go before the next block of a chunk (see _writer): they wait for
@@ -226,8 +225,10 @@ class Driver:
                  keep_versions: int = 0, tls: TlsContexts | None = None,
                  api_addr: tuple[str, int] | None = None,
                  guard: ConnectionGuard | None = None,
-                 unsent_limit: int = UNSENT_LIMIT) -> None:
+                 unsent_limit: int = UNSENT_LIMIT,
+                 read_coalesce_s: float = READ_COALESCE_S) -> None:
         self.core = core
+        self.read_coalesce_s = read_coalesce_s
         self.unsent_limit = unsent_limit
         self.store = store
         self.guard = guard or ConnectionGuard(max_total=1024, max_per_ip=32, upgrade_timeout_s=10.0)
@@ -278,7 +279,7 @@ class Driver:
         self.apply_splits: dict[int, dict[str, float]] = {}  # the last 16 (/status)
         self._truth_split: dict[str, float] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.session: aiohttp.ClientSession | None = None
+        self.link_server: LinkServer | None = None
         self.runner: web.AppRunner | None = None
         self.api_runner: web.AppRunner | None = None
         self.draining = False
@@ -293,22 +294,22 @@ class Driver:
         self.apply_seconds: dict[int, float] = {}
         self.activated_at: dict[int, float] = {}
         self.listeners: list[Callable[[ev.Action], None]] = []
+        # the HTTP API when it shares the swarm port (no TLS): connections that do not
+        # start with a link preface are served by it (node.link.LinkServer)
         self.app = web.Application(client_max_size=1024 * 1024)
-        self.app.router.add_get(SWARM_PATH, self._accept_ws)
 
     # ------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
         """Listen, dial the bootstrap peers and arm the timer."""
         self.loop = asyncio.get_running_loop()
-        self.session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S))
         self.runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
         await self.runner.setup()
-        server_ssl = self.tls.server if self.tls is not None else None
-        site = GuardedSite(self.runner, self.host, self.port, reuse_address=True,
-                           ssl_context=server_ssl, guard=self.guard)
-        await site.start()
+        self.link_server = LinkServer(
+            self._accept_link, ssl_context=self.tls.server if self.tls is not None else None,
+            max_message=MAX_LINK_MESSAGE, guard=self.guard, http=self.runner.server,
+            read_coalesce_s=self.read_coalesce_s)
+        await self.link_server.start(self.host, self.port)
         if self.api_app is not None and self.api_addr is not None:
             self.api_runner = web.AppRunner(self.api_app, access_log=None, handle_signals=False)
             await self.api_runner.setup()
@@ -334,17 +335,20 @@ class Driver:
             await asyncio.sleep(0.02)
         if self._timer is not None:
             self._timer.cancel()
-        for c in list(self.conns.values()):
+        if self.link_server is not None and self.link_server.server is not None:
+            self.link_server.server.close()  # no new peers
+        conns = list(self.conns.values())
+        for c in conns:
             c.closing = True
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(c.ws.close(code=aiohttp.WSCloseCode.GOING_AWAY,
-                                                  message=b"shutting down"), 1.0)
+        if conns:
+            await asyncio.wait([asyncio.ensure_future(c.ws.close("shutting down")) for c in conns],
+                               timeout=2.5)
         for t in list(self._tasks):
             t.cancel()
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=2.0)
-        if self.session is not None:
-            await self.session.close()
+        if self.link_server is not None:
+            await self.link_server.close()
         if self.runner is not None:
             await self.runner.cleanup()
         if self.api_runner is not None:
@@ -463,7 +467,7 @@ class Driver:
 
     # ---------------------------------------------------------- connections
 
-    def _register(self, ws: Any, outbound: bool, addr: str,
+    def _register(self, ws: Link, outbound: bool, addr: str,
                   identity: tuple[str, str, str] | None = None, sock: Any = None) -> Conn:
         limit_unsent(sock, self.unsent_limit)
         c = Conn(next(self._ids), ws, outbound, addr)
@@ -484,64 +488,55 @@ class Driver:
             raise ProtocolError(f"peer {addr}: {exc}") from None
         return (ident.node_id, ident.region, ident.role)
 
-    async def _accept_ws(self, request: web.Request) -> web.StreamResponse:
-        if self.draining:
-            raise web.HTTPServiceUnavailable(text="draining")
-        peer = request.transport.get_extra_info("peername") if request.transport else None
+    async def _accept_link(self, link: Link) -> None:
+        peer = link.get_extra_info("peername")
         addr = f"{peer[0]}:{peer[1]}" if peer else "?"
+        if self.draining:
+            await link.close("draining")
+            return
         try:
-            ssl_object = request.transport.get_extra_info("ssl_object") if request.transport else None
-            identity = self._tls_identity(ssl_object, addr)
+            identity = self._tls_identity(link.get_extra_info("ssl_object"), addr)
         except ProtocolError as exc:
             log.warning("%s", exc)
-            raise web.HTTPForbidden(text="a swarm certificate is required\n") from None
-        ws = web.WebSocketResponse(max_msg_size=MAX_WS_MESSAGE, autoping=True, compress=False)
-        await ws.prepare(request)
-        self.guard.established(request.transport)
-        sock = request.transport.get_extra_info("socket") if request.transport else None
-        c = self._register(ws, False, addr, identity, sock)
+            await link.close("a swarm certificate is required")
+            return
+        c = self._register(link, False, addr, identity, link.get_extra_info("socket"))
         await self._reader(c)
-        return ws
 
     async def _dial(self, addr: str) -> None:
-        assert self.session is not None
+        host, _, port = addr.rpartition(":")
         try:
-            # bounded as a whole: a listener that accepts but never upgrades must not
-            # leave the core waiting forever on this dial
-            scheme, ctx = ("wss", self.tls.client) if self.tls is not None else ("http", None)
-            ws = await asyncio.wait_for(self.session.ws_connect(
-                f"{scheme}://{addr}{SWARM_PATH}", max_msg_size=MAX_WS_MESSAGE, autoping=True,
-                ssl=ctx if ctx is not None else True,
-                timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=2.0)),
-                CONNECT_TIMEOUT_S + 5.0)
-        except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
+            # bounded as a whole: a listener that accepts but never completes TLS and the
+            # preface must not leave the core waiting forever on this dial
+            link = await dial(host.strip("[]"), int(port),
+                              ssl_context=self.tls.client if self.tls is not None else None,
+                              max_message=MAX_LINK_MESSAGE, timeout=CONNECT_TIMEOUT_S + 5.0,
+                              read_coalesce_s=self.read_coalesce_s)
+        except (TimeoutError, OSError, ValueError) as exc:
             if not self.draining:
                 self.feed(ev.ConnectFailed(self.now(), addr, f"{type(exc).__name__}: {exc}"[:200]))
             return
         if self.draining:
-            await ws.close()
+            await link.close("draining")
             return
         try:
-            identity = self._tls_identity(ws.get_extra_info("ssl_object"), addr)
+            identity = self._tls_identity(link.get_extra_info("ssl_object"), addr)
         except ProtocolError as exc:
             log.warning("%s", exc)
-            await ws.close()
+            await link.close("a swarm certificate is required")
             self.feed(ev.ConnectFailed(self.now(), addr, str(exc)[:200]))
             return
-        c = self._register(ws, True, addr, identity, ws.get_extra_info("socket"))
+        c = self._register(link, True, addr, identity, link.get_extra_info("socket"))
         await self._reader(c)
 
     async def _reader(self, c: Conn) -> None:
         reason = "closed by peer"
         try:
-            async for msg in c.ws:
-                if msg.type != aiohttp.WSMsgType.BINARY:
-                    if msg.type == aiohttp.WSMsgType.ERROR:
-                        reason = f"websocket error: {c.ws.exception()}"
-                        break
-                    reason = "non-binary message"
+            while True:
+                data = await c.ws.recv()
+                if data is None:
+                    reason = c.ws.reason or reason
                     break
-                data: bytes = msg.data
                 self.wire_bytes["received"] += len(data)
                 if c.id not in self.conns:
                     break
@@ -552,8 +547,8 @@ class Driver:
                 elif wire.is_chunk_message(data):
                     await self._on_chunk(c, data)
                 else:
-                    self.feed(ev.FrameReceived(self.now(), c.id, data))
-        except (TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
+                    self.feed(ev.FrameReceived(self.now(), c.id, bytes(data)))
+        except (TimeoutError, ConnectionError) as exc:
             reason = f"{type(exc).__name__}: {exc}"
         finally:
             self._arrivals_end(c.id)
@@ -567,8 +562,7 @@ class Driver:
 
     async def _close_ws(self, c: Conn, reason: str) -> None:
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(c.ws.close(code=aiohttp.WSCloseCode.POLICY_VIOLATION,
-                                              message=reason[:120].encode()), 2.0)
+            await c.ws.close(reason[:200])
         if c.writer is not None:
             c.writer.cancel()
 
@@ -587,8 +581,7 @@ class Driver:
             while not c.closing:
                 if c.ctrl:
                     data = c.ctrl.popleft()
-                    await c.ws.send_bytes(data)
-                    self.wire_bytes["sent"] += len(data)
+                    self.wire_bytes["sent"] += await c.ws.send(data)
                     continue
                 if sending is None:
                     if not c.data:
@@ -605,9 +598,7 @@ class Driver:
                     payload = await self._chunk_bytes(v, i)
                     if payload is None:  # an arriving chunk that failed: nothing was sent
                         if arriving:  # the peer may have asked for it: "it will not come"
-                            msg = wire.pack_withdraw(v, i)
-                            await c.ws.send_bytes(msg)
-                            self.wire_bytes["sent"] += len(msg)
+                            self.wire_bytes["sent"] += await c.ws.send(wire.pack_withdraw(v, i))
                         self.feed(ev.ChunkSent(self.now(), c.id, v, i, withdrawn=arriving))
                         continue
                     sending, offset = (v, i, payload), 0
@@ -619,9 +610,8 @@ class Driver:
                         # the chunk did not arrive whole and verified: withdraw what we sent
                         stream.watchers.remove(c)
                         sending, stream = None, None
-                        msg = wire.pack_withdraw(v, i)  # also before any block: a requester waits
-                        await c.ws.send_bytes(msg)
-                        self.wire_bytes["sent"] += len(msg)
+                        # also before any block: a requester waits
+                        self.wire_bytes["sent"] += await c.ws.send(wire.pack_withdraw(v, i))
                         self.feed(ev.ChunkSent(self.now(), c.id, v, i, withdrawn=True))
                         continue
                     # blocks as they come; the last only once the chunk is verified here
@@ -629,12 +619,11 @@ class Driver:
                         c.wake.clear()
                         await c.wake.wait()
                         continue
-                msg = wire.pack_block_header(v, i, n, offset) + payload[offset:end]
+                block: bytes | memoryview = payload[offset:end]
                 if stream is not None and offset == 0 and self.faults.corrupt_chunks:
-                    msg = msg[:wire.BLOCK_HEADER_LEN] + bytes([msg[wire.BLOCK_HEADER_LEN] ^ 0xFF]) \
-                        + msg[wire.BLOCK_HEADER_LEN + 1:]
-                await c.ws.send_bytes(msg)
-                self.wire_bytes["sent"] += len(msg)
+                    block = bytes([block[0] ^ 0xFF]) + bytes(block[1:])
+                self.wire_bytes["sent"] += await c.ws.send(
+                    wire.pack_block_header(v, i, n, offset), block)
                 offset = end
                 if offset >= n:
                     if log.isEnabledFor(logging.DEBUG):
@@ -647,7 +636,7 @@ class Driver:
                     sending, stream = None, None
                     self._note_sent(c, v, i)
                     self.feed(ev.ChunkSent(self.now(), c.id, v, i))
-        except (ConnectionError, RuntimeError, aiohttp.ClientError):
+        except (ConnectionError, RuntimeError):
             return  # the reader notices the closed socket and reports it
         finally:
             if stream is not None and c in stream.watchers:

@@ -1,10 +1,10 @@
-"""Cut-through relays in the node driver, over a real websocket on loopback.
+"""Cut-through relays in the node driver, over a real peer link on loopback.
 
 A border relays a chunk while it still arrives: the driver's writer sends each block
 as it comes in and the last one only once the whole chunk was verified and stored
 here; a chunk that does not arrive whole and verified is withdrawn (the receiver drops
 its blocks) and the core hears ``ChunkSent(withdrawn=True)``. The far end here is a
-plain websocket reader with the receiver's own ``BlockAssembler``.
+plain link reader with the receiver's own ``BlockAssembler``.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import random
 from collections.abc import AsyncIterator
 from typing import Any
 
-import aiohttp
 import pytest
-from aiohttp import web
 
-from node.driver import Arrival, Conn, Driver
+from node.driver import MAX_LINK_MESSAGE, Arrival, Conn, Driver
+from node.guard import ConnectionGuard
+from node.link import Link, LinkServer, dial
 from swarm.errors import ChunkError
 from swarm.protocol import events as ev
 from swarm.protocol import wire
@@ -38,24 +38,18 @@ class _NoStore:
         raise ChunkError(f"chunk {i} of version {v} is not held")
 
 
-async def _link(messages: asyncio.Queue) -> tuple[web.AppRunner, aiohttp.ClientSession, Any]:
-    async def handler(request: web.Request) -> web.WebSocketResponse:
-        ws = web.WebSocketResponse(max_msg_size=0)
-        await ws.prepare(request)
-        async for msg in ws:
-            await messages.put(msg.data)
-        return ws
+async def _link(messages: asyncio.Queue) -> tuple[LinkServer, Link]:
+    async def reader(link: Link) -> None:
+        while (msg := await link.recv()) is not None:
+            await messages.put(bytes(msg))
 
-    app = web.Application()
-    app.router.add_get("/ws", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    session = aiohttp.ClientSession()
-    ws = await session.ws_connect(f"http://127.0.0.1:{port}/ws")
-    return runner, session, ws
+    server = LinkServer(reader, ssl_context=None, max_message=MAX_LINK_MESSAGE,
+                        guard=ConnectionGuard(max_total=8, max_per_ip=8, upgrade_timeout_s=5))
+    await server.start("127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    link = await dial("127.0.0.1", port, ssl_context=None, max_message=MAX_LINK_MESSAGE,
+                      timeout=5)
+    return server, link
 
 
 def _driver(sent: list[ev.ChunkSent]) -> Driver:
@@ -92,11 +86,11 @@ async def _take(messages: asyncio.Queue, asm: wire.BlockAssembler, upto: int) ->
 
 @contextlib.asynccontextmanager
 async def _relaying(arriving: bool = True) -> AsyncIterator[tuple[asyncio.Queue, Arrival | None, list]]:
-    """A driver whose writer relays chunk 0 of version 2 over a real websocket: yields
+    """A driver whose writer relays chunk 0 of version 2 over a real link: yields
     what the far end received (a queue), the chunk's arrival (None: not arriving any
     more) and the ``ChunkSent`` events the core got."""
     messages: asyncio.Queue = asyncio.Queue()
-    runner, session, ws = await _link(messages)
+    server, ws = await _link(messages)
     sent: list[ev.ChunkSent] = []
     drv = _driver(sent)
     a = None
@@ -111,8 +105,7 @@ async def _relaying(arriving: bool = True) -> AsyncIterator[tuple[asyncio.Queue,
         c.closing = True
         writer.cancel()
         await ws.close()
-        await session.close()
-        await runner.cleanup()
+        await server.close()
 
 
 def test_blocks_go_on_as_they_arrive_and_the_last_once_the_chunk_is_stored() -> None:

@@ -1,4 +1,4 @@
-"""Integration: real node processes on loopback, real aiohttp, real AdamW versions.
+"""Integration: real node processes on loopback, real links, real AdamW versions.
 
 The unmarked test runs a 2-region x 3-node fleet (7 OS processes) through two
 versions and checks bitwise convergence, egress accounting and that a forged
@@ -12,12 +12,12 @@ import asyncio
 import os
 import signal
 
-import aiohttp
 import pytest
 
 from lab.fleet import MODEL, LoopbackFleet
 from swarm.protocol import handshake as hs
 from swarm.protocol import wire
+from tests.peer_client import connect, ending
 
 
 def _cross_bytes(statuses: dict) -> int:
@@ -42,34 +42,32 @@ def _forged_manifest() -> bytes:
 
 async def _rogue_announce(addr: str, secret: bytes, manifest: bytes) -> str:
     """Join as a member that knows the swarm secret, announce ``manifest``; how it ended."""
-    async with aiohttp.ClientSession() as s, s.ws_connect(f"http://{addr}/swarm") as ws:
+    link = await connect(addr)
+    try:
         mine = hs.hello_frame(model=MODEL, node_id="rogue", region="region-0",
                               addr="127.0.9.9:1", role="node", nonce=os.urandom(16))
-        await ws.send_bytes(mine)
-        theirs = (await ws.receive(timeout=5)).data
-        await ws.send_bytes(wire.encode(wire.AUTH, hs.mac(secret, mine, theirs)))
-        await ws.send_bytes(wire.encode(wire.ANNOUNCE, manifest))
-        for _ in range(50):
-            msg = await ws.receive(timeout=5)
-            if msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED):
-                return f"closed: {msg.extra}"
-        return "still open"
+        await link.send(mine)
+        theirs = await asyncio.wait_for(link.recv(), 5)
+        assert theirs is not None
+        await link.send(wire.encode(wire.AUTH, hs.mac(secret, mine, bytes(theirs))))
+        await link.send(wire.encode(wire.ANNOUNCE, manifest))
+        return await asyncio.wait_for(ending(link), 10)
+    finally:
+        await link.close()
 
 
 async def _claim_trainer_and_send_garbage(addr: str, version: int) -> str:
     """Attack 1 of the audit (issue #10): HELLO claiming node id "trainer", never
     AUTH, then two garbage chunks. It used to ban the trainer on every node."""
-    async with aiohttp.ClientSession() as s, s.ws_connect(f"http://{addr}/swarm") as ws:
-        await ws.send_bytes(hs.hello_frame(model=MODEL, node_id="trainer", region="trainer",
-                                           addr="127.0.9.9:1", role="origin",
-                                           nonce=os.urandom(16)))
+    link = await connect(addr)
+    try:
+        await link.send(hs.hello_frame(model=MODEL, node_id="trainer", region="trainer",
+                                       addr="127.0.9.9:1", role="origin", nonce=os.urandom(16)))
         for i in range(2):
-            await ws.send_bytes(wire.pack_chunk(version, i, os.urandom(4096)))
-        for _ in range(50):
-            msg = await ws.receive(timeout=5)
-            if msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED):
-                return f"closed: {msg.extra}"
-        return "still open"
+            await link.send(wire.pack_chunk(version, i, os.urandom(4096)))
+        return await asyncio.wait_for(ending(link), 10)
+    finally:
+        await link.close()
 
 
 def test_fleet_converges_bitwise_with_one_copy_per_region() -> None:

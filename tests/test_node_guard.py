@@ -1,5 +1,5 @@
 """Slowloris and connection floods against a real node (issue #10, attack 3): caps per
-address and in total, a deadline for the websocket upgrade, and the node keeps serving."""
+address and in total, a deadline for the link preface, and the node keeps serving."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from node.config import parse_config
 from node.daemon import build_node, serve
 from patchswarm.cli import main as cli
+from tests.peer_client import connect
 
 
 def _config(tmp: Path, port: int, api_port: int) -> dict:
@@ -91,13 +92,10 @@ def test_slowloris_and_per_ip_flood_are_cut_off(tmp_path: Path) -> None:
             st = await loop.run_in_executor(None, _status, f"127.0.0.1:{api_port}")
             assert st["transport"]["timed_out"] == 8 and st["transport"]["connections"] == 0
             assert time.monotonic() - t0 < 5
-            # the node still takes an honest websocket afterwards
-            import aiohttp
-
-            async with aiohttp.ClientSession() as session, session.ws_connect(
-                    f"http://127.0.0.1:{port}/swarm") as ws:
-                msg = await ws.receive(timeout=5)  # the node's HELLO
-                assert msg.type == aiohttp.WSMsgType.BINARY
+            # the node still takes an honest link afterwards
+            link = await connect(f"127.0.0.1:{port}")
+            assert await asyncio.wait_for(link.recv(), 5) is not None  # the node's HELLO
+            await link.close()
             return st
 
     asyncio.run(scenario())
@@ -208,12 +206,10 @@ def test_fd_exhaustion_is_survived(tmp_path: Path) -> None:
         time.sleep(2.0)  # asyncio resumes accepting after an EMFILE pause
 
         async def honest() -> bool:
-            import aiohttp
-
-            async with aiohttp.ClientSession() as session, session.ws_connect(
-                    f"http://127.0.0.1:{port}/swarm") as ws:
-                msg = await ws.receive(timeout=10)
-                return msg.type == aiohttp.WSMsgType.BINARY
+            link = await connect(f"127.0.0.1:{port}", timeout=10)
+            msg = await asyncio.wait_for(link.recv(), 10)
+            await link.close()
+            return msg is not None
 
         assert asyncio.run(honest())
         assert _status(f"127.0.0.1:{api_port}")["transport"]["connections"] <= 1

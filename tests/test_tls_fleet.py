@@ -1,6 +1,6 @@
 """Mutual TLS on a real fleet (issue #10): nodes and trainer with certificates from
 the fleet's swarm CA, the HTTP API on its own port. Outsiders without a CA
-certificate get no websocket; an insider cannot claim another identity."""
+certificate get no link; an insider cannot claim another identity."""
 
 from __future__ import annotations
 
@@ -8,26 +8,26 @@ import asyncio
 import os
 import ssl
 
-import aiohttp
 import pytest
 
 from lab.fleet import MODEL, LoopbackFleet
 from swarm.protocol import handshake as hs
 from swarm.trust import ca
+from tests.peer_client import connect, ending
 
 
-async def _try_ws(url: str, ssl_ctx: ssl.SSLContext | bool | None, hello: bytes | None = None) -> str:
+async def _try_link(addr: str, ssl_ctx: ssl.SSLContext | None, hello: bytes | None = None) -> str:
     try:
-        async with aiohttp.ClientSession() as s, s.ws_connect(url, ssl=ssl_ctx, timeout=aiohttp.ClientWSTimeout(ws_close=2)) as ws:
-            if hello is not None:
-                await ws.send_bytes(hello)
-            for _ in range(20):
-                msg = await ws.receive(timeout=5)
-                if msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED):
-                    return f"closed: {msg.extra}"
-            return "open"
-    except (aiohttp.ClientError, ssl.SSLError, OSError, TimeoutError) as exc:
+        link = await connect(addr, ssl_ctx)
+    except (ssl.SSLError, OSError, TimeoutError) as exc:
         return f"refused: {type(exc).__name__}: {exc}"
+    try:
+        if hello is not None:
+            await link.send(hello)
+        got = await asyncio.wait_for(ending(link, 20), 10)
+        return "open" if got == "still open" else got
+    finally:
+        await link.close()
 
 
 def test_tls_fleet_converges_and_refuses_outsiders(tmp_path) -> None:
@@ -37,8 +37,8 @@ def test_tls_fleet_converges_and_refuses_outsiders(tmp_path) -> None:
         statuses = fleet.wait_version(pub["version"], timeout=60)
         assert {st["active_digest"] for st in statuses.values()} == {pub["digest"]}
         target = fleet.nodes[0]
-        # 1. plain websocket to the swarm port: no TLS, no connection
-        got = asyncio.run(_try_ws(f"http://{target.addr}/swarm", True))
+        # 1. a plain (no TLS) link to the swarm port: no connection
+        got = asyncio.run(_try_link(target.addr, None))
         assert got.startswith("refused"), got
         # 2. TLS with a certificate from another CA claiming to be the trainer
         ca.init_ca(tmp_path / "rogue")
@@ -47,7 +47,7 @@ def test_tls_fleet_converges_and_refuses_outsiders(tmp_path) -> None:
         rogue = ca.client_context(fleet.workdir / "ca" / "ca.crt",
                                   tmp_path / "rogue-certs" / "trainer.crt",
                                   tmp_path / "rogue-certs" / "trainer.key")
-        got = asyncio.run(_try_ws(f"https://{target.addr}/swarm", rogue))
+        got = asyncio.run(_try_link(target.addr, rogue))
         assert not got.startswith("open"), got
         # 3. an insider (n1-1's real certificate) claiming to be the trainer in its HELLO
         w = fleet.workdir
@@ -55,7 +55,7 @@ def test_tls_fleet_converges_and_refuses_outsiders(tmp_path) -> None:
                                     w / "certs" / "n1-1.key")
         hello = hs.hello_frame(model=MODEL, node_id="trainer", region="trainer",
                                addr="127.0.9.9:1", role="origin", nonce=os.urandom(16))
-        got = asyncio.run(_try_ws(f"https://{target.addr}/swarm", insider, hello))
+        got = asyncio.run(_try_link(target.addr, insider, hello))
         assert got.startswith("closed") and "certificate" in got, got
         # the API lives on its own port; the swarm port serves no API
         assert fleet.http(target.api_addr, "/healthz") == b"ok\n"
