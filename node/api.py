@@ -325,7 +325,7 @@ class _Collector:
         for name, key, help_text in (
                 ("patchswarm_connections_refused", "refused", "Connections refused by the caps"),
                 ("patchswarm_connections_timed_out", "timed_out",
-                 "Connections cut off before their websocket upgrade"),
+                 "Connections cut off before their link preface"),
                 ("patchswarm_local_store_faults", "local_faults",
                  "Chunks not kept for a local reason (disk full, ...)")):
             c = CounterMetricFamily(name, help_text, labels=labels)

@@ -143,8 +143,8 @@ def build_node(cfg: NodeConfig, *, weights: InProcessWeights | None = None,
     host, port = cfg.listen_host, cfg.listen_port
     tls = TlsContexts.from_files(cfg.tls.ca, cfg.tls.cert, cfg.tls.key) if cfg.tls else None
     if tls is None:
-        log.warning("no [tls]: the swarm port speaks plain websockets, so peers' identities "
-                    "are not proven (see docs/security.md)")
+        log.warning("no [tls]: the swarm port speaks unencrypted links, so peers' "
+                    "identities are not proven (see docs/security.md)")
     driver = Driver(core, store, trust, weights=weights, engine=engine, engine_cfg=cfg.engine,
                     host=host, port=port,
                     faults=faults if faults is not None else faults_from_env(),
@@ -227,7 +227,7 @@ def tune_malloc(keep_bytes: int = 0) -> bool:
     """Reuse freed chunk- and payload-sized buffers instead of asking the kernel again.
 
     A node allocates and frees a 4 MiB buffer per chunk it receives or reads,
-    256 KiB per websocket message, and payload-sized buffers per apply (the
+    256 KiB per link message, and payload-sized buffers per apply (the
     payload, the decoded planes). By default glibc serves blocks that large with
     a fresh ``mmap``, gives each worker thread an arena of its own that cannot
     hold them, and trims the heap as soon as its top is free, so every buffer

@@ -7,23 +7,23 @@ keeps aiohttp). Two reasons, both measured (docs/benchmarks.md, "round 12"):
   (a 100 Mbit uplink delivers one every ~0.1 ms) and every segment woke the event
   loop: a read, a TLS read attempt that fails until its record is whole, the
   collector running every few wake-ups. A receiving node spent ~20 CPU-s per GB at
-  100 Mbit, ~4x what the same bytes cost at 1 Gbit. ``ReadPacer`` sits between the
-  TCP transport and TLS: after a read that was not large it stops reading for
-  ``read_coalesce_s`` (2 ms), so the kernel gathers the segments meanwhile and the
-  next read takes them at once. The first read after a pause is handled at once: a
-  lone control frame is never held; one that arrives in the middle of a stream waits
-  at most ``read_coalesce_s``.
+  100 Mbit, ~4x what the same bytes cost at 1 Gbit. After a read that drained the
+  socket and was not large, a link stops reading for ``read_coalesce_s`` (2 ms): the
+  kernel gathers the segments meanwhile and the next read takes them at once (with
+  TLS the socket itself is paused: the TLS layer's read limit drops to one byte while
+  the link holds). The first read after a quiet spell is handled at once: a lone
+  control frame is never held; one that arrives in the middle of a stream waits at
+  most ``read_coalesce_s``.
 - **No websocket layer.** RFC 6455 makes a client mask (copy and XOR) every frame it
   sends, aiohttp reassembles every message into new bytes, and each message costs
   Python on both sides. Here a message is a 4-byte length and its bytes; a large one
   is decrypted straight into its own buffer.
 
-Per connection: TCP transport (uvloop) -> ``ReadPacer`` -> ``asyncio.sslproto.SSLProtocol``
-(TLS 1.3, mutual; the stdlib's implementation of asyncio's TLS, used here because
-uvloop's own cannot be stacked on a protocol of ours) -> ``LinkProtocol``. Without TLS
-(tests, demos on loopback) the pacer feeds ``LinkProtocol`` directly, and a server
-hands a connection that starts with anything but the preface to its HTTP protocol
-(the API may share the swarm port then; with TLS it has its own, node.config).
+Per connection: the event loop's TLS transport (TLS 1.3, mutual; uvloop's where it is
+installed) under ``LinkProtocol``, a buffered protocol. Without TLS (tests, demos on
+loopback) a server hands a connection that starts with anything but the preface to
+its HTTP protocol (the API may share the swarm port then; with TLS it has its own,
+node.config).
 
 Wire, after TLS: the dialer sends ``PREFACE``, the server answers with it; then messages, each a big-endian
 u32 and that many bytes. A u32 with the top bit set is the last message: the low bits
@@ -38,7 +38,6 @@ import contextlib
 import logging
 import ssl
 import struct
-from asyncio import sslproto
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -62,199 +61,132 @@ class LinkClosed(ConnectionError):
     """The link is closed (by either side, or the connection was lost)."""
 
 
-class _PacedTransport:
-    """What TLS (or the link) sees of the TCP transport: its read pauses are combined
-    with the pacer's own, everything else is the TCP transport's."""
-
-    def __init__(self, pacer: ReadPacer, raw: asyncio.Transport) -> None:
-        self._pacer = pacer
-        self._raw = raw
-
-    def pause_reading(self) -> None:
-        self._pacer.held_above = True
-        self._pacer.update_reading()
-
-    def resume_reading(self) -> None:
-        self._pacer.held_above = False
-        self._pacer.update_reading()
-
-    def is_reading(self) -> bool:
-        return not self._pacer.held_above
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._raw, name)
-
-
-class ReadPacer(asyncio.BufferedProtocol):
-    """Reads the TCP socket in batches (module docstring); forwards everything else.
-
-    On the server side it also admits the connection (``admit``: the guard's caps) and
-    aborts it if it is not ``established`` within ``deadline_s``.
-    """
-
-    def __init__(self, inner: Any, coalesce_s: float, *,
-                 admit: Callable[[asyncio.Transport], bool] | None = None,
-                 release: Callable[[], None] | None = None,
-                 deadline_s: float | None = None,
-                 on_deadline: Callable[[], None] | None = None) -> None:
-        self.inner = inner
-        self.coalesce_s = coalesce_s
-        self.admit, self.release = admit, release
-        self.deadline_s, self.on_deadline = deadline_s, on_deadline
-        self.held_above = False  # paused by the layer above (TLS or link flow control)
-        self.held_here = False  # paused to gather a batch
-        self.reading = True
-        self.raw: asyncio.Transport | None = None
-        self.timer: asyncio.TimerHandle | None = None
-        self.deadline: asyncio.TimerHandle | None = None
-        self.established = False
-        self.detached = False
-        self.admitted = False
-        self.reads = 0
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
-        raw: asyncio.Transport = transport  # type: ignore[assignment]
-        if self.admit is not None and not self.admit(raw):
-            raw.abort()
-            return
-        self.admitted = True
-        self.raw = raw
-        if self.deadline_s is not None:
-            self.deadline = asyncio.get_running_loop().call_later(self.deadline_s, self._expire)
-        self.inner.connection_made(_PacedTransport(self, raw))
-
-    def _expire(self) -> None:
-        self.deadline = None
-        if not self.established and self.raw is not None and not self.raw.is_closing():
-            if self.on_deadline is not None:
-                self.on_deadline()
-            self.raw.abort()
-
-    def set_established(self) -> None:
-        self.established = True
-        if self.deadline is not None:
-            self.deadline.cancel()
-            self.deadline = None
-
-    def update_reading(self) -> None:
-        want = not (self.held_above or self.held_here)
-        raw = self.raw
-        if raw is None or self.detached or want == self.reading or raw.is_closing():
-            return
-        self.reading = want
-        if want:
-            raw.resume_reading()
-        else:
-            raw.pause_reading()
-
-    def get_buffer(self, sizehint: int) -> Any:
-        return self.inner.get_buffer(sizehint)
-
-    def buffer_updated(self, nbytes: int) -> None:
-        self.reads += 1
-        self.inner.buffer_updated(nbytes)
-        if (self.coalesce_s > 0 and nbytes < LARGE_READ and self.timer is None
-                and not self.detached and self.raw is not None):
-            self.held_here = True
-            self.update_reading()
-            self.timer = asyncio.get_running_loop().call_later(self.coalesce_s, self._go_on)
-
-    def _go_on(self) -> None:
-        self.timer = None
-        self.held_here = False
-        self.update_reading()
-
-    def detach(self) -> asyncio.Transport:
-        """Give the TCP transport to another protocol (HTTP on a shared port), reading."""
-        assert self.raw is not None
-        self.detached = True
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        if not self.reading:
-            self.raw.resume_reading()
-            self.reading = True
-        return self.raw
-
-    def eof_received(self) -> bool | None:
-        return self.inner.eof_received()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if not self.admitted:
-            return
-        for t in (self.timer, self.deadline):
-            if t is not None:
-                t.cancel()
-        self.timer = self.deadline = None
-        if self.release is not None:
-            self.release()
-        self.inner.connection_lost(exc)
-
-    def pause_writing(self) -> None:
-        self.inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        self.inner.resume_writing()
-
-
 class LinkProtocol(asyncio.BufferedProtocol):
-    """The framing on top of TLS: messages in, messages out, flow control both ways."""
+    """The framing on top of TLS: messages in, messages out, flow control both ways,
+    reads batched (module docstring). On a server it also keeps the guard's count
+    (``admit`` / ``release``) and the deadline for the dialer's preface."""
 
     def __init__(self, max_message: int, *, server_side: bool = False,
+                 tls: bool = False, coalesce_s: float = 0.0,
                  on_ready: Callable[[Link], None] | None = None,
-                 fallback: Callable[[LinkProtocol, bytes], bool] | None = None) -> None:
+                 fallback: Callable[[LinkProtocol, bytes], bool] | None = None,
+                 admit: Callable[[str], bool] | None = None,
+                 release: Callable[[str], None] | None = None,
+                 deadline_s: float | None = None,
+                 on_deadline: Callable[[], None] | None = None) -> None:
         self.max_message = max_message
         self.server_side = server_side
+        self.tls = tls
+        self.coalesce_s = coalesce_s
         self.on_ready = on_ready
         self.fallback = fallback  # (self, first bytes) -> True if another protocol took them
-        self.pacer: ReadPacer | None = None
+        self.admit, self.release = admit, release
+        self.deadline_s, self.on_deadline = deadline_s, on_deadline
+        self.loop = asyncio.get_running_loop()
         self.transport: Any = None
+        self.ip = "?"
+        self.admitted = admit is None
+        self.deadline: asyncio.TimerHandle | None = None
         self.link = Link(self)
         self.scratch = bytearray(SCRATCH_BYTES)
         self.sview = memoryview(self.scratch)
         self.sfill = 0
+        self.offered = 0  # length of the buffer the last get_buffer handed out
         self.body: memoryview | None = None
         self.body_obj: bytearray | None = None
         self.bpos = 0
         self.preface_seen = False
         self.queue: collections.deque = collections.deque()
         self.queued_bytes = 0
-        self.read_paused = False
+        self.held_full = False  # reading paused: the receive queue is full
+        self.held_batch: asyncio.TimerHandle | None = None  # reading paused to gather a batch
+        self.reading = True
+        self.reads = 0
         self.waiter: asyncio.Future | None = None
         self.write_paused = False
         self.drainers: list[asyncio.Future] = []
         self.closed = False
+        self.handed_over = False
         self.reason = ""
-        self.lost = asyncio.get_running_loop().create_future()
-        self.ready = asyncio.get_running_loop().create_future()
+        self.lost = self.loop.create_future()
+        self.ready = self.loop.create_future()
 
     # ---------------------------------------------------------------- transport events
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
+        peer = transport.get_extra_info("peername")
+        self.ip = peer[0] if peer else "?"
+        if self.admit is not None:
+            if not self.admit(self.ip):
+                self.closed = True
+                self.reason = "refused: too many connections"
+                transport.abort()
+                return
+            self.admitted = True
         self.transport = transport
+        if self.deadline_s is not None:
+            self.deadline = self.loop.call_later(self.deadline_s, self._expire)
         if not self.server_side:  # a server answers the dialer's preface (so it can hand
-            transport.write(PREFACE)  # anything else to HTTP untouched)
+            transport.write(PREFACE)  # type: ignore[attr-defined]  # anything else to HTTP)
+
+    def _expire(self) -> None:
+        self.deadline = None
+        t = self.transport
+        if t is not None and not t.is_closing() and (self.handed_over or not self.preface_seen):
+            if self.on_deadline is not None:
+                self.on_deadline()
+            self.reason = "no link preface in time"
+            t.abort()
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self.body is not None:
-            return self.body[self.bpos:]
-        return self.sview[self.sfill:]
+        buf = self.body[self.bpos:] if self.body is not None else self.sview[self.sfill:]
+        self.offered = len(buf)
+        return buf
 
     def buffer_updated(self, nbytes: int) -> None:
         if self.closed:
             return
+        self.reads += 1
         if self.body is not None:
             self.bpos += nbytes
             if self.bpos == len(self.body):
                 msg = self.body_obj
                 self.body = self.body_obj = None
                 self._deliver(msg)  # type: ignore[arg-type]
+        else:
+            self.sfill += nbytes
+            try:
+                self._parse()
+            except ProtocolError as exc:
+                self._fail(str(exc))
+                return
+        # The read drained what was there and was not large: data trickles in. Hold the
+        # socket for coalesce_s so the next read takes what gathered meanwhile at once.
+        if (self.coalesce_s > 0 and nbytes < self.offered and nbytes < LARGE_READ
+                and self.held_batch is None and not self.closed):
+            self.held_batch = self.loop.call_later(self.coalesce_s, self._batch_done)
+            self._update_reading()
+
+    def _batch_done(self) -> None:
+        self.held_batch = None
+        self._update_reading()
+
+    def _update_reading(self) -> None:
+        t = self.transport
+        want = self.held_batch is None and not self.held_full
+        if t is None or want == self.reading or self.handed_over or t.is_closing():
             return
-        self.sfill += nbytes
-        try:
-            self._parse()
-        except ProtocolError as exc:
-            self._fail(str(exc))
+        self.reading = want
+        if want:
+            if self.tls:  # the TLS layer reads the socket on its own limits again
+                t.set_read_buffer_limits()
+            t.resume_reading()
+        else:
+            t.pause_reading()
+            if self.tls and self.held_full is False:
+                # the TLS layer keeps reading the socket into its buffer while we hold,
+                # up to its limit: one byte pauses the socket itself (uvloop, asyncio)
+                t.set_read_buffer_limits(high=1, low=0)
 
     def _parse(self) -> None:
         buf, pos, fill = self.scratch, 0, self.sfill
@@ -263,10 +195,13 @@ class LinkProtocol(asyncio.BufferedProtocol):
                 return  # a preface so far: wait for the rest
             if bytes(buf[:len(PREFACE)]) != PREFACE:
                 if self.fallback is not None and self.fallback(self, bytes(buf[:fill])):
-                    self.closed = True
+                    self.closed = self.handed_over = True
                     return
                 raise ProtocolError("not a patchswarm peer (no link preface)")
             self.preface_seen = True
+            if self.deadline is not None:
+                self.deadline.cancel()
+                self.deadline = None
             if self.server_side:
                 self.transport.write(PREFACE)
             pos = len(PREFACE)
@@ -306,10 +241,16 @@ class LinkProtocol(asyncio.BufferedProtocol):
     def _deliver(self, msg: bytes | bytearray) -> None:
         self.queue.append(msg)
         self.queued_bytes += len(msg)
-        if self.queued_bytes > RECV_QUEUE_BYTES and not self.read_paused:
-            self.read_paused = True
-            self.transport.pause_reading()
+        if self.queued_bytes > RECV_QUEUE_BYTES and not self.held_full:
+            self.held_full = True
+            self._update_reading()
         self._wake()
+
+    def _taken(self, msg: bytes | bytearray) -> None:
+        self.queued_bytes -= len(msg)
+        if self.held_full and self.queued_bytes <= RECV_QUEUE_BYTES // 2 and not self.closed:
+            self.held_full = False
+            self._update_reading()
 
     def _wake(self) -> None:
         w, self.waiter = self.waiter, None
@@ -336,6 +277,14 @@ class LinkProtocol(asyncio.BufferedProtocol):
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if not self.admitted:
+            return
+        for h in (self.held_batch, self.deadline):
+            if h is not None:
+                h.cancel()
+        self.held_batch = self.deadline = None
+        if self.release is not None:
+            self.release(self.ip)
         if not self.reason:
             self.reason = f"{type(exc).__name__}: {exc}" if exc else "connection closed"
         self.closed = True
@@ -346,6 +295,7 @@ class LinkProtocol(asyncio.BufferedProtocol):
         self.drainers.clear()
         if not self.ready.done():
             self.ready.set_exception(LinkClosed(self.reason))
+            self.ready.exception()  # retrieved: a dial that timed out does not log it
         if not self.lost.done():
             self.lost.set_result(None)
 
@@ -379,11 +329,6 @@ class Link:
         t = self._p.transport
         return t.get_extra_info(name, default) if t is not None else default
 
-    def established(self) -> None:
-        """The server accepted this peer: its admission deadline no longer applies."""
-        if self._p.pacer is not None:
-            self._p.pacer.set_established()
-
     async def recv(self) -> bytes | bytearray | None:
         """The next message, or None once the link closed (``reason`` says why)."""
         p = self._p
@@ -393,10 +338,7 @@ class Link:
             p.waiter = asyncio.get_running_loop().create_future()
             await p.waiter
         msg = p.queue.popleft()
-        p.queued_bytes -= len(msg)
-        if p.read_paused and p.queued_bytes <= RECV_QUEUE_BYTES // 2 and not p.closed:
-            p.read_paused = False
-            p.transport.resume_reading()
+        p._taken(msg)
         return msg
 
     async def send(self, *parts: bytes | bytearray | memoryview) -> int:
@@ -439,39 +381,25 @@ class Link:
             self._p.transport.abort()
 
 
-def _stack(loop: asyncio.AbstractEventLoop, proto: LinkProtocol, ctx: ssl.SSLContext | None,
-           coalesce_s: float, *, server_side: bool, waiter: asyncio.Future | None = None,
-           handshake_timeout: float | None = None, **pacer_kw: Any) -> ReadPacer:
-    inner: Any = proto
-    if ctx is not None:
-        inner = sslproto.SSLProtocol(loop, proto, ctx, waiter, server_side=server_side,
-                                     ssl_handshake_timeout=handshake_timeout)
-    pacer = ReadPacer(inner, coalesce_s, **pacer_kw)
-    proto.pacer = pacer
-    return pacer
-
-
 async def dial(host: str, port: int, *, ssl_context: ssl.SSLContext | None, max_message: int,
                timeout: float, read_coalesce_s: float = READ_COALESCE_S) -> Link:
     """Connect, run the TLS handshake, exchange prefaces; bounded by ``timeout`` as a whole.
     Raises ``OSError`` (``ConnectionError``, ``ssl.SSLError``) or ``TimeoutError``."""
     loop = asyncio.get_running_loop()
-    proto = LinkProtocol(max_message)
-    handshake = loop.create_future() if ssl_context is not None else None
-    pacer = _stack(loop, proto, ssl_context, read_coalesce_s, server_side=False,
-                   waiter=handshake, handshake_timeout=timeout)
+    proto = LinkProtocol(max_message, tls=ssl_context is not None, coalesce_s=read_coalesce_s)
 
     async def connect() -> None:
-        await loop.create_connection(lambda: pacer, host, port)
-        if handshake is not None:
-            await handshake
+        extra: dict[str, Any] = {}
+        if ssl_context is not None:
+            extra = {"ssl": ssl_context, "server_hostname": "", "ssl_handshake_timeout": timeout}
+        await loop.create_connection(lambda: proto, host, port, **extra)
         await proto.ready
 
     try:
         await asyncio.wait_for(connect(), timeout)
     except BaseException:
-        if pacer.raw is not None:
-            pacer.raw.abort()
+        if proto.transport is not None:
+            proto.transport.abort()
         raise
     return proto.link
 
@@ -495,46 +423,46 @@ class LinkServer:
 
     async def start(self, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(self._connection, host, port, reuse_address=True)
+        extra: dict[str, Any] = {}
+        if self.ssl_context is not None:  # the handshake has the guard's deadline too
+            extra = {"ssl": self.ssl_context,
+                     "ssl_handshake_timeout": self.guard.upgrade_timeout_s}
+        self.server = await loop.create_server(self._connection, host, port,
+                                               reuse_address=True, **extra)
 
     @property
     def sockets(self) -> Any:
         return self.server.sockets if self.server is not None else ()
 
-    def _connection(self) -> ReadPacer:
-        loop = asyncio.get_running_loop()
+    def _connection(self) -> LinkProtocol:
         g = self.guard
-        ip: list[str] = []
-
-        def admit(raw: asyncio.Transport) -> bool:
-            peer = raw.get_extra_info("peername")
-            ip.append(peer[0] if peer else "?")
-            return bool(g.admit(ip[0]))
-
-        def release() -> None:
-            g.release(ip[0])
 
         def ready(link: Link) -> None:
-            link.established()
             t = asyncio.ensure_future(self.on_link(link))
             self.tasks.add(t)
             t.add_done_callback(self.tasks.discard)
 
-        proto = LinkProtocol(self.max_message, server_side=True, on_ready=ready,
-                             fallback=self._to_http if self.http is not None else None)
-        return _stack(loop, proto, self.ssl_context, self.read_coalesce_s, server_side=True,
-                      handshake_timeout=g.upgrade_timeout_s, admit=admit, release=release,
-                      deadline_s=g.upgrade_timeout_s, on_deadline=g.note_timed_out)
+        return LinkProtocol(self.max_message, server_side=True, tls=self.ssl_context is not None,
+                            coalesce_s=self.read_coalesce_s, on_ready=ready,
+                            fallback=self._to_http if self.http is not None else None,
+                            admit=g.admit, release=g.release, deadline_s=g.upgrade_timeout_s,
+                            on_deadline=g.note_timed_out)
 
     def _to_http(self, proto: LinkProtocol, first: bytes) -> bool:
-        """No TLS, and the first bytes are not a preface: serve them as HTTP (the API)."""
-        pacer = proto.pacer
-        if self.http is None or pacer is None or pacer.raw is None:
+        """No TLS, and the first bytes are not a preface: serve them as HTTP (the API).
+        The guard's count and the deadline stay with the connection."""
+        t = proto.transport
+        if self.http is None or t is None:
             return False
-        raw = pacer.detach()
-        http = _Handover(pacer, self.http())
-        raw.set_protocol(http)
-        http.connection_made(raw)
+        if proto.held_batch is not None:
+            proto.held_batch.cancel()
+            proto.held_batch = None
+        if not proto.reading:
+            t.resume_reading()
+            proto.reading = True
+        http = _Handover(proto, self.http())
+        t.set_protocol(http)
+        http.connection_made(t)
         if first:
             http.data_received(first)
         return True
@@ -549,10 +477,10 @@ class LinkServer:
 
 
 class _Handover(asyncio.Protocol):
-    """An HTTP connection taken over from a pacer: the guard's count and deadline stay."""
+    """An HTTP connection taken over from a link: it ends as the link would have."""
 
-    def __init__(self, pacer: ReadPacer, inner: asyncio.Protocol) -> None:
-        self.pacer = pacer
+    def __init__(self, link: LinkProtocol, inner: asyncio.Protocol) -> None:
+        self.link = link
         self.inner = inner
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -571,10 +499,5 @@ class _Handover(asyncio.Protocol):
         self.inner.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        p = self.pacer
-        for t in (p.timer, p.deadline):
-            if t is not None:
-                t.cancel()
-        if p.release is not None:
-            p.release()
+        self.link.connection_lost(exc)  # the guard's count, the deadline
         self.inner.connection_lost(exc)

@@ -12,7 +12,7 @@ driver only decides how long things take:
 - One byte stream per direction of a connection: chunks leave one after the
   other, and a control frame waits behind the chunk data queued ahead of it
   (``interleave_block_bytes``: 0 = behind every queued chunk, as whole-chunk
-  websocket messages; N = behind the N-byte block on the wire).
+  link messages; N = behind the N-byte block on the wire).
 - ``SendFrame``: the frame's real bytes arrive one latency after they leave
   (plus a retransmission timeout with the path's loss probability, plus a busy
   shaped uplink's queue), FIFO per direction. Control frames do not consume

@@ -113,7 +113,7 @@ class Cpu:
     """What a node's CPU spends on the chunks it receives and the versions it applies.
 
     A received chunk of ``s`` bytes costs ``s/hash + s/io + chunk_overhead`` seconds
-    of one core (``io``: everything else a byte costs: socket, TLS, websocket
+    of one core (``io``: everything else a byte costs: socket, TLS, link
     framing, the store write, its share of sending it on); applying a version of
     ``F`` bytes costs ``F/apply``. Jobs queue FIFO on ``cores`` cores; the core hears
     ``ChunkReceived`` / ``Applied`` when its job is done. ``inf`` rates cost nothing.

@@ -4,7 +4,7 @@ The core (``swarm.protocol.core``) is a plain object. A driver feeds it
 *events* through ``core.handle(event)`` and carries out the *actions* it
 returns, in order. Two drivers exist:
 
-- ``node.driver``: aiohttp websockets, real timers, the on-disk store;
+- ``node.driver``: peer links (``node.link``), real timers, the on-disk store;
 - ``simulations``: a discrete-event loop with a virtual clock and a modelled
   network (chunk payloads are sizes, not bytes).
 

@@ -1,0 +1,292 @@
+"""Peer links (``node.link``): the framing under any split of the byte stream, its limits,
+the read pacer's pauses, and real links on loopback (mutual TLS, flow control, close
+reasons, outsiders refused)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import ssl
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from node.guard import ConnectionGuard
+from node.link import (
+    HEADER,
+    PREFACE,
+    SMALL_MESSAGE,
+    Link,
+    LinkClosed,
+    LinkProtocol,
+    LinkServer,
+    dial,
+)
+from swarm.trust import ca
+
+MAX = 5 * 1024 * 1024
+
+
+class _Transport:
+    """What a protocol sees of its transport, recorded."""
+
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+        self.paused = False
+        self.pauses = 0
+        self.aborted = False
+        self.closed = False
+        self.limits: tuple = ()
+
+    def write(self, data: bytes) -> None:
+        self.written.append(bytes(data))
+
+    def pause_reading(self) -> None:
+        self.paused = True
+        self.pauses += 1
+
+    def resume_reading(self) -> None:
+        self.paused = False
+
+    def set_read_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        self.limits = (high, low)
+
+    def is_closing(self) -> bool:
+        return self.aborted or self.closed
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def close(self) -> None:
+        self.closed = True
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
+
+
+def _feed(proto: Any, data: bytes, steps: list[int]) -> None:
+    """Hand ``data`` to a buffered protocol the way a transport does, in reads of the
+    given sizes (cycled), each capped by the buffer the protocol offers."""
+    pos, k = 0, 0
+    while pos < len(data) and not getattr(proto, "closed", False):
+        buf = proto.get_buffer(-1)
+        n = min(len(buf), steps[k % len(steps)], len(data) - pos)
+        k += 1
+        assert n > 0
+        buf[:n] = data[pos:pos + n]
+        pos += n
+        proto.buffer_updated(n)
+
+
+def _frame(msg: bytes) -> bytes:
+    return HEADER.pack(len(msg)) + msg
+
+
+def _collect(proto: LinkProtocol) -> list[bytes]:
+    return [bytes(m) for m in proto.queue]
+
+
+sizes = st.one_of(st.integers(0, 64), st.integers(SMALL_MESSAGE - 8, SMALL_MESSAGE + 8),
+                  st.integers(0, 70_000))
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(sizes, min_size=1, max_size=8),
+       steps=st.lists(st.integers(1, 90_000), min_size=1, max_size=6), seed=st.integers(0, 255))
+def test_messages_come_out_whole_and_in_order_however_the_stream_is_split(
+        lengths: list[int], steps: list[int], seed: int) -> None:
+    msgs = [bytes([(seed + i + j) % 256 for j in range(n)]) if n < 200 else os.urandom(n)
+            for i, n in enumerate(lengths)]
+
+    async def run() -> list[bytes]:
+        p = LinkProtocol(MAX)
+        p.connection_made(_Transport())  # type: ignore[arg-type]
+        _feed(p, PREFACE + b"".join(_frame(m) for m in msgs), steps)
+        assert p.ready.done() and not p.closed
+        return _collect(p)
+
+    assert asyncio.run(run()) == msgs
+
+
+def test_a_close_message_ends_the_link_with_its_reason() -> None:
+    async def run() -> LinkProtocol:
+        p = LinkProtocol(MAX)
+        p.connection_made(_Transport())  # type: ignore[arg-type]
+        reason = "banned: bad chunk".encode()
+        _feed(p, PREFACE + _frame(b"one") + HEADER.pack(0x8000_0000 | len(reason)) + reason
+              + _frame(b"after the close"), [7])
+        return p
+
+    p = asyncio.run(run())
+    assert _collect(p) == [b"one"]
+    assert p.closed and p.reason == "closed by peer: banned: bad chunk"
+    assert p.transport.closed
+
+
+@pytest.mark.parametrize("header", [HEADER.pack(MAX + 1), HEADER.pack(0xFFFF_FFFF),
+                                    HEADER.pack(0x8000_0000 | 5000)])
+def test_an_oversized_message_closes_the_link_before_anything_is_allocated(header: bytes) -> None:
+    async def run() -> LinkProtocol:
+        p = LinkProtocol(MAX)
+        p.connection_made(_Transport())  # type: ignore[arg-type]
+        _feed(p, PREFACE + header + b"x" * 100, [1000])
+        return p
+
+    p = asyncio.run(run())
+    assert p.closed and "over the limit" in p.reason and p.transport.aborted
+    assert p.body is None and not p.queue
+
+
+@pytest.mark.parametrize("first", [b"GET /swarm HTTP/1.1\r\n", b"\x16\x03\x01\x02\x00", b"PSL2"])
+def test_a_server_refuses_anything_but_the_preface(first: bytes) -> None:
+    async def run() -> LinkProtocol:
+        p = LinkProtocol(MAX, server_side=True)
+        p.connection_made(_Transport())  # type: ignore[arg-type]
+        _feed(p, first, [3])
+        return p
+
+    p = asyncio.run(run())
+    assert p.closed and "no link preface" in p.reason and p.transport.aborted
+    assert p.transport.written == []  # a server says nothing before the dialer's preface
+
+
+def test_a_small_read_that_drained_the_socket_holds_reading_for_a_batch() -> None:
+    async def run() -> None:
+        p = LinkProtocol(MAX, tls=True, coalesce_s=0.01)
+        t = _Transport()
+        p.connection_made(t)  # type: ignore[arg-type]
+        _feed(p, PREFACE + _frame(b"hello"), [100])  # small, drained: hold 10 ms
+        assert t.paused and t.limits == (1, 0)  # with TLS the socket itself pauses
+        assert _collect(p) == [b"hello"]  # what came is handed on at once
+        await asyncio.sleep(0.03)
+        assert not t.paused and t.limits == (None, None)
+        big = _frame(b"z" * 70_000)  # a large read: read on at once
+        _feed(p, big, [len(big)])
+        assert not t.paused
+        # a read that filled the buffer offered (more may wait) does not hold either
+        buf = p.get_buffer(-1)
+        buf[:] = (_frame(b"y" * 100_000) * 2)[:len(buf)]
+        p.buffer_updated(len(buf))
+        assert not t.paused
+
+    asyncio.run(run())
+
+
+def test_a_full_receive_queue_pauses_reading_until_it_drains() -> None:
+    async def run() -> None:
+        p = LinkProtocol(MAX)
+        t = _Transport()
+        p.connection_made(t)  # type: ignore[arg-type]
+        block = b"q" * (1 << 20)
+        _feed(p, PREFACE + _frame(block) * 9, [1 << 22])
+        assert t.paused  # 9 MiB waiting > 8 MiB
+        for _ in range(5):
+            assert await p.link.recv() == block
+        assert not t.paused
+
+    asyncio.run(run())
+
+
+# ------------------------------------------------------------------ real links on loopback
+
+
+def _tls(tmp: Path) -> dict[str, ssl.SSLContext]:
+    ca.init_ca(tmp / "ca")
+    ca.issue(tmp / "ca", "a", region="r", out_dir=tmp / "certs")
+    ca.issue(tmp / "ca", "b", region="r", out_dir=tmp / "certs")
+    ca.init_ca(tmp / "rogue")
+    ca.issue(tmp / "rogue", "b", region="r", out_dir=tmp / "evil")
+    c = tmp / "certs"
+    return {"server": ca.server_context(tmp / "ca" / "ca.crt", c / "a.crt", c / "a.key"),
+            "client": ca.client_context(tmp / "ca" / "ca.crt", c / "b.crt", c / "b.key"),
+            "rogue": ca.client_context(tmp / "rogue" / "ca.crt", tmp / "evil" / "b.crt",
+                                       tmp / "evil" / "b.key")}
+
+
+async def _server(on_link: Any, ctx: ssl.SSLContext | None,
+                  coalesce: float = 0.002) -> tuple[LinkServer, int]:
+    server = LinkServer(on_link, ssl_context=ctx, max_message=MAX,
+                        guard=ConnectionGuard(max_total=16, max_per_ip=16, upgrade_timeout_s=5),
+                        read_coalesce_s=coalesce)
+    await server.start("127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+def test_messages_cross_mutual_tls_both_ways_and_an_outsider_gets_no_link(tmp_path: Path) -> None:
+    ctx = _tls(tmp_path)
+    msgs = [b"", b"h", os.urandom(SMALL_MESSAGE), os.urandom(SMALL_MESSAGE + 1),
+            os.urandom(256 * 1024 + 24), os.urandom(4 * 1024 * 1024 + 24)]
+
+    async def run() -> None:
+        got: list[bytes] = []
+        peer_cn: list[Any] = []
+
+        async def echo(link: Link) -> None:
+            peer_cn.append(link.get_extra_info("ssl_object").getpeercert(binary_form=True))
+            while (m := await link.recv()) is not None:
+                got.append(bytes(m))
+                await link.send(b"re:", m)
+
+        server, port = await _server(echo, ctx["server"])
+        try:
+            link = await dial("127.0.0.1", port, ssl_context=ctx["client"], max_message=MAX,
+                              timeout=5)
+            for m in msgs:
+                await link.send(m)
+            back = [bytes(await asyncio.wait_for(link.recv(), 10)) for _ in msgs]  # type: ignore[arg-type]
+            assert got == msgs and back == [b"re:" + m for m in msgs] and peer_cn[0]
+            await link.close("done")
+            assert link.closed
+            for outsider in (ctx["rogue"], None):  # a foreign CA; no TLS at all
+                with pytest.raises((ssl.SSLError, OSError, TimeoutError)):
+                    await dial("127.0.0.1", port, ssl_context=outsider, max_message=MAX,
+                               timeout=3)
+        finally:
+            await server.close()
+
+    asyncio.run(run())
+
+
+def test_a_reader_that_falls_behind_holds_the_sender_back_and_loses_nothing() -> None:
+    async def run() -> None:
+        links: list[Link] = []
+        arrived = asyncio.Event()
+
+        async def keep(link: Link) -> None:
+            links.append(link)
+            arrived.set()
+            await asyncio.sleep(3600)
+
+        server, port = await _server(keep, None)
+        try:
+            link = await dial("127.0.0.1", port, ssl_context=None, max_message=MAX, timeout=5)
+            await asyncio.wait_for(arrived.wait(), 5)
+            block = os.urandom(256 * 1024)
+            sent = 0
+
+            async def flood() -> None:
+                nonlocal sent
+                for i in range(200):  # 50 MiB: more than the reader's queue and the kernel hold
+                    await link.send(i.to_bytes(4, "big"), block)
+                    sent += 1
+
+            task = asyncio.create_task(flood())
+            await asyncio.sleep(1.0)
+            assert not task.done() and sent < 200  # held back: the reader paused its socket
+            far = links[0]
+            for i in range(200):
+                m = await asyncio.wait_for(far.recv(), 10)
+                assert m is not None and int.from_bytes(m[:4], "big") == i and m[4:] == block
+            await asyncio.wait_for(task, 10)
+            await link.close("bye")
+            assert await asyncio.wait_for(far.recv(), 5) is None
+            assert far.reason == "closed by peer: bye"
+            with pytest.raises(LinkClosed):
+                await link.send(b"after the close")
+        finally:
+            await server.close()
+
+    asyncio.run(run())
