@@ -115,7 +115,7 @@ def test_a_close_message_ends_the_link_with_its_reason() -> None:
     async def run() -> LinkProtocol:
         p = LinkProtocol(MAX)
         p.connection_made(_Transport())  # type: ignore[arg-type]
-        reason = "banned: bad chunk".encode()
+        reason = b"banned: bad chunk"
         _feed(p, PREFACE + _frame(b"one") + HEADER.pack(0x8000_0000 | len(reason)) + reason
               + _frame(b"after the close"), [7])
         return p
