@@ -40,6 +40,8 @@ def test_valid_config_resolves_paths_and_core_knobs(tmp_path: Path) -> None:
     assert parse_config(_doc(network={"unsent_limit_kib": 0}), tmp_path).unsent_limit_kib == 0
     assert cfg.warm_memory_mib == 256
     assert parse_config(_doc(node={"warm_memory_mib": 0}), tmp_path).warm_memory_mib == 0
+    assert cfg.read_coalesce_ms == 2.0
+    assert parse_config(_doc(network={"read_coalesce_ms": 0}), tmp_path).read_coalesce_ms == 0
 
 
 @pytest.mark.parametrize(("over", "key"), [
@@ -53,6 +55,9 @@ def test_valid_config_resolves_paths_and_core_knobs(tmp_path: Path) -> None:
     ({"store": {"quota_bytes": -1}}, "store.quota_bytes"),
     ({"network": {"unsent_limit_kib": -1}}, "network.unsent_limit_kib"),
     ({"network": {"unsent_limit_kib": "128"}}, "network.unsent_limit_kib"),
+    ({"network": {"read_coalesce_ms": -1}}, "network.read_coalesce_ms"),
+    ({"network": {"read_coalesce_ms": 51}}, "network.read_coalesce_ms"),
+    ({"network": {"read_coalesce_ms": True}}, "network.read_coalesce_ms"),
     ({"store": {"fsync": "yes"}}, "store.fsync"),
     ({"node": {"warm_memory_mib": -1}}, "node.warm_memory_mib"),
     ({"node": {"warm_memory_mib": 4096}}, "node.warm_memory_mib"),
