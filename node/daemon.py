@@ -11,7 +11,6 @@ fetches only what it lacks. SIGTERM (or SIGINT) drains and exits cleanly.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
 import random
@@ -257,32 +256,6 @@ def tune_malloc(keep_bytes: int = 0) -> bool:
                 mallopt(_M_TRIM_THRESHOLD, trim)])
 
 
-# gen0 threshold once the start-up heap is frozen (CPython's default is 700)
-GC_GEN0_THRESHOLD = 20_000
-
-
-def tune_gc() -> bool:
-    """Keep the cyclic garbage collector off the hot path of a receiving node.
-
-    A node's loop allocates a few container objects per socket read (TLS's
-    want-read exceptions, callbacks, frames); at CPython's default thresholds
-    that ran a collection every few reads, and each older-generation pass
-    walked the objects start-up left behind (torch, numpy, aiohttp, the core).
-    On a 100 Mbit link, where reads are small and many, collections were ~15-20 %
-    of a receiver's CPU (docs/benchmarks.md, round 12). Here everything alive
-    after start-up is moved out of the collector's reach (``gc.freeze``: it is
-    never garbage) and young objects are collected every ``GC_GEN0_THRESHOLD``
-    allocations instead of 700. ``PATCHSWARM_GC=default`` leaves CPython's settings.
-    """
-    if os.environ.get("PATCHSWARM_GC", "") == "default":
-        return False
-    gc.collect()
-    gc.freeze()
-    _, g1, g2 = gc.get_threshold()
-    gc.set_threshold(GC_GEN0_THRESHOLD, g1, g2)
-    return True
-
-
 _MADV_HUGEPAGE = 14
 WARM_PIECE = 64 * 1024 * 1024  # below MALLOC_MMAP_THRESHOLD: every piece comes from the heap
 
@@ -354,11 +327,9 @@ def run_node(cfg: NodeConfig) -> int:
         node = build_node(cfg, loop_now=loop.time())
         t0 = time.perf_counter()
         warmed = warm_heap(keep) if tuned else 0
-        gc_tuned = tune_gc()
         log.info("event loop: %s; malloc tuned for chunk buffers: %s; warmed %d MiB of heap "
-                 "in %.2f s; start-up heap frozen for the collector: %s",
-                 "uvloop" if uv else "asyncio", tuned, warmed >> 20,
-                 time.perf_counter() - t0, gc_tuned)
+                 "in %.2f s", "uvloop" if uv else "asyncio", tuned, warmed >> 20,
+                 time.perf_counter() - t0)
         await serve(node, stop)
 
     asyncio.run(main())

@@ -64,7 +64,7 @@ from node.engines.base import CommitStats, Engine, EngineError, WeightUpdate
 from node.engines.config import EngineConfig
 from node.engines.inprocess import InProcessWeights, merge_changes
 from node.guard import ConnectionGuard
-from node.link import READ_COALESCE_S, Link, LinkServer, dial
+from node.link import READ_COALESCE_S, Link, LinkServer, Placed, dial
 from node.ports import StorePort, TrustPort
 from node.store import aligned_buffer
 from swarm.errors import ChunkError, PatchswarmError, ProtocolError, StoreError
@@ -471,6 +471,8 @@ class Driver:
                   identity: tuple[str, str, str] | None = None, sock: Any = None) -> Conn:
         limit_unsent(sock, self.unsent_limit)
         c = Conn(next(self._ids), ws, outbound, addr)
+        # chunk blocks are decrypted straight into their chunk's buffer (_place)
+        ws.place_with(lambda header, n: self._place(c, header, n), wire.BLOCK_HEADER_LEN)
         self.conns[c.id] = c
         c.writer = self._spawn(self._writer(c))
         self.feed(ev.PeerConnected(self.now(), c.id, outbound, addr, identity))
@@ -540,7 +542,9 @@ class Driver:
                 self.wire_bytes["received"] += len(data)
                 if c.id not in self.conns:
                     break
-                if wire.is_block_message(data):
+                if isinstance(data, Placed):
+                    await self._block_done(c, c.blocks.placed())
+                elif wire.is_block_message(data):
                     await self._on_block(c, data)
                 elif wire.is_withdraw_message(data):
                     await self._on_withdraw(c, data)
@@ -669,6 +673,18 @@ class Driver:
         except ProtocolError as exc:
             await self._drop(c, str(exc))
             return
+        await self._block_done(c, whole)
+
+    def _place(self, c: Conn, header: bytes, n: int) -> memoryview | None:
+        """Where a block arriving on ``c`` goes (``Link.place_with``): its slice of the
+        chunk buffer, for an authenticated peer's block; None leaves the message whole
+        (``_on_block`` then takes or refuses it). ``ProtocolError`` closes the link."""
+        if (c.id not in self.conns or not wire.is_block_message(header)
+                or not self.core.authenticated(c.id)):
+            return None
+        return c.blocks.place(header, n)
+
+    async def _block_done(self, c: Conn, whole: tuple[int, int, memoryview] | None) -> None:
         if whole is None:
             key = c.blocks.pending
             a = self.arrivals.get(key)  # type: ignore[arg-type]

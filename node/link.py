@@ -61,6 +61,20 @@ class LinkClosed(ConnectionError):
     """The link is closed (by either side, or the connection was lost)."""
 
 
+class Placed:
+    """A message whose payload was written where the link's placer said (``header``: its
+    first ``len(header)`` bytes, which the placer saw; ``n``: the payload bytes placed)."""
+
+    __slots__ = ("header", "n")
+
+    def __init__(self, header: bytes, n: int) -> None:
+        self.header = header
+        self.n = n
+
+    def __len__(self) -> int:
+        return len(self.header) + self.n
+
+
 class LinkProtocol(asyncio.BufferedProtocol):
     """The framing on top of TLS: messages in, messages out, flow control both ways,
     reads batched (module docstring). On a server it also keeps the guard's count
@@ -70,6 +84,8 @@ class LinkProtocol(asyncio.BufferedProtocol):
                  tls: bool = False, coalesce_s: float = 0.0,
                  on_ready: Callable[[Link], None] | None = None,
                  fallback: Callable[[LinkProtocol, bytes], bool] | None = None,
+                 placer: Callable[[bytes, int], memoryview | None] | None = None,
+                 place_header: int = 0,
                  admit: Callable[[str], bool] | None = None,
                  release: Callable[[str], None] | None = None,
                  deadline_s: float | None = None,
@@ -80,6 +96,10 @@ class LinkProtocol(asyncio.BufferedProtocol):
         self.coalesce_s = coalesce_s
         self.on_ready = on_ready
         self.fallback = fallback  # (self, first bytes) -> True if another protocol took them
+        # (first place_header bytes of a large message, bytes after them) -> where those
+        # bytes go, or None (a buffer of its own); the message then comes out as ``Placed``
+        self.placer = placer
+        self.place_header = place_header
         self.admit, self.release = admit, release
         self.deadline_s, self.on_deadline = deadline_s, on_deadline
         self.loop = asyncio.get_running_loop()
@@ -93,7 +113,7 @@ class LinkProtocol(asyncio.BufferedProtocol):
         self.sfill = 0
         self.offered = 0  # length of the buffer the last get_buffer handed out
         self.body: memoryview | None = None
-        self.body_obj: bytearray | None = None
+        self.body_obj: bytearray | Placed | None = None
         self.bpos = 0
         self.preface_seen = False
         self.queue: collections.deque = collections.deque()
@@ -191,12 +211,18 @@ class LinkProtocol(asyncio.BufferedProtocol):
     def _parse(self) -> None:
         buf, pos, fill = self.scratch, 0, self.sfill
         if not self.preface_seen:
-            if fill < len(PREFACE) and PREFACE.startswith(bytes(buf[:fill])):
-                return  # a preface so far: wait for the rest
+            if fill < len(PREFACE) and any(x.startswith(bytes(buf[:fill]))
+                                           for x in (PREFACE, b"HTTP", b"GET ")):
+                return  # wait for four bytes to judge them
             if bytes(buf[:len(PREFACE)]) != PREFACE:
                 if self.fallback is not None and self.fallback(self, bytes(buf[:fill])):
                     self.closed = self.handed_over = True
                     return
+                if bytes(buf[:4]) in (b"HTTP", b"GET "):
+                    raise ProtocolError(
+                        "the peer speaks HTTP, not the link protocol: a patchswarm release "
+                        "from before peer links (websockets)? every node and the trainer must "
+                        "run the same release")
                 raise ProtocolError("not a patchswarm peer (no link preface)")
             self.preface_seen = True
             if self.deadline is not None:
@@ -227,6 +253,20 @@ class LinkProtocol(asyncio.BufferedProtocol):
                 continue
             if n <= SMALL_MESSAGE or closing:
                 break  # wait for the rest in the scratch buffer
+            if self.placer is not None and not self.queue and n > self.place_header:
+                # every earlier message was taken: the placer's state is current
+                if avail < self.place_header:
+                    break  # wait for the header in the scratch buffer
+                hl = self.place_header
+                header = bytes(buf[start:start + hl])
+                dest = self.placer(header, n - hl)
+                if dest is not None:
+                    if len(dest) != n - hl:
+                        raise ValueError(f"placer gave {len(dest)} bytes for {n - hl}")
+                    dest[:avail - hl] = buf[start + hl:fill]
+                    self.body_obj, self.body, self.bpos = Placed(header, n - hl), dest, avail - hl
+                    pos = fill
+                    break
             body = bytearray(n)
             body[:avail] = buf[start:fill]
             self.body_obj, self.body, self.bpos = body, memoryview(body), avail
@@ -238,7 +278,7 @@ class LinkProtocol(asyncio.BufferedProtocol):
                 buf[:rest] = buf[pos:fill]
             self.sfill = rest
 
-    def _deliver(self, msg: bytes | bytearray) -> None:
+    def _deliver(self, msg: bytes | bytearray | Placed) -> None:
         self.queue.append(msg)
         self.queued_bytes += len(msg)
         if self.queued_bytes > RECV_QUEUE_BYTES and not self.held_full:
@@ -246,7 +286,7 @@ class LinkProtocol(asyncio.BufferedProtocol):
             self._update_reading()
         self._wake()
 
-    def _taken(self, msg: bytes | bytearray) -> None:
+    def _taken(self, msg: bytes | bytearray | Placed) -> None:
         self.queued_bytes -= len(msg)
         if self.held_full and self.queued_bytes <= RECV_QUEUE_BYTES // 2 and not self.closed:
             self.held_full = False
@@ -329,7 +369,18 @@ class Link:
         t = self._p.transport
         return t.get_extra_info(name, default) if t is not None else default
 
-    async def recv(self) -> bytes | bytearray | None:
+    def place_with(self, placer: Callable[[bytes, int], memoryview | None],
+                   header_len: int) -> None:
+        """From now on, a large message's first ``header_len`` bytes go to ``placer``
+        with the count of bytes after them; where it answers with a buffer of that size,
+        those bytes are written straight there (no message buffer, no copy) and the
+        message comes out of ``recv`` as ``Placed``. The placer is asked only when every
+        earlier message was taken by ``recv``; a ``ProtocolError`` from it closes the link
+        with its text as the reason."""
+        self._p.placer = placer
+        self._p.place_header = header_len
+
+    async def recv(self) -> bytes | bytearray | Placed | None:
         """The next message, or None once the link closed (``reason`` says why)."""
         p = self._p
         while not p.queue:

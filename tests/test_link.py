@@ -23,6 +23,7 @@ from node.link import (
     LinkClosed,
     LinkProtocol,
     LinkServer,
+    Placed,
     dial,
 )
 from swarm.trust import ca
@@ -140,8 +141,11 @@ def test_an_oversized_message_closes_the_link_before_anything_is_allocated(heade
     assert p.body is None and not p.queue
 
 
-@pytest.mark.parametrize("first", [b"GET /swarm HTTP/1.1\r\n", b"\x16\x03\x01\x02\x00", b"PSL2"])
-def test_a_server_refuses_anything_but_the_preface(first: bytes) -> None:
+@pytest.mark.parametrize(("first", "why"), [
+    (b"GET /swarm HTTP/1.1\r\n", "same release"),  # an older release's websocket dial
+    (b"\x16\x03\x01\x02\x00", "no link preface"),  # TLS where the port has none
+    (b"PSL2", "no link preface")])
+def test_a_server_refuses_anything_but_the_preface(first: bytes, why: str) -> None:
     async def run() -> LinkProtocol:
         p = LinkProtocol(MAX, server_side=True)
         p.connection_made(_Transport())  # type: ignore[arg-type]
@@ -149,8 +153,19 @@ def test_a_server_refuses_anything_but_the_preface(first: bytes) -> None:
         return p
 
     p = asyncio.run(run())
-    assert p.closed and "no link preface" in p.reason and p.transport.aborted
+    assert p.closed and why in p.reason and p.transport.aborted
     assert p.transport.written == []  # a server says nothing before the dialer's preface
+
+
+def test_a_dialer_answered_by_an_older_release_says_so() -> None:
+    async def run() -> LinkProtocol:
+        p = LinkProtocol(MAX)
+        p.connection_made(_Transport())  # type: ignore[arg-type]
+        _feed(p, b"HTTP/1.1 400 Bad Request\r\n\r\n", [64])
+        return p
+
+    p = asyncio.run(run())
+    assert p.closed and "same release" in p.reason and p.transport.aborted
 
 
 def test_a_small_read_that_drained_the_socket_holds_reading_for_a_batch() -> None:
@@ -290,3 +305,53 @@ def test_a_reader_that_falls_behind_holds_the_sender_back_and_loses_nothing() ->
             await server.close()
 
     asyncio.run(run())
+
+
+def test_a_placer_gets_large_messages_written_where_it_says() -> None:
+    """``place_with``: a large message's bytes after its header go straight into the
+    buffer the placer names; only when every earlier message was taken."""
+    target = bytearray(300_000)
+    asked: list[tuple[bytes, int]] = []
+
+    def placer(header: bytes, n: int) -> memoryview | None:
+        asked.append((header, n))
+        return memoryview(target)[:n] if header.startswith(b"BLK") else None
+
+    big = b"BLK:" + os.urandom(200_000)
+    other = b"RAW:" + os.urandom(30_000)
+
+    async def run() -> list[Any]:
+        p = LinkProtocol(MAX)
+        p.connection_made(_Transport())  # type: ignore[arg-type]
+        p.link.place_with(placer, 4)
+        _feed(p, PREFACE + _frame(big), [5000])  # the header first comes in a small read
+        got = [await p.link.recv()]
+        _feed(p, _frame(other) + _frame(b"small") + _frame(big), [70_000])
+        got += [await p.link.recv() for _ in range(3)]
+        return got
+
+    got = asyncio.run(run())
+    placed, raw, small, unplaced = got
+    assert isinstance(placed, Placed) and placed.header == b"BLK:" and len(placed) == len(big)
+    assert bytes(target[:200_000]) == big[4:]
+    assert bytes(raw) == other and small == b"small"
+    # the second big message came while "other" and "small" were still queued: not placed
+    assert bytes(unplaced) == big
+    assert asked == [(b"BLK:", 200_000)]  # "other" came whole in one read: nothing to place
+
+
+def test_a_placer_that_refuses_a_block_closes_the_link_with_its_reason() -> None:
+    from swarm.errors import ProtocolError
+
+    def placer(header: bytes, n: int) -> memoryview | None:
+        raise ProtocolError("block of chunk 3 interrupts chunk 2")
+
+    async def run() -> LinkProtocol:
+        p = LinkProtocol(MAX)
+        p.connection_made(_Transport())  # type: ignore[arg-type]
+        p.link.place_with(placer, 4)
+        _feed(p, PREFACE + _frame(b"x" * 100_000), [65536])
+        return p
+
+    p = asyncio.run(run())
+    assert p.closed and p.transport.aborted and "interrupts" in p.reason

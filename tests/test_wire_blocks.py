@@ -157,3 +157,47 @@ def test_withdrawals_are_told_apart_from_blocks_chunks_and_frames() -> None:
     assert wire.unpack_withdraw(w) == (3, 4)
     with pytest.raises(ProtocolError):
         wire.unpack_withdraw(wire.pack_withdraw(3, 4)[:-1])
+
+
+@given(payloads=st.lists(st.binary(min_size=1, max_size=3000), min_size=1, max_size=3),
+       cuts=st.lists(st.integers(0, 3000), max_size=6),
+       how=st.lists(st.booleans(), min_size=1, max_size=12), fill=st.integers(0, 255))
+def test_placed_blocks_reassemble_as_fed_ones(payloads, cuts, how, fill) -> None:
+    """``place`` / ``placed`` (the link writes a block's bytes straight into the slice it
+    is given) and ``feed`` mix freely on one link and give the same chunks, whatever
+    the buffers held before."""
+    asm = wire.BlockAssembler(alloc=lambda n: bytearray([fill]) * n)
+    k = 0
+    for idx, payload in enumerate(payloads):
+        got = None
+        for m in blocks(2, idx, payload, cuts):
+            header, body = m[:wire.BLOCK_HEADER_LEN], m[wire.BLOCK_HEADER_LEN:]
+            dest = asm.place(header, len(body)) if how[k % len(how)] else None
+            k += 1
+            if dest is None:
+                got = asm.feed(m)
+            else:
+                assert len(dest) == len(body)
+                dest[:] = body
+                got = asm.placed()
+        assert got is not None and got[:2] == (2, idx) and bytes(got[2]) == payload
+        assert asm.pending is None
+
+
+def test_a_placed_block_is_checked_like_a_fed_one() -> None:
+    asm = wire.BlockAssembler()
+    first, second = blocks(1, 0, b"x" * 100, [50])
+    with pytest.raises(ProtocolError, match="first block"):
+        asm.place(second[:wire.BLOCK_HEADER_LEN], 50)  # does not start the chunk
+    with pytest.raises(ProtocolError):
+        asm.place(first[:wire.BLOCK_HEADER_LEN], 101)  # reaches past the chunk
+    dest = asm.place(first[:wire.BLOCK_HEADER_LEN], 50)
+    assert dest is not None
+    with pytest.raises(RuntimeError):  # the placed block must be finished first
+        asm.feed(second)
+    dest[:] = first[wire.BLOCK_HEADER_LEN:]
+    assert asm.placed() is None
+    with pytest.raises(ProtocolError, match="interrupts"):
+        asm.place(wire.pack_block_header(1, 1, 100, 50), 50)
+    fresh = wire.BlockAssembler()  # a chunk that is one block has no buffer: it is fed
+    assert fresh.place(wire.pack_block_header(1, 5, 10, 0), 10) is None and fresh.pending is None

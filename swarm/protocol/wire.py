@@ -493,23 +493,29 @@ def pack_block_header(version: int, index: int, length: int, offset: int) -> byt
     return _BLOCK_HEADER.pack(BLOCK_MAGIC, version, index, length, offset)
 
 
-def unpack_block(data: bytes | memoryview) -> tuple[int, int, int, int, memoryview]:
-    """Split a block message into ``(version, index, chunk length, offset, payload)``.
+def unpack_block_header(header: bytes | memoryview, n: int) -> tuple[int, int, int, int]:
+    """``(version, index, chunk length, offset)`` of a block whose payload is ``n`` bytes.
 
     ``ProtocolError`` if malformed: out-of-range fields, an empty block (one
     that makes no progress), or a block reaching past the chunk's length.
     """
-    if len(data) < BLOCK_HEADER_LEN:
+    if len(header) < BLOCK_HEADER_LEN:
         raise ProtocolError("block message shorter than its header")
-    magic, version, index, length, offset = _BLOCK_HEADER.unpack_from(data)
+    magic, version, index, length, offset = _BLOCK_HEADER.unpack_from(header)
     if magic != BLOCK_MAGIC:
         raise ProtocolError("block message without the PSB1 magic")
     if version > MAX_VERSION or index >= MAX_CHUNKS or length > MAX_CHUNK_BYTES:
         raise ProtocolError("block header out of range")
-    n = len(data) - BLOCK_HEADER_LEN
     if (n == 0 and length > 0) or offset + n > length:
         raise ProtocolError(f"chunk {index}: block of {n} bytes at {offset} of {length}")
-    return version, index, length, offset, memoryview(data)[BLOCK_HEADER_LEN:]
+    return version, index, length, offset
+
+
+def unpack_block(data: bytes | memoryview) -> tuple[int, int, int, int, memoryview]:
+    """Split a block message into ``(version, index, chunk length, offset, payload)``
+    (``ProtocolError`` as ``unpack_block_header``)."""
+    v, i, length, offset = unpack_block_header(data, len(data) - BLOCK_HEADER_LEN)
+    return v, i, length, offset, memoryview(data)[BLOCK_HEADER_LEN:]
 
 
 class BlockAssembler:
@@ -527,7 +533,7 @@ class BlockAssembler:
     length, so no byte of the buffer's old contents is ever part of it.
     """
 
-    __slots__ = ("_alloc", "_buf", "_got", "_key", "_length")
+    __slots__ = ("_alloc", "_buf", "_got", "_key", "_length", "_placing")
 
     def __init__(self, alloc: Callable[[int], Any] | None = None) -> None:
         self._alloc = alloc or bytearray
@@ -535,6 +541,7 @@ class BlockAssembler:
         self._buf: Any = None  # a writable buffer of the chunk's length, from alloc
         self._length = 0
         self._got = 0
+        self._placing = 0  # bytes of the block handed out by ``place``, not yet ``placed``
 
     @property
     def pending(self) -> tuple[int, int] | None:
@@ -573,30 +580,62 @@ class BlockAssembler:
         self._key, self._buf, self._length, self._got = None, None, 0, 0
         return key
 
-    def feed(self, data: bytes | memoryview) -> tuple[int, int, memoryview] | None:
-        """Take one block message; ``(version, index, payload)`` once a chunk is whole."""
-        v, i, length, offset, payload = unpack_block(data)
+    def _begin(self, v: int, i: int, length: int, offset: int, n: int) -> None:
+        """Check that a block continues the chunk in progress (or starts one)."""
+        if self._placing:
+            raise RuntimeError("a placed block was not finished (placed) first")
         if self._key is None:
             if offset != 0:
                 raise ProtocolError(f"chunk {i}: first block at offset {offset}")
             self._key, self._length, self._got = (v, i), length, 0
             self._buf = None
-            if len(payload) < length:
+            if n < length:
                 self._buf = memoryview(self._alloc(length)).cast("B")
                 if len(self._buf) != length:
                     raise ValueError(f"alloc({length}) made a buffer of {len(self._buf)} bytes")
         elif (v, i) != self._key or length != self._length or offset != self._got:
             raise ProtocolError(f"block of chunk {i} v{v} at {offset} interrupts chunk "
                                 f"{self._key[1]} v{self._key[0]} at {self._got}")
-        n = len(payload)
-        if self._buf is None:  # the whole chunk in one block: no copy
-            whole = payload
-        else:
-            self._buf[offset:offset + n] = payload
-            whole = None
+
+    def _advance(self, n: int, whole: memoryview | None) -> tuple[int, int, memoryview] | None:
         self._got += n
         if self._got < self._length:
             return None
-        out = whole if whole is not None else self._buf
+        key, out = self._key, whole if whole is not None else self._buf
         self._key, self._buf = None, None
-        return v, i, out
+        return key[0], key[1], out  # type: ignore[index]
+
+    def feed(self, data: bytes | memoryview) -> tuple[int, int, memoryview] | None:
+        """Take one block message; ``(version, index, payload)`` once a chunk is whole."""
+        v, i, length, offset, payload = unpack_block(data)
+        n = len(payload)
+        self._begin(v, i, length, offset, n)
+        if self._buf is None:  # the whole chunk in one block: no copy
+            return self._advance(n, payload)
+        self._buf[offset:offset + n] = payload
+        return self._advance(n, None)
+
+    def place(self, header: bytes | memoryview, n: int) -> memoryview | None:
+        """Where the payload of a block (its header, ``n`` payload bytes) belongs: the
+        slice of the chunk's buffer it fills, to be written as its bytes arrive (no copy
+        through a message buffer); ``placed`` then takes the block. None for a chunk
+        that is one block (it has no buffer: ``feed`` the message). Checks as ``feed``
+        (``ProtocolError``). Every block before it must have been fed or placed."""
+        v, i, length, offset = unpack_block_header(header, n)
+        if self._key is None and offset == 0 and n == length:
+            return None
+        self._begin(v, i, length, offset, n)
+        self._placing = n
+        return self._buf[offset:offset + n]  # type: ignore[index]
+
+    def placed(self) -> tuple[int, int, memoryview] | None:
+        """The block ``place`` handed out is filled: as ``feed``'s result."""
+        if not self._placing:
+            raise RuntimeError("placed() without place()")
+        n, self._placing = self._placing, 0
+        return self._advance(n, None)
+
+    def abandon_place(self) -> None:
+        """The link closed while a placed block was arriving: forget it (the chunk in
+        progress stays as it was; the link's end drops it)."""
+        self._placing = 0
