@@ -6,8 +6,11 @@ per GB moved (both ends together) and the rate, for:
 
 - ``tcp``: plain TCP, asyncio streams out, a buffered protocol in (the floor);
 - ``tls``: the same inside TLS 1.3 (asyncio's memory-BIO TLS, as the node uses);
-- ``ws-client-sends`` / ``ws-server-sends``: aiohttp websockets over TLS, as the
-  node's links are today (a client masks every frame it sends, RFC 6455).
+- ``ws-client-sends`` / ``ws-server-sends``: aiohttp websockets over TLS, the node's
+  links before round 12 (a client masks every frame it sends, RFC 6455);
+- ``link`` / ``link-placed``: ``node.link`` over TLS, the node's links since round 12;
+  each block ends in a 4 MiB chunk buffer, as in the driver: copied there from the
+  message (``link``) or decrypted straight into it (``link-placed``, ``place_with``).
 
 Usage: ``python benchmarks/bench_transport.py [--blocks 2048] [--runs 2] [--out F.json]``.
 Run it on an idle machine: CPU-s/GB is steadier than the rate, but both move with load.
@@ -149,6 +152,46 @@ async def _websocket(n: int, tls: tuple[ssl.SSLContext, ssl.SSLContext],
     return c1 - c0, t1 - t0
 
 
+async def _link(n: int, tls: tuple[ssl.SSLContext, ssl.SSLContext],
+                placed: bool) -> tuple[float, float]:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from node.guard import ConnectionGuard
+    from node.link import Link, LinkServer, dial
+
+    head = 24  # the driver's block header (swarm.protocol.wire.BLOCK_HEADER_LEN)
+    chunk = memoryview(bytearray(4 * 1024 * 1024))
+    done = asyncio.Event()
+
+    async def take(link: Link) -> None:
+        if placed:
+            link.place_with(lambda h, k: chunk[:k], head)
+        for _ in range(n):
+            m = await link.recv()
+            if not placed:
+                chunk[:len(m) - head] = memoryview(m)[head:]  # type: ignore[arg-type]
+        done.set()
+
+    server = LinkServer(take, ssl_context=tls[0], max_message=1 << 23,
+                        guard=ConnectionGuard(max_total=4, max_per_ip=4, upgrade_timeout_s=10),
+                        read_coalesce_s=0.0)
+    await server.start("127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    tls[1].check_hostname = False  # the node's contexts check identities, not names
+    try:
+        link = await dial("127.0.0.1", port, ssl_context=tls[1], max_message=1 << 23, timeout=10)
+    finally:
+        tls[1].check_hostname = True
+    header, payload = os.urandom(head), os.urandom(BLOCK)
+    c0, t0 = _cpu(), time.perf_counter()
+    for _ in range(n):
+        await link.send(header, payload)
+    await done.wait()
+    c1, t1 = _cpu(), time.perf_counter()
+    await link.close()
+    await server.close()
+    return c1 - c0, t1 - t0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -169,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
             "tls": lambda: _stream(args.blocks, tls),
             "ws-client-sends": lambda: _websocket(args.blocks, tls, True),
             "ws-server-sends": lambda: _websocket(args.blocks, tls, False),
+            "link": lambda: _link(args.blocks, tls, False),
+            "link-placed": lambda: _link(args.blocks, tls, True),
         }
         gb = args.blocks * BLOCK / 1e9
         rows = []
