@@ -401,7 +401,17 @@ class Link:
         n = sum(len(x) for x in parts)
         if n > p.max_message:
             raise ValueError(f"message of {n} bytes, over the link's limit")
-        p.transport.write(b"".join((HEADER.pack(n), *parts)))
+        if n <= SMALL_MESSAGE or (len(parts) == 1 and not isinstance(parts[0], memoryview)):
+            p.transport.write(b"".join((HEADER.pack(n), *parts)))
+        else:
+            # the small leading parts (a block's header) with the length, the large ones as
+            # they are: no copy of a chunk block into a new message (TLS writes each piece
+            # as its own records; without TLS one writev)
+            head = [HEADER.pack(n)]
+            rest = list(parts)
+            while rest and len(rest[0]) <= 64:
+                head.append(bytes(rest.pop(0)))
+            p.transport.writelines([b"".join(head), *rest])
         if p.write_paused:
             d = asyncio.get_running_loop().create_future()
             p.drainers.append(d)
