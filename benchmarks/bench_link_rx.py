@@ -218,11 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"{r['mbit']:>5} {r['arm']:13} {r['run']:>3} {r['cpu_s_per_gb']:>9.2f} "
               f"{r['wakeups_per_message']:>13.1f} {r['mb_per_s']:>7.1f}")
-    if args.out:
-        args.out.write_text(json.dumps({"bench": "link_rx", "block_bytes": BLOCK, "mib": args.mib,
-                                        "python": sys.version.split()[0], "rows": rows},
-                                       indent=1) + "\n")
-        print(f"wrote {args.out}")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_transport import write_results
+
+    write_results(args.out, {"bench": "link_rx", "block_bytes": BLOCK, "mib": args.mib, "rows": rows})
     return 0
 
 

@@ -192,6 +192,13 @@ async def _link(n: int, tls: tuple[ssl.SSLContext, ssl.SSLContext],
     return c1 - c0, t1 - t0
 
 
+def write_results(path: Path | None, doc: dict) -> None:
+    """The results as JSON at ``path`` (none: nothing), with the Python version."""
+    if path is not None:
+        path.write_text(json.dumps({**doc, "python": sys.version.split()[0]}, indent=1) + "\n")
+        print(f"wrote {path}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -225,12 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'arm':18} {'run':>3} {'CPU-s/GB (both ends)':>21} {'GB/s':>6}")
     for r in rows:
         print(f"{r['arm']:18} {r['run']:>3} {r['cpu_s_per_gb']:>21.2f} {r['gb_per_s']:>6.2f}")
-    if args.out:
-        args.out.write_text(json.dumps({"bench": "transport", "block_bytes": BLOCK,
-                                        "blocks": args.blocks, "loop": loop_name,
-                                        "python": sys.version.split()[0], "rows": rows},
-                                       indent=1) + "\n")
-        print(f"wrote {args.out}")
+    write_results(args.out, {"bench": "transport", "block_bytes": BLOCK, "blocks": args.blocks,
+                             "loop": loop_name, "rows": rows})
     return 0
 
 
