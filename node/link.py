@@ -5,9 +5,9 @@ keeps aiohttp). Two reasons, both measured (docs/benchmarks.md, "round 12"):
 
 - **Reads in batches.** On a WAN link a TLS stream arrives a TCP segment at a time
   (a 100 Mbit uplink delivers one every ~0.1 ms) and every segment woke the event
-  loop: a read, a TLS read attempt that fails until its record is whole, the
-  collector running every few wake-ups. A receiving node spent ~20 CPU-s per GB at
-  100 Mbit, ~4x what the same bytes cost at 1 Gbit. After a read that drained the
+  loop: a read, a TLS read attempt that fails until its record is whole, and the
+  Python around them. A receiver spent 21-22 CPU-s per GB at 100 Mbit, ~3x what the
+  same bytes cost at 1 Gbit (``benchmarks/bench_link_rx.py``). After a read that drained the
   socket and was not large, a link stops reading for ``read_coalesce_s`` (2 ms): the
   kernel gathers the segments meanwhile and the next read takes them at once (with
   TLS the socket itself is paused: the TLS layer's read limit drops to one byte while
@@ -17,7 +17,8 @@ keeps aiohttp). Two reasons, both measured (docs/benchmarks.md, "round 12"):
 - **No websocket layer.** RFC 6455 makes a client mask (copy and XOR) every frame it
   sends, aiohttp reassembles every message into new bytes, and each message costs
   Python on both sides. Here a message is a 4-byte length and its bytes; a large one
-  is decrypted straight into its own buffer.
+  is decrypted straight into its own buffer, a chunk block into its chunk's buffer
+  (``Link.place_with``).
 
 Per connection: the event loop's TLS transport (TLS 1.3, mutual; uvloop's where it is
 installed) under ``LinkProtocol``, a buffered protocol. Without TLS (tests, demos on
@@ -25,9 +26,9 @@ loopback) a server hands a connection that starts with anything but the preface 
 its HTTP protocol (the API may share the swarm port then; with TLS it has its own,
 node.config).
 
-Wire, after TLS: the dialer sends ``PREFACE``, the server answers with it; then messages, each a big-endian
-u32 and that many bytes. A u32 with the top bit set is the last message: the low bits
-give the length of a UTF-8 reason for closing.
+Wire, after TLS: the dialer sends ``PREFACE``, the server answers with it; then
+messages, each a big-endian u32 and that many bytes. A u32 with the top bit set is the
+last message: the low bits give the length of a UTF-8 reason for closing.
 """
 
 from __future__ import annotations
@@ -35,15 +36,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import logging
 import ssl
 import struct
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from swarm.errors import ProtocolError
-
-log = logging.getLogger("patchswarm.link")
 
 PREFACE = b"PSL1"
 HEADER = struct.Struct(">I")
