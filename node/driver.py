@@ -161,7 +161,7 @@ class Conn:
     """One link to a peer, with its ordered send queue."""
 
     id: int
-    ws: Link
+    link: Link
     outbound: bool
     addr: str
     # Control frames go before the next block of a chunk (see _writer): they wait for
@@ -341,7 +341,7 @@ class Driver:
         for c in conns:
             c.closing = True
         if conns:
-            await asyncio.wait([asyncio.ensure_future(c.ws.close("shutting down")) for c in conns],
+            await asyncio.wait([asyncio.ensure_future(c.link.close("shutting down")) for c in conns],
                                timeout=2.5)
         for t in list(self._tasks):
             t.cancel()
@@ -433,7 +433,7 @@ class Driver:
             c = self.conns.pop(a.conn, None)
             if c is not None:
                 c.closing = True
-                self._spawn(self._close_ws(c, a.reason))
+                self._spawn(self._close_link(c, a.reason))
         elif isinstance(a, ev.AcceptManifest):
             self._persist_manifest(a.version, a.raw, a.manifest)
         elif isinstance(a, ev.ApplyVersion):
@@ -450,7 +450,7 @@ class Driver:
             log.warning("peer %s: send queue full, dropping it", c.addr)
             self.conns.pop(c.id, None)
             c.closing = True
-            self._spawn(self._close_ws(c, "send queue full"))
+            self._spawn(self._close_link(c, "send queue full"))
             self.feed(ev.PeerDisconnected(self.now(), c.id, "send queue full"))
             return
         if item[0] == "frame":
@@ -467,12 +467,12 @@ class Driver:
 
     # ---------------------------------------------------------- connections
 
-    def _register(self, ws: Link, outbound: bool, addr: str,
+    def _register(self, link: Link, outbound: bool, addr: str,
                   identity: tuple[str, str, str] | None = None, sock: Any = None) -> Conn:
         limit_unsent(sock, self.unsent_limit)
-        c = Conn(next(self._ids), ws, outbound, addr)
+        c = Conn(next(self._ids), link, outbound, addr)
         # chunk blocks are decrypted straight into their chunk's buffer (_place)
-        ws.place_with(lambda header, n: self._place(c, header, n), wire.BLOCK_HEADER_LEN)
+        link.place_with(lambda header, n: self._place(c, header, n), wire.BLOCK_HEADER_LEN)
         self.conns[c.id] = c
         c.writer = self._spawn(self._writer(c))
         self.feed(ev.PeerConnected(self.now(), c.id, outbound, addr, identity))
@@ -535,9 +535,9 @@ class Driver:
         reason = "closed by peer"
         try:
             while True:
-                data = await c.ws.recv()
+                data = await c.link.recv()
                 if data is None:
-                    reason = c.ws.reason or reason
+                    reason = c.link.reason or reason
                     break
                 self.wire_bytes["received"] += len(data)
                 if c.id not in self.conns:
@@ -562,11 +562,11 @@ class Driver:
             if c.writer is not None:
                 c.writer.cancel()
             with contextlib.suppress(Exception):
-                await c.ws.close()
+                await c.link.close()
 
-    async def _close_ws(self, c: Conn, reason: str) -> None:
+    async def _close_link(self, c: Conn, reason: str) -> None:
         with contextlib.suppress(Exception):
-            await c.ws.close(reason[:200])
+            await c.link.close(reason[:200])
         if c.writer is not None:
             c.writer.cancel()
 
@@ -585,7 +585,7 @@ class Driver:
             while not c.closing:
                 if c.ctrl:
                     data = c.ctrl.popleft()
-                    self.wire_bytes["sent"] += await c.ws.send(data)
+                    self.wire_bytes["sent"] += await c.link.send(data)
                     continue
                 if sending is None:
                     if not c.data:
@@ -602,7 +602,7 @@ class Driver:
                     payload = await self._chunk_bytes(v, i)
                     if payload is None:  # an arriving chunk that failed: nothing was sent
                         if arriving:  # the peer may have asked for it: "it will not come"
-                            self.wire_bytes["sent"] += await c.ws.send(wire.pack_withdraw(v, i))
+                            self.wire_bytes["sent"] += await c.link.send(wire.pack_withdraw(v, i))
                         self.feed(ev.ChunkSent(self.now(), c.id, v, i, withdrawn=arriving))
                         continue
                     sending, offset = (v, i, payload), 0
@@ -615,7 +615,7 @@ class Driver:
                         stream.watchers.remove(c)
                         sending, stream = None, None
                         # also before any block: a requester waits
-                        self.wire_bytes["sent"] += await c.ws.send(wire.pack_withdraw(v, i))
+                        self.wire_bytes["sent"] += await c.link.send(wire.pack_withdraw(v, i))
                         self.feed(ev.ChunkSent(self.now(), c.id, v, i, withdrawn=True))
                         continue
                     # blocks as they come; the last only once the chunk is verified here
@@ -626,7 +626,7 @@ class Driver:
                 block: bytes | memoryview = payload[offset:end]
                 if stream is not None and offset == 0 and self.faults.corrupt_chunks:
                     block = bytes([block[0] ^ 0xFF]) + bytes(block[1:])
-                self.wire_bytes["sent"] += await c.ws.send(
+                self.wire_bytes["sent"] += await c.link.send(
                     wire.pack_block_header(v, i, n, offset), block)
                 offset = end
                 if offset >= n:
@@ -873,7 +873,7 @@ class Driver:
         if self.conns.pop(c.id, None) is not None:
             c.closing = True
             self.feed(ev.PeerDisconnected(self.now(), c.id, reason))
-        await self._close_ws(c, reason)
+        await self._close_link(c, reason)
 
     # ---------------------------------------------------------------- apply
 

@@ -119,7 +119,6 @@ class LinkProtocol(asyncio.BufferedProtocol):
         self.held_full = False  # reading paused: the receive queue is full
         self.held_batch: asyncio.TimerHandle | None = None  # reading paused to gather a batch
         self.reading = True
-        self.reads = 0
         self.waiter: asyncio.Future | None = None
         self.write_paused = False
         self.drainers: list[asyncio.Future] = []
@@ -164,7 +163,6 @@ class LinkProtocol(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         if self.closed:
             return
-        self.reads += 1
         if self.body is not None:
             self.bpos += nbytes
             if self.bpos == len(self.body):

@@ -90,13 +90,13 @@ async def _relaying(arriving: bool = True) -> AsyncIterator[tuple[asyncio.Queue,
     what the far end received (a queue), the chunk's arrival (None: not arriving any
     more) and the ``ChunkSent`` events the core got."""
     messages: asyncio.Queue = asyncio.Queue()
-    server, ws = await _link(messages)
+    server, link = await _link(messages)
     sent: list[ev.ChunkSent] = []
     drv = _driver(sent)
     a = None
     if arriving:
         a = drv.arrivals[(2, 0)] = Arrival(conn=99, buf=memoryview(bytearray(PAYLOAD)), length=N)
-    c = Conn(id=7, ws=ws, outbound=True, addr="peer")
+    c = Conn(id=7, link=link, outbound=True, addr="peer")
     c.data.append((2, 0, True))
     writer = asyncio.create_task(drv._writer(c))
     try:
@@ -104,7 +104,7 @@ async def _relaying(arriving: bool = True) -> AsyncIterator[tuple[asyncio.Queue,
     finally:
         c.closing = True
         writer.cancel()
-        await ws.close()
+        await link.close()
         await server.close()
 
 
