@@ -98,6 +98,9 @@ def status_dict(driver: Driver, model: str) -> dict[str, Any]:
         "engine": engine_dict(driver),
         "transport": {
             "tls": driver.tls is not None,
+            # TCP congestion control of the peer sockets ([network] congestion_control)
+            "congestion_control": driver.congestion_in_use,
+            "congestion_refused": driver.congestion_refused,
             "connections": driver.guard.stats.open,
             "refused": driver.guard.stats.refused,
             "timed_out": driver.guard.stats.timed_out,

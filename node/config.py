@@ -10,7 +10,8 @@ Layout (see configs/node.toml for a commented example)::
     [node]     id, region, model, role ("node" | "origin"), warm_memory_mib (heap touched
                at start so the first version runs on warm memory; 0 = off)
     [network]  listen = "host:port", advertise = "host:port" (default: listen),
-               bootstrap = ["host:port", ...], swarm_secret (hex) or swarm_secret_file
+               bootstrap = ["host:port", ...], swarm_secret (hex) or swarm_secret_file,
+               congestion_control ("bbr"; "" = the system's), read_coalesce_ms, ...
     [trust]    trainer_keys = ["trainer.pub", ...]       (Ed25519 public keys, PEM),
                node_key = "node.x25519" (X25519 private key: opens confidential versions)
     [store]    dir, quota_bytes (0 = none), keep_versions (0 = keep all), fsync
@@ -27,6 +28,7 @@ Layout (see configs/node.toml for a commented example)::
 
 from __future__ import annotations
 
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +44,8 @@ _SECTIONS = {
     "node": {"id", "region", "model", "role", "warm_memory_mib"},
     "network": {"listen", "advertise", "bootstrap", "swarm_secret", "swarm_secret_file",
                 "max_connections", "max_connections_per_ip", "upgrade_timeout_s",
-                "allow_plaintext", "unsent_limit_kib", "read_coalesce_ms"},
+                "allow_plaintext", "unsent_limit_kib", "read_coalesce_ms",
+                "congestion_control"},
     "trust": {"trainer_keys", "node_key"},
     "store": {"dir", "quota_bytes", "keep_versions", "fsync"},
     "weights": {"base", "base_version", "device"},
@@ -116,6 +119,8 @@ class NodeConfig:
     # a peer link reads its socket at most every this often while data streams in (0: at
     # once; node.link.ReadPacer)
     read_coalesce_ms: float = 2.0
+    # TCP congestion control of peer sockets ("": the system's; node.driver.set_congestion)
+    congestion_control: str = "bbr"
     gateway: GatewayConfig | None = None  # the version-pinned request gateway (None: off)
     warm_memory_mib: int = DEFAULT_WARM_MEMORY_MIB  # heap touched once at start (node.daemon.warm_heap)
 
@@ -453,6 +458,10 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = Non
     coalesce = _get(net, "network", "read_coalesce_ms", (int, float), 2.0)
     if isinstance(coalesce, bool) or not 0 <= coalesce <= 50:
         raise ConfigError(f"network.read_coalesce_ms: must be a number in 0..50, got {coalesce!r}")
+    congestion = _get(net, "network", "congestion_control", str, "bbr")
+    if not re.fullmatch(r"[a-z0-9_]{0,15}", congestion):
+        raise ConfigError("network.congestion_control: a Linux congestion control name "
+                          f"(bbr, cubic, ...: [a-z0-9_], at most 15) or \"\", got {congestion!r}")
     tls = _tls(data.get("tls"), base_dir, node_id, region, role)
     plaintext = _get(net, "network", "allow_plaintext", bool, False)
     if tls is None and not plaintext and not _loopback(host):
@@ -466,7 +475,7 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = Non
         raise ConfigError("gateway: only a rollout node (node.role = \"node\") serves requests")
     cfg = NodeConfig(
         tls=tls, api_listen=api_listen, api_token=api_token, upgrade_timeout_s=float(upgrade),
-        read_coalesce_ms=float(coalesce), gateway=gateway, warm_memory_mib=warm,
+        read_coalesce_ms=float(coalesce), congestion_control=congestion, gateway=gateway, warm_memory_mib=warm,
         **conn_caps,
         node_id=node_id, region=region, model=model, role=role, listen_host=host,
         listen_port=port, advertise=advertise, bootstrap=tuple(bootstrap), swarm_secret=secret,

@@ -150,6 +150,7 @@ def build_node(cfg: NodeConfig, *, weights: InProcessWeights | None = None,
                     keep_versions=cfg.keep_versions, tls=tls, api_addr=cfg.api_listen,
                     unsent_limit=cfg.unsent_limit_kib * 1024,
                     read_coalesce_s=cfg.read_coalesce_ms / 1000,
+                    congestion=cfg.congestion_control,
                     guard=ConnectionGuard(max_total=cfg.max_connections,
                                           max_per_ip=cfg.max_connections_per_ip,
                                           upgrade_timeout_s=cfg.upgrade_timeout_s))

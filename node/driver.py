@@ -201,6 +201,42 @@ def limit_unsent(sock: Any, limit: int) -> bool:
     return True
 
 
+# TCP congestion control asked for on every peer socket (``[network] congestion_control``).
+# A loss-based algorithm (CUBIC, Reno: most distributions' default) caps one flow near
+# MSS / RTT x 1.22 / sqrt(loss), ~3 Mbit/s at 150 ms and 0.1 % loss, however fat the path;
+# BBR paces at the measured bottleneck rate and does not back off on random loss
+# (docs/benchmarks.md, "Long lossy links").
+CONGESTION_CONTROL = "bbr"
+
+
+def set_congestion(sock: Any, name: str) -> str | None:
+    """Use TCP congestion control ``name`` on a peer socket (Linux ``TCP_CONGESTION``;
+    ``""`` leaves the system's). Returns why the kernel refused it (the socket then keeps
+    the system's algorithm), else None."""
+    if not name or sock is None:
+        return None
+    opt = getattr(socket, "TCP_CONGESTION", None)
+    if opt is None:
+        return "this platform has no TCP_CONGESTION"
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, opt, name.encode())
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
+def congestion_of(sock: Any) -> str | None:
+    """The congestion control a TCP socket uses, or None where it cannot be read."""
+    opt = getattr(socket, "TCP_CONGESTION", None)
+    if sock is None or opt is None:
+        return None
+    try:
+        raw = sock.getsockopt(socket.IPPROTO_TCP, opt, 16)
+    except OSError:
+        return None
+    return raw.split(b"\0", 1)[0].decode("ascii", "replace") or None
+
+
 def lower_thread_priority() -> None:
     """Lower the calling thread's scheduling priority to ``PRESTAGE_NICE`` (never
     raise it). Linux only (niceness is per thread there); elsewhere, or when the
@@ -226,10 +262,16 @@ class Driver:
                  api_addr: tuple[str, int] | None = None,
                  guard: ConnectionGuard | None = None,
                  unsent_limit: int = UNSENT_LIMIT,
-                 read_coalesce_s: float = READ_COALESCE_S) -> None:
+                 read_coalesce_s: float = READ_COALESCE_S,
+                 congestion: str = CONGESTION_CONTROL) -> None:
         self.core = core
         self.read_coalesce_s = read_coalesce_s
         self.unsent_limit = unsent_limit
+        self.congestion = congestion
+        # what the last peer socket ended up with (``/status``), and whether the kernel
+        # refused ``congestion`` (logged once: every socket would say the same)
+        self.congestion_in_use: str | None = None
+        self.congestion_refused: str | None = None
         self.store = store
         self.guard = guard or ConnectionGuard(max_total=1024, max_per_ip=32, upgrade_timeout_s=10.0)
         self.tls = tls
@@ -470,6 +512,7 @@ class Driver:
     def _register(self, link: Link, outbound: bool, addr: str,
                   identity: tuple[str, str, str] | None = None, sock: Any = None) -> Conn:
         limit_unsent(sock, self.unsent_limit)
+        self._congestion(sock)
         c = Conn(next(self._ids), link, outbound, addr)
         # chunk blocks are decrypted straight into their chunk's buffer (_place)
         link.place_with(lambda header, n: self._place(c, header, n), wire.BLOCK_HEADER_LEN)
@@ -477,6 +520,18 @@ class Driver:
         c.writer = self._spawn(self._writer(c))
         self.feed(ev.PeerConnected(self.now(), c.id, outbound, addr, identity))
         return c
+
+    def _congestion(self, sock: Any) -> None:
+        why = set_congestion(sock, self.congestion)
+        if why is not None and self.congestion_refused is None:
+            self.congestion_refused = why
+            log.warning("congestion control %r refused on peer links (%s): they use the "
+                        "system's %r. Allow it (net.ipv4.tcp_allowed_congestion_control, or "
+                        "run with CAP_NET_ADMIN) or set network.congestion_control = \"\" "
+                        "(docs/operations.md)", self.congestion, why, congestion_of(sock))
+        in_use = congestion_of(sock)
+        if in_use is not None:
+            self.congestion_in_use = in_use
 
     def _tls_identity(self, ssl_object: Any, addr: str) -> tuple[str, str, str] | None:
         """The peer's identity proven by mutual TLS; ``ProtocolError`` if there is none."""

@@ -41,11 +41,15 @@ def test_valid_config_resolves_paths_and_core_knobs(tmp_path: Path) -> None:
     assert cfg.warm_memory_mib == 256
     assert parse_config(_doc(node={"warm_memory_mib": 0}), tmp_path).warm_memory_mib == 0
     assert cfg.read_coalesce_ms == 2.0
+    assert cfg.congestion_control == "bbr"
+    assert parse_config(_doc(network={"congestion_control": ""}), tmp_path).congestion_control == ""
     assert parse_config(_doc(network={"read_coalesce_ms": 0}), tmp_path).read_coalesce_ms == 0
 
 
 @pytest.mark.parametrize(("over", "key"), [
     ({"network": {"listen": "nohost"}}, "network.listen"),
+    ({"network": {"congestion_control": "BBR; rm"}}, "network.congestion_control"),
+    ({"network": {"congestion_control": 1}}, "network.congestion_control"),
     ({"network": {"listen": "h:99999"}}, "network.listen"),
     ({"network": {"bootstrap": [1]}}, "network.bootstrap[0]"),
     ({"network": {"swarm_secret": "zz"}}, "network.swarm_secret"),

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import ssl
 
 import pytest
 
 from lab.fleet import MODEL, LoopbackFleet
+from node.driver import set_congestion
 from swarm.protocol import handshake as hs
 from swarm.trust import ca
 from tests.peer_client import connect, ending
@@ -36,6 +38,16 @@ def test_tls_fleet_converges_and_refuses_outsiders(tmp_path) -> None:
         pub = fleet.publish()
         statuses = fleet.wait_version(pub["version"], timeout=60)
         assert {st["active_digest"] for st in statuses.values()} == {pub["digest"]}
+        # peer sockets use [network] congestion_control (bbr, shipped) where the kernel
+        # allows it; where it does not, the node says why
+        with socket.socket() as probe:
+            refused = set_congestion(probe, "bbr")
+        for st in statuses.values():
+            tr = st["transport"]
+            if refused is None:
+                assert tr["congestion_control"] == "bbr" and tr["congestion_refused"] is None, tr
+            else:
+                assert tr["congestion_refused"], tr
         target = fleet.nodes[0]
         # 1. a plain (no TLS) link to the swarm port: no connection
         got = asyncio.run(_try_link(target.addr, None))

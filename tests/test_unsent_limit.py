@@ -1,5 +1,6 @@
-"""``[network] unsent_limit_kib``: the kernel holds at most that many unsent bytes per peer
-socket (TCP_NOTSENT_LOWAT), so control frames overtake chunk data in our own queue."""
+"""Peer socket options. ``[network] unsent_limit_kib``: the kernel holds at most that many
+unsent bytes per peer socket (TCP_NOTSENT_LOWAT), so control frames overtake chunk data in
+our own queue. ``[network] congestion_control``: the TCP algorithm of each peer socket."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import socket
 
 import pytest
 
-from node.driver import UNSENT_LIMIT, limit_unsent
+from node.driver import UNSENT_LIMIT, congestion_of, limit_unsent, set_congestion
 
 needs_opt = pytest.mark.skipif(not hasattr(socket, "TCP_NOTSENT_LOWAT"),
                                reason="no TCP_NOTSENT_LOWAT on this platform")
@@ -71,4 +72,52 @@ def test_zero_or_no_socket_leaves_the_kernel_default() -> None:
         assert limit_unsent(cli, UNSENT_LIMIT) is False  # a closed socket: no error raised
     finally:
         for s in (acc, srv):
+            s.close()
+
+
+# ---- [network] congestion_control: TCP_CONGESTION on peer sockets
+
+needs_cc = pytest.mark.skipif(not hasattr(socket, "TCP_CONGESTION"),
+                              reason="no TCP_CONGESTION on this platform")
+
+
+def _allowed() -> list[str]:
+    try:
+        with open("/proc/sys/net/ipv4/tcp_allowed_congestion_control") as f:
+            return f.read().split()
+    except OSError:
+        return []
+
+
+@needs_cc
+def test_congestion_control_is_set_on_a_real_connection() -> None:
+    srv, cli, acc = _pair()
+    try:
+        # reno is built into every Linux kernel and always allowed
+        assert set_congestion(cli, "reno") is None and set_congestion(acc, "reno") is None
+        assert congestion_of(cli) == "reno" and congestion_of(acc) == "reno"
+        cli.sendall(b"x" * 100_000)  # the connection still works after the switch
+        got = 0
+        while got < 100_000:
+            got += len(acc.recv(65536))
+        if "bbr" in _allowed():
+            assert set_congestion(cli, "bbr") is None and congestion_of(cli) == "bbr"
+    finally:
+        for s in (cli, acc, srv):
+            s.close()
+
+
+@needs_cc
+def test_a_refused_algorithm_says_why_and_leaves_the_socket_working() -> None:
+    srv, cli, acc = _pair()
+    try:
+        before = congestion_of(cli)
+        why = set_congestion(cli, "nosuchcc")
+        assert why and isinstance(why, str)
+        assert congestion_of(cli) == before  # the system's, unchanged
+        assert set_congestion(cli, "") is None and set_congestion(None, "bbr") is None
+        cli.sendall(b"ok")
+        assert acc.recv(2) == b"ok"
+    finally:
+        for s in (cli, acc, srv):
             s.close()
