@@ -264,6 +264,8 @@ def _fleet(lab: Any, args: argparse.Namespace, workdir: Path) -> Any:
         k, _, v = kv.partition("=")
         knobs[k.strip()] = json.loads(v)
     network = {} if args.unsent_limit_kib is None else {"unsent_limit_kib": args.unsent_limit_kib}
+    if args.congestion is not None:
+        network["congestion_control"] = args.congestion
     node = {"warm_memory_mib": args.warm_mib}
     fleet = LoopbackFleet(lab.regions, lab.hosts_per_region, chunk_size=args.chunk_size,
                           lab=lab, tls=args.tls, workdir=workdir, swarm=knobs, network=network,
@@ -620,7 +622,8 @@ def inner(args: argparse.Namespace) -> int:
         "lt_cross_peers": args.lt_cross_peers, "lt_pex": not args.lt_no_pex,
         "uplink_burst_kib": args.uplink_burst_kib, "flow_bound_s": round(bound, 3),
         "swarm_knobs": args.swarm or [], "host_sysctls": dict(args.sysctl),
-        "warm_memory_mib": args.warm_mib,
+        "warm_memory_mib": args.warm_mib, "loss": args.loss,
+        "congestion_control": args.congestion if args.congestion is not None else "bbr",
         "cpus": os.cpu_count(), "runs": []}
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     for k in range(args.runs):
@@ -698,6 +701,9 @@ def simulate(args: argparse.Namespace, result: dict[str, Any]) -> dict[str, Any]
         apply_cpu_s_per_gb=statistics.median(tails) / (size / 1e9),
         regions=result["regions"], hosts_per_region=result["hosts_per_region"],
         uplink_mbit=args.uplink_mbit, delay_ms=args.delay_ms)
+    if sc is not None and args.loss:
+        print("simulator: no prediction for a lossy network (configs/sim/wan-3x4.toml has no loss)")
+        return None
     if sc is None:
         print("simulator: no scenario file for this shape (configs/sim/wan-3x4.toml is 3x4, "
               "100 Mbit, 40 ms)")
@@ -751,7 +757,7 @@ def outer(args: argparse.Namespace, argv: list[str]) -> int:
         return 2
     lab = NetLab(args.regions, args.hosts_per_region, uplink_mbit=args.uplink_mbit,
                  host_mbit=args.host_mbit, trainer_in_region=0, delay_ms=args.delay_ms,
-                 intra_delay_ms=args.intra_delay_ms,
+                 intra_delay_ms=args.intra_delay_ms, loss=args.loss,
                  uplink_burst_bytes=int(args.uplink_burst_kib * 1024),
                  host_sysctls=dict(args.sysctl))
     desc_file = None
@@ -861,6 +867,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="set in every host's namespace (repeatable), to measure a deployment "
                          "setting: e.g. net.ipv4.tcp_slow_start_after_idle=0 (Linux restarts "
                          "an idle connection's congestion window from its initial one)")
+    ap.add_argument("--loss", type=float, default=0.0, metavar="P",
+                    help="drop each TCP segment between regions with probability P (the core's "
+                         "delay holder; default 0): a long lossy path caps a loss-based TCP flow "
+                         "near MSS / RTT x 1.22 / sqrt(P)")
+    ap.add_argument("--congestion", default=None, metavar="NAME",
+                    help="[network] congestion_control of the trainer and every node (default: "
+                         "the shipped bbr; \"\" = the host's, see --sysctl "
+                         "net.ipv4.tcp_congestion_control=cubic for a CUBIC-default host)")
     ap.add_argument("--unsent-limit-kib", type=int, default=None, metavar="KIB",
                     help="[network] unsent_limit_kib of the trainer and every node: unsent "
                          "bytes the kernel may hold per peer socket (0: the kernel's default; "

@@ -16,10 +16,17 @@ machine's cores:
 
 - only the IPv4 header is copied to user space (``COPY_PACKET``, 20 bytes), for
   the packet's length (``NFQA_CAP_LEN``, else the header's total length);
-- ``NFQA_CFG_F_GSO``: GSO/GRO super-packets are queued whole, not segmented;
+- ``NFQA_CFG_F_GSO``: GSO/GRO super-packets are queued whole, not segmented (not
+  with ``--loss``, below);
 - one thread; while it holds packets it wakes once per tick (``min(0.5 ms,
   delay / 10)``) and reads everything that arrived, up to ``BATCH`` messages per
   receive call, instead of waking per packet.
+
+``--loss P`` also drops packets at random, each with probability P, from a seeded
+generator (``--seed``): long lossy paths, where a loss-based TCP flow is capped near
+MSS / RTT x 1.22 / sqrt(P) (Mathis et al.). A lossy queue does not ask for whole GSO
+super-packets: the kernel queues each segment, so P is per segment (dropping a
+super-packet would lose tens of segments at once).
 
 Memory is bounded: past ``--max-held`` packets (or ``--max-held-mib`` of
 packet bytes) a new packet is dropped and counted, and the kernel queue itself
@@ -41,6 +48,7 @@ import errno
 import fcntl
 import json
 import os
+import random
 import resource
 import select
 import signal
@@ -77,7 +85,8 @@ class Holder:
     """One NFQUEUE queue bound in this network namespace; see the module docstring."""
 
     def __init__(self, queue: int, delay_s: float, max_held: int = 100_000,
-                 max_held_bytes: int = 256 << 20, tick_s: float | None = None) -> None:
+                 max_held_bytes: int = 256 << 20, tick_s: float | None = None,
+                 loss: float = 0.0, seed: int = 0) -> None:
         from fnfqueue import ffi, lib  # the wan extra; imported here so the lab imports without it
 
         self.ffi, self.lib = ffi, lib
@@ -86,8 +95,12 @@ class Holder:
         self.max_held, self.max_held_bytes = max_held, max_held_bytes
         self.held: collections.deque[tuple[float, int, int]] = collections.deque()
         self.held_bytes = 0
-        self.stats = {"queue": queue, "delay_ms": delay_s * 1e3, "packets": 0, "bytes": 0,
-                      "dropped_over_cap": 0, "max_held": 0, "max_held_bytes": 0,
+        if not 0.0 <= loss < 1.0:
+            raise HolderError(f"loss must be in [0, 1), got {loss}")
+        self.loss = loss
+        self.rng = random.Random(seed)
+        self.stats = {"queue": queue, "delay_ms": delay_s * 1e3, "loss": loss, "packets": 0,
+                      "bytes": 0, "dropped_lost": 0, "dropped_over_cap": 0, "max_held": 0, "max_held_bytes": 0,
                       "verdict_batches": 0, "wakeups": 0}
         self.conn = ffi.new("struct nfq_connection *")
         if lib.init_connection(self.conn) == -1:
@@ -109,7 +122,8 @@ class Holder:
         self._seq = 0
         self._control(lib.bind_queue, queue)
         self._control(lib.set_mode, queue, COPY_RANGE, lib.NFQNL_COPY_PACKET)
-        self._control(lib.set_flags, queue, lib.NFQA_CFG_F_GSO, lib.NFQA_CFG_F_GSO)
+        if not loss:
+            self._control(lib.set_flags, queue, lib.NFQA_CFG_F_GSO, lib.NFQA_CFG_F_GSO)
         self._control(lib.set_maxlen, queue, max_held)
 
     # ------------------------------------------------------------ netlink
@@ -175,6 +189,10 @@ class Holder:
                     h = ffi.cast("unsigned char *", a.buffer) if a.buffer and a.len >= 4 else None
                     size = (h[2] << 8 | h[3]) if h is not None else 0
                 got += 1
+                if self.loss and self.rng.random() < self.loss:
+                    self.stats["dropped_lost"] += 1
+                    self._verdict_upto(p.id, lib.NF_DROP)
+                    continue
                 if len(self.held) >= self.max_held or self.held_bytes + size > self.max_held_bytes:
                     self.stats["dropped_over_cap"] += 1
                     self._verdict_upto(p.id, lib.NF_DROP)
@@ -249,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="packets held at most (user space and kernel queue); more are dropped")
     ap.add_argument("--max-held-mib", type=float, default=256.0,
                     help="packet bytes held at most; more are dropped")
+    ap.add_argument("--loss", type=float, default=0.0,
+                    help="drop each TCP segment with this probability (default 0: none)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the --loss generator")
     ap.add_argument("--stats", type=Path, default=None, help="write counters here (JSON) on exit")
     ap.add_argument("--nice", type=int, default=-10,
                     help="scheduling priority of the holder (default -10: the emulated network "
@@ -266,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         holder = Holder(args.queue, args.delay_ms / 1e3, args.max_held,
-                        int(args.max_held_mib * (1 << 20)))
+                        int(args.max_held_mib * (1 << 20)), loss=args.loss, seed=args.seed)
     except (HolderError, OSError, ImportError) as exc:
         print(f"lab.delay: {exc}", file=sys.stderr)
         return 2

@@ -110,6 +110,7 @@ class NetLab:
     namespaces: list[str] = field(default_factory=list)
     trainer_in_region: int | None = None  # None: the trainer has a region of its own
     delay_ms: float = 0.0  # one way, between regions (NFQUEUE holder in the core)
+    loss: float = 0.0  # per TCP segment between regions, at random (the core's holder)
     intra_delay_ms: float = 0.0  # one way, between hosts of one region (a holder per host)
     uplink_burst_bytes: int | None = None  # None: ~4 ms of data, >= 32 KiB
     # sysctls set in every host's namespace, e.g. {"net.ipv4.tcp_slow_start_after_idle": "0"}
@@ -244,23 +245,26 @@ class NetLab:
                 if self.intra_delay_ms:
                     self._delay(ns, 1, self.intra_delay_ms, hook="output",
                                 match=("-d", f"10.213.{r}.0/24"))
+        if self.loss and not self.delay_ms:
+            raise LabError("loss between regions needs delay_ms > 0 (the holder drops)")
         if self.delay_ms:
-            self._delay(core, 0, self.delay_ms)
+            self._delay(core, 0, self.delay_ms, loss=self.loss)
 
     # ------------------------------------------------------------ delay (lab.delay holders)
 
     def _delay(self, ns: str, queue: int, delay_ms: float, hook: str = "forward",
-               match: tuple[str, ...] = ()) -> None:
+               match: tuple[str, ...] = (), loss: float = 0.0) -> None:
         """A holder bound to ``queue`` in ``ns`` first, then the ``hook`` rule feeding it
         (no packet is queued before someone listens)."""
         stats = Path(tempfile.gettempdir()) / f"{self.table}-{ns}.json"
         proc = subprocess.Popen(
             [*self.exec_prefix(ns), sys.executable, "-m", "lab.delay", "--queue", str(queue),
-             "--delay-ms", str(delay_ms), "--stats", str(stats)],
+             "--delay-ms", str(delay_ms), "--loss", str(loss), "--stats", str(stats)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             cwd=Path(__file__).resolve().parent.parent,
             start_new_session=True)  # a terminal's ^C stops the run, not the delay under it
         self.holders.append({"ns": ns, "hook": hook, "queue": queue, "delay_ms": delay_ms,
+                             "loss": loss,
                              "pid": proc.pid, "proc": proc, "stats": stats})
         assert proc.stdout is not None
         ready = select.select([proc.stdout], [], [], 30)[0]
@@ -320,6 +324,7 @@ class NetLab:
         return {"regions": self.regions, "hosts_per_region": self.hosts_per_region,
                 "uplink_mbit": self.uplink_mbit, "host_mbit": self.host_mbit, "tag": self.tag,
                 "trainer_in_region": self.trainer_in_region, "delay_ms": self.delay_ms,
+                "loss": self.loss,
                 "intra_delay_ms": self.intra_delay_ms,
                 "uplink_burst_bytes": self.uplink_burst_bytes, "holders": [{k: h[k] for k in ("ns", "hook", "queue", "delay_ms", "pid")}
                             for h in self.holders]}

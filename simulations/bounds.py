@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from simulations.network import mathis_cap, mbps
+from simulations.network import flow_ceiling, mbps
 from simulations.scenario import TRAINER_SITE, Cpu, Scenario
 
 
@@ -58,14 +58,14 @@ class Bound:
 
 
 def flow_cap(sc: Scenario, a: str, b: str) -> float:
-    """Per-flow TCP ceiling (Mathis) between sites ``a`` and ``b``, bytes/s (``inf``: no loss)."""
+    """Per-flow TCP ceiling (Mathis, for loss-based congestion control) between sites ``a`` and ``b``, bytes/s (``inf``: no loss)."""
     if a == b:
         if a == TRAINER_SITE:
             return math.inf
         r = sc.region(a)
-        return mathis_cap(sc.mss, 2 * r.latency_ms / 1000.0, r.loss)
+        return flow_ceiling(sc.congestion, sc.mss, 2 * r.latency_ms / 1000.0, r.loss)
     link = sc.link(a, b)
-    return mathis_cap(sc.mss, 2 * link.latency_ms / 1000.0, link.loss)
+    return flow_ceiling(sc.congestion, sc.mss, 2 * link.latency_ms / 1000.0, link.loss)
 
 
 def _hosts(sc: Scenario, site: str) -> int:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from simulations.network import CONGESTION
 from swarm.errors import ConfigError
 from swarm.protocol.config import check_knobs
 
@@ -174,6 +175,10 @@ class Scenario:
     interval_s: float = 0.0  # 0: publish the next version once every live node holds the last
     apply_s: float = 0.0
     loss: float = 0.0  # default loss of every link and region ([network] loss)
+    # the nodes' TCP congestion control ([network] congestion): "bbr" (what a node asks
+    # for, node.driver.set_congestion) is not capped by random loss; "cubic" / "reno" (a
+    # host that refuses BBR) are, near the Mathis ceiling (network.flow_ceiling)
+    congestion: str = "bbr"
     mss: int = 1460
     # per-segment headers a link's shaper counts (Ethernet 14 + IPv4 20 + TCP 32 = 66 with
     # timestamps): chunk bytes take (mss + header_bytes) / mss of a link's capacity
@@ -436,6 +441,10 @@ def parse_scenario(data: dict[str, Any], default_name: str = "scenario") -> Scen
     mss = net.int("mss", 1460, lo=100, hi=65536)
     header_bytes = net.int("header_bytes", 0, lo=0, hi=1024)
     ctimeout = net.num("connect_timeout_s", 3.0, lo=0, lo_open=True)
+    congestion = net.str("congestion", "bbr")
+    if congestion not in CONGESTION:
+        raise ConfigError(f"network.congestion: must be one of {', '.join(CONGESTION)}, "
+                          f"got {congestion!r}")
     sharing = net.str("sharing", "maxmin")
     if sharing not in ("maxmin", "bottleneck"):
         raise ConfigError(f"network.sharing: must be maxmin or bottleneck, got {sharing!r}")
@@ -602,6 +611,7 @@ def parse_scenario(data: dict[str, Any], default_name: str = "scenario") -> Scen
         interval_s=interval,
         apply_s=apply_s,
         loss=loss,
+        congestion=congestion,
         mss=mss,
         header_bytes=header_bytes,
         connect_timeout_s=ctimeout,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from simulations.network import INF, Resource, mathis_cap, mbps
+from simulations.network import INF, Resource, flow_ceiling, mbps
 from simulations.scenario import TRAINER_SITE, Scenario
 
 
@@ -57,7 +57,8 @@ class Topology:
                 if a == b:
                     topo.latency[(a, b)] = intra[a]
                     topo.loss[(a, b)] = intra_loss[a]
-                    topo.flow_cap[(a, b)] = mathis_cap(sc.mss, 2 * intra[a], intra_loss[a])
+                    topo.flow_cap[(a, b)] = flow_ceiling(sc.congestion, sc.mss, 2 * intra[a],
+                                                         intra_loss[a])
                     continue
                 link = sc.link(a, b)
                 res: list[Resource] = []
@@ -81,7 +82,7 @@ class Topology:
                 topo.latency[(a, b)] = lat
                 topo.loss[(a, b)] = link.loss
                 # a flow's RTT: this link's one-way latency there and back
-                topo.flow_cap[(a, b)] = mathis_cap(sc.mss, 2 * lat, link.loss)
+                topo.flow_cap[(a, b)] = flow_ceiling(sc.congestion, sc.mss, 2 * lat, link.loss)
         return topo
 
     def queue_delay(self, src: str, dst: str) -> float:

@@ -185,6 +185,9 @@ def test_a_closed_connection_drops_what_was_queued():
 
 
 def lossy(n: int = 8, **net):
+    """Two sites 150 ms apart with 1 % loss; loss-based congestion control unless ``net``
+    says otherwise (the Mathis ceiling applies to CUBIC and Reno, not BBR)."""
+    net = {"congestion": "cubic", **net}
     return two_site(
         defaults={"uplink_mbps": 10_000, "downlink_mbps": 10_000, "latency_ms": 0.5},
         regions=[{"name": "a", "nodes": n}, {"name": "b", "nodes": n}],
@@ -205,6 +208,20 @@ def test_one_flow_on_a_long_lossy_link_is_capped_at_the_mathis_rate():
     w.chunk(a0, MiB)
     w.run()
     assert w.chunks[0][0] == pytest.approx(MiB / cap + 0.075, rel=1e-3)
+
+
+def test_bbr_is_not_capped_by_random_loss():
+    """The nodes ask for BBR (``[network] congestion``, shipped "bbr"): a flow on the same
+    lossy link goes at the link's rate, and the bound has no per-flow ceiling either."""
+    sc = lossy(congestion="bbr")
+    assert flow_cap(sc, "a", "b") == math.inf
+    w = Wire(sc)
+    a0, b0 = w.node("a", 0), w.node("b", 0)
+    w.connect(a0, b0)
+    w.chunk(a0, MiB)
+    w.run()
+    assert w.chunks[0][0] == pytest.approx(MiB / (10_000e6 / 8) + 0.075, rel=1e-2)
+    assert w.chunks[0][0] < MiB / mathis_cap(1460, 0.150, 0.01) / 50
 
 
 def test_eight_parallel_flows_get_eight_times_one():

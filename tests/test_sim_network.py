@@ -20,13 +20,14 @@ from simulations.topology import Endpoint, Topology
 MiB = 2**20
 
 
-def scenario(up=1000.0, down=1000.0, link=float("inf"), lat_ms=40.0, intra_ms=0.5, loss=0.0):
+def scenario(up=1000.0, down=1000.0, link=float("inf"), lat_ms=40.0, intra_ms=0.5, loss=0.0,
+             congestion="bbr"):
     doc = {
         "payload": {"patch": "64 MiB", "chunk": "4 MiB"},
         "defaults": {"uplink_mbps": up, "downlink_mbps": down, "latency_ms": intra_ms},
         "regions": [{"name": "a", "nodes": 4}, {"name": "b", "nodes": 4}],
         "links": {"mbps": link if link != float("inf") else "inf", "latency_ms": lat_ms},
-        "network": {"loss": loss},
+        "network": {"loss": loss, "congestion": congestion},
     }
     return parse_scenario(doc)
 
@@ -245,7 +246,9 @@ def test_a_followers_own_ceiling_still_holds_beneath(sharing):
 
 
 def test_loss_caps_a_flow_at_the_mathis_ceiling():
-    sc = scenario(up=10_000.0, down=10_000.0, lat_ms=50.0, loss=0.01)
+    """With loss-based congestion control (CUBIC, Reno); BBR has no such ceiling."""
+    sc = scenario(up=10_000.0, down=10_000.0, lat_ms=50.0, loss=0.01, congestion="cubic")
+    assert Topology.build(scenario(lat_ms=50.0, loss=0.01)).flow_cap[("a", "b")] == math.inf
     topo = Topology.build(sc)
     cap = topo.flow_cap[("a", "b")]
     assert close(cap, mathis_cap(1460, 0.1, 0.01))

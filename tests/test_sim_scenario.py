@@ -94,6 +94,7 @@ def test_link_pairs_are_symmetric_by_default():
         ({"network": {"interleave_block_bytes": "big"}}, "network.interleave_block_bytes: not a size"),
         ({"network": {"slow_start": "yes"}}, "network.slow_start: must be true or false"),
         ({"network": {"initial_window": 0}}, "network.initial_window: must be in"),
+        ({"network": {"congestion": "vegas"}}, "network.congestion: must be one of"),
         ({"cpu": {"hash_mb_s": 0}}, "cpu.hash_mb_s: must be > 0"),
         ({"cpu": {"cores": 0}}, "cpu.cores: must be in"),
         ({"cpu": {"sha_rate": 1}}, "cpu.sha_rate: unknown key"),
