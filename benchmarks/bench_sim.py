@@ -48,6 +48,7 @@ SCENARIOS = [
     ("slow-direct", "slow-direct", {}),
     ("upload-bound", "upload-bound", {}),
     ("lossy-long", "lossy-long", {}),
+    ("lossy-long-bbr", "lossy-long-bbr", {}),
     ("partition-heal", "partition-heal", {}),
 ]
 

@@ -168,7 +168,8 @@ def test_cli_rejects_bad_scenario(tmp_path, capsys):
 # ------------------------------------------------- issue 11: what made reality slower
 
 
-@pytest.mark.parametrize("name", ["wan-3x4", "slow-direct", "upload-bound", "lossy-long", "partition-heal"])
+@pytest.mark.parametrize("name", ["wan-3x4", "slow-direct", "upload-bound", "lossy-long",
+                                  "lossy-long-bbr", "partition-heal"])
 def test_issue_11_scenarios_complete_above_their_bound(name):
     from simulations.scenario import load_scenario
 

@@ -206,7 +206,8 @@ def test_old_scenarios_keep_their_meaning():
     assert sc.link("a", "b").loss == 0 and sc.region("a").loss == 0
 
 
-@pytest.mark.parametrize("name", ["wan-3x4", "slow-direct", "upload-bound", "lossy-long", "partition-heal"])
+@pytest.mark.parametrize("name", ["wan-3x4", "slow-direct", "upload-bound", "lossy-long",
+                                  "lossy-long-bbr", "partition-heal"])
 def test_issue_11_scenarios_bounds(name):
     sc = load_scenario(CONFIGS / f"{name}.toml")
     b = lower_bound(sc, sc.patch_bytes, *caps(sc))
@@ -219,6 +220,9 @@ def test_issue_11_scenarios_bounds(name):
         assert b.seconds == pytest.approx(0.37 + 64 * 2**20 / mbps(100) + 0.001 + tail, rel=1e-6)
     if name == "lossy-long":
         assert b.info["inflow_4_flows[us]"] > 10 * b.seconds  # the border flows alone crawl
+    if name == "lossy-long-bbr":
+        # BBR: no per-flow ceiling, so neither the bound nor the border flows crawl
+        assert "inflow_4_flows[us]" not in b.info and b.seconds < 1.0
     if name == "partition-heal":
         assert b.info["after_heal[cut]"] > 3.5
     if name == "upload-bound":
