@@ -203,7 +203,7 @@ def limit_unsent(sock: Any, limit: int) -> bool:
 
 # TCP congestion control asked for on every peer socket (``[network] congestion_control``).
 # A loss-based algorithm (CUBIC, Reno: most distributions' default) caps one flow near
-# MSS / RTT x 1.22 / sqrt(loss), ~3 Mbit/s at 150 ms and 0.1 % loss, however fat the path;
+# MSS / RTT x 1.22 / sqrt(loss), 3-6 Mbit/s at 150 ms and 0.1 % loss, however fat the path;
 # BBR paces at the measured bottleneck rate and does not back off on random loss
 # (docs/benchmarks.md, "Long lossy links").
 CONGESTION_CONTROL = "bbr"

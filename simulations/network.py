@@ -407,9 +407,9 @@ def flow_ceiling(congestion: str, mss: float, rtt: float, loss: float) -> float:
     A loss-based algorithm (``cubic``, ``reno``) takes each loss for congestion: the Mathis
     ceiling (``mathis_cap``). ``bbr`` paces at the bottleneck rate it measures and does not
     back off on random loss: no ceiling here. Measured on an emulated 100 Mbit/s path with
-    150 ms RTT and 0.1 % loss (``benchmarks/bench_lossy_path.py``): CUBIC 4.1 Mbit/s in
-    steady state (Mathis: 3.0), BBR ~0.72 of the lossless rate, so the model is optimistic
-    for BBR on lossy links by up to that factor.
+    150 ms RTT and 0.1 % loss (``benchmarks/bench_lossy_path.py``): Reno 3.7 Mbit/s in
+    steady state (Mathis: 3.0), CUBIC 6.2, BBR ~0.75 of the lossless rate, so the model is
+    optimistic for BBR on lossy links by up to that factor.
     """
     if congestion == "bbr":
         return INF

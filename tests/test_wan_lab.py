@@ -139,3 +139,29 @@ def test_stopping_the_bench_midway_leaves_nothing_behind(tmp_path):
     assert not (_lab_netns() & ours)
     assert not any(_alive(int(p)) for p in group if int(p) != bench.pid)
     assert not (tmp_path / "wan.json").exists()
+
+
+def test_a_lossy_lab_drops_its_share_of_segments_and_tcp_still_delivers():
+    """``NetLab(loss=)``: the core's holder drops each segment with that probability (it
+    asks the kernel for segments, not GSO super-packets); TCP retransmits, every byte
+    arrives."""
+    lab = NetLab(1, 1, uplink_mbit=50, delay_ms=5, loss=0.02)
+    with lab:
+        rx = subprocess.Popen([*lab.exec_prefix(lab.ns_host(0, 0)), sys.executable, "-c",
+                               RECEIVER], stdout=subprocess.PIPE, text=True)
+        try:
+            assert rx.stdout is not None and rx.stdout.readline().strip() == "listening"
+            send = (f"import socket; s=socket.create_connection(('{lab.ip_host(0, 0)}', 5001),"
+                    f" timeout=10); s.sendall(b'x'*3_000_000); s.close()")
+            subprocess.run([*lab.exec_prefix(lab.ns_trainer), sys.executable, "-c", send],
+                           check=True, timeout=120)
+            got = int(rx.communicate(timeout=120)[0].strip())
+        finally:
+            if rx.poll() is None:
+                rx.kill()
+                rx.wait(5)
+        assert got == 3_000_000
+    final = lab.holders[0]["final"]
+    assert final["loss"] == 0.02 and final["packets"] > 2000  # segments, not super-packets
+    share = final["dropped_lost"] / final["packets"]
+    assert 0.01 <= share <= 0.035, final
