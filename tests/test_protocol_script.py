@@ -744,3 +744,37 @@ def test_the_origin_pushes_itself_before_its_own_regions_borders_relay_out() -> 
     acts = got + a.actions + h.actions
     assert [c for c, _ in _pushes(acts) if c == 1], acts  # the origin pushed into r1
     assert not [f for f in h.frames(acts) if isinstance(f, wire.Relay)]  # h did not relay
+
+
+def test_a_first_push_on_a_connection_times_the_cold_path_and_unmeasured_relays_are_guessed_as_slow() -> None:
+    """``cold_s``: the delivery time of a push that was the first on its border connection
+    (TCP starts it at its initial window); later pushes on the warm connection do not
+    count. An unmeasured relay into a region is guessed that slow, so a region whose
+    pushes now arrive faster takes them instead of waiting on a cold relay."""
+    s = Signer()
+    o = _core("origin", "home", role="origin", signer=s, border_nodes=1, uplink_window=1,
+              uplink_window_max=1, border_inflight=1, relay=False)
+    a = Script(o, 1, node_id="a", region="r1")
+    a.handshake()
+    t = o.now
+    pushes = _pushes(o.handle(ev.Publish(t, s.manifest(2, 4))))
+    a.send(wire.Announce(s.manifest(2, 4)), now=t)
+    pushes += _pushes(a.actions)
+    role = o.role
+    assert role.cold_s is None and not role._direct_faster("r1")  # nothing measured
+    (conn, i), = pushes
+    nxt = _pushes(o.handle(ev.ChunkSent(t + 0.9, conn, 2, i)))
+    a.send(wire.Have(2, (i,)), now=t + 1.0)  # the cold first push: 1.0 s
+    nxt += _pushes(a.actions)
+    assert role.cold_s == pytest.approx(1.0) and role.push_s["r1"] == pytest.approx(1.0)
+    (conn, j), = nxt
+    o.handle(ev.ChunkSent(t + 1.05, conn, 2, j))
+    # warm: 0.2 s from its start (when the first left, at 0.9 s), not a cold sample
+    a.send(wire.Have(2, (j,)), now=t + 1.1)
+    assert role.cold_s == pytest.approx(1.0)
+    assert role.push_s["r1"] == pytest.approx(0.7 * 1.0 + 0.3 * 0.2)
+    assert role._direct_faster("r1")  # 0.76 s pushed against a relay guessed at 1.0 s
+    role.relay_s["r1"] = 0.5  # a measured relay wins over the guess
+    assert not role._direct_faster("r1")
+    o.handle(ev.PeerDisconnected(o.now, 1, "gone"))
+    assert 1 not in role.pushed_to and 1 not in role.first_push
