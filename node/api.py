@@ -334,6 +334,15 @@ class _Collector:
             c = CounterMetricFamily(name, help_text, labels=labels)
             c.add_metric(who, float(tr[key]))
             yield c
+        if tr.get("congestion_control"):
+            g = GaugeMetricFamily("patchswarm_peer_congestion_control",
+                                  "TCP congestion control of the peer sockets (1 for the one in "
+                                  "use); refused: 1 when the kernel refused "
+                                  "[network] congestion_control", labels=[*labels, "algorithm",
+                                                                           "refused"])
+            g.add_metric([*who, tr["congestion_control"],
+                          "1" if tr.get("congestion_refused") else "0"], 1.0)
+            yield g
         c = CounterMetricFamily("patchswarm_relays", "RELAY orders of the origin, by outcome "
                                 "(at_once, on_arrival: when the chunk was stored, cut_through: "
                                 "while it arrived, failed)",

@@ -108,6 +108,8 @@ def test_fleet_converges_bitwise_with_one_copy_per_region() -> None:
         metrics = fleet.http(target.addr, "/metrics").decode()
         assert "patchswarm_active_version" in metrics
         assert 'patchswarm_relays_total{' in metrics and 'outcome="on_arrival"' in metrics
+        # the peer sockets' TCP congestion control ([network] congestion_control)
+        assert 'patchswarm_peer_congestion_control{' in metrics and 'algorithm="' in metrics
         # an outsider claiming to be the trainer is cut off before any chunk is read,
         # and bans nobody: every node still takes the next version from the trainer
         for n in fleet.nodes:
