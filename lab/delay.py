@@ -100,8 +100,8 @@ class Holder:
         self.loss = loss
         self.rng = random.Random(seed)
         self.stats = {"queue": queue, "delay_ms": delay_s * 1e3, "loss": loss, "packets": 0,
-                      "bytes": 0, "dropped_lost": 0, "dropped_over_cap": 0, "max_held": 0, "max_held_bytes": 0,
-                      "verdict_batches": 0, "wakeups": 0}
+                      "bytes": 0, "dropped_lost": 0, "dropped_over_cap": 0, "max_held": 0,
+                      "max_held_bytes": 0, "verdict_batches": 0, "wakeups": 0}
         self.conn = ffi.new("struct nfq_connection *")
         if lib.init_connection(self.conn) == -1:
             raise HolderError(f"nfnetlink: {os.strerror(ffi.errno)}")

@@ -475,7 +475,8 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = Non
         raise ConfigError("gateway: only a rollout node (node.role = \"node\") serves requests")
     cfg = NodeConfig(
         tls=tls, api_listen=api_listen, api_token=api_token, upgrade_timeout_s=float(upgrade),
-        read_coalesce_ms=float(coalesce), congestion_control=congestion, gateway=gateway, warm_memory_mib=warm,
+        read_coalesce_ms=float(coalesce), congestion_control=congestion, gateway=gateway,
+        warm_memory_mib=warm,
         **conn_caps,
         node_id=node_id, region=region, model=model, role=role, listen_host=host,
         listen_port=port, advertise=advertise, bootstrap=tuple(bootstrap), swarm_secret=secret,

@@ -58,7 +58,8 @@ class Bound:
 
 
 def flow_cap(sc: Scenario, a: str, b: str) -> float:
-    """Per-flow TCP ceiling (Mathis, for loss-based congestion control) between sites ``a`` and ``b``, bytes/s (``inf``: no loss)."""
+    """Per-flow TCP ceiling between sites ``a`` and ``b``, bytes/s: Mathis for loss-based
+    congestion control (``inf``: no loss, or BBR; ``network.flow_ceiling``)."""
     if a == b:
         if a == TRAINER_SITE:
             return math.inf
