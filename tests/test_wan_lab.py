@@ -48,6 +48,23 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _send_from_trainer(lab: NetLab, region: int, host: int, nbytes: int, timeout: float) -> int:
+    """``nbytes`` over one TCP connection from the trainer's host to a host; what arrived."""
+    rx = subprocess.Popen([*lab.exec_prefix(lab.ns_host(region, host)), sys.executable, "-c",
+                           RECEIVER], stdout=subprocess.PIPE, text=True)
+    try:
+        assert rx.stdout is not None and rx.stdout.readline().strip() == "listening"
+        send = (f"import socket; s=socket.create_connection(('{lab.ip_host(region, host)}', "
+                f"5001), timeout=10); s.sendall(b'x'*{nbytes}); s.close()")
+        subprocess.run([*lab.exec_prefix(lab.ns_trainer), sys.executable, "-c", send],
+                       check=True, timeout=timeout)
+        return int(rx.communicate(timeout=timeout)[0].strip())
+    finally:
+        if rx.poll() is None:
+            rx.kill()
+            rx.wait(5)
+
+
 def test_delayed_lab_delays_moves_data_and_cleans_up():
     lab = NetLab(2, 2, uplink_mbit=50, host_mbit=1000, trainer_in_region=0, delay_ms=20,
                  intra_delay_ms=2)
@@ -65,21 +82,9 @@ def test_delayed_lab_delays_moves_data_and_cleans_up():
 
         # 4 MB from the trainer's host into region 1 through its 50 Mbit uplink
         up0 = lab.uplink_bytes()
-        rx = subprocess.Popen([*lab.exec_prefix(lab.ns_host(1, 1)), sys.executable, "-c",
-                               RECEIVER], stdout=subprocess.PIPE, text=True)
-        try:
-            assert rx.stdout is not None and rx.stdout.readline().strip() == "listening"
-            send = (f"import socket; s=socket.create_connection(('{lab.ip_host(1, 1)}', 5001),"
-                    f" timeout=10); s.sendall(b'x'*4_000_000); s.close()")
-            t0 = time.monotonic()
-            subprocess.run([*lab.exec_prefix(lab.ns_trainer), sys.executable, "-c", send],
-                           check=True, timeout=60)
-            got = int(rx.communicate(timeout=60)[0].strip())
-            elapsed = time.monotonic() - t0
-        finally:
-            if rx.poll() is None:
-                rx.kill()
-                rx.wait(5)
+        t0 = time.monotonic()
+        got = _send_from_trainer(lab, 1, 1, 4_000_000, timeout=60)
+        elapsed = time.monotonic() - t0
         assert got == 4_000_000
         assert elapsed > 4_000_000 * 8 / 50e6 * 0.9  # shaped
         up1 = lab.uplink_bytes()
@@ -147,20 +152,7 @@ def test_a_lossy_lab_drops_its_share_of_segments_and_tcp_still_delivers():
     arrives."""
     lab = NetLab(1, 1, uplink_mbit=50, delay_ms=5, loss=0.02)
     with lab:
-        rx = subprocess.Popen([*lab.exec_prefix(lab.ns_host(0, 0)), sys.executable, "-c",
-                               RECEIVER], stdout=subprocess.PIPE, text=True)
-        try:
-            assert rx.stdout is not None and rx.stdout.readline().strip() == "listening"
-            send = (f"import socket; s=socket.create_connection(('{lab.ip_host(0, 0)}', 5001),"
-                    f" timeout=10); s.sendall(b'x'*3_000_000); s.close()")
-            subprocess.run([*lab.exec_prefix(lab.ns_trainer), sys.executable, "-c", send],
-                           check=True, timeout=120)
-            got = int(rx.communicate(timeout=120)[0].strip())
-        finally:
-            if rx.poll() is None:
-                rx.kill()
-                rx.wait(5)
-        assert got == 3_000_000
+        assert _send_from_trainer(lab, 0, 0, 3_000_000, timeout=120) == 3_000_000
     final = lab.holders[0]["final"]
     assert final["loss"] == 0.02 and final["packets"] > 2000  # segments, not super-packets
     share = final["dropped_lost"] / final["packets"]
