@@ -59,6 +59,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from node.config import DEFAULT_WARM_MEMORY_MIB  # noqa: E402
+from node.logs import TextFormatter  # noqa: E402
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 SYSTEMS = ("patchswarm", "oneshot", "libtorrent")
@@ -325,6 +326,7 @@ def run_patchswarm(lab: Any, args: argparse.Namespace, meter: Meter, oneshot: bo
     workdir = Path(tempfile.mkdtemp(prefix="patchswarm-wan-"))
     fleet = _fleet(lab, args, workdir)
     pub = None
+    origin_log: logging.Handler | None = None
     perf = None
     try:
         with fleet:
@@ -366,10 +368,13 @@ def run_patchswarm(lab: Any, args: argparse.Namespace, meter: Meter, oneshot: bo
             else:
                 cfg = load_config(workdir / "trainer.toml")
                 if args.keep_logs:
-                    h = logging.FileHandler(workdir / "origin.log")
-                    h.setFormatter(logging.Formatter("%(created).3f %(name)s %(message)s"))
-                    logging.getLogger().addHandler(h)
-                    logging.getLogger().setLevel(logging.INFO)
+                    # the origin's own decisions (push, relay_ordered, region_delivered) and
+                    # its chunk_sent lines, at debug, with their fields: wan_timeline.py
+                    origin_log = logging.FileHandler(workdir / "origin.log")
+                    origin_log.setFormatter(TextFormatter("origin"))
+                    ps_log = logging.getLogger("patchswarm")
+                    ps_log.addHandler(origin_log)
+                    ps_log.setLevel(logging.DEBUG)
                 pub = Publisher(cfg, base=base, persist_view=False)
                 pub.start()
                 deadline = time.monotonic() + 60
@@ -401,6 +406,10 @@ def run_patchswarm(lab: Any, args: argparse.Namespace, meter: Meter, oneshot: bo
             perf.wait()
         if pub is not None:
             pub.close()
+        if origin_log is not None:
+            ps_log = logging.getLogger("patchswarm")
+            ps_log.removeHandler(origin_log)
+            origin_log.close()
         if args.keep_logs:
             dest = Path(args.keep_logs) / f"run{seed}-{'oneshot' if oneshot else 'patchswarm'}"
             dest.mkdir(parents=True, exist_ok=True)

@@ -3,9 +3,13 @@
 ``bench_wan.py --keep-logs DIR`` keeps every node's log, written at DEBUG: a
 ``chunk_received`` line per chunk a node took in (its first block's wall time,
 seconds to the last) and a ``chunk_sent`` line per chunk it sent (start, seconds,
-whether it was a cut-through relay). This prints the transfers between regions
-(and from the origin) in start order, times from the first transfer, and writes
-them as JSON::
+whether it was a cut-through relay); the origin's ``origin.log`` holds its own
+decisions, at DEBUG too: each ``push`` (border, the uplink window, whether the
+border's connection had carried no push yet), each ``relay_ordered`` (source border,
+target, on arrival or now) and each ``region_delivered`` (a border's HAVE for a
+transfer the origin planned: push or relay, seconds from order to HAVE). This prints
+the transfers between regions (and from the origin) and the origin's decisions in
+time order, times from the first of them, and writes them as JSON::
 
     python benchmarks/wan_timeline.py DIR/run1-patchswarm [--version 2] [--out t.json]
 
@@ -16,8 +20,10 @@ origin is the last host of region 0).
 from __future__ import annotations
 
 import argparse
+import calendar
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +31,8 @@ RECEIVED = re.compile(r"chunk_received peer=(\S+) version=(\d+) index=(\d+) stat
                       r"first_block_at=([\d.]+) s=([\d.]+) relays=(\d+)")
 SENT = re.compile(r"chunk_sent peer=(\S+) version=(\d+) index=(\d+) started_at=([\d.]+) "
                   r"s=([\d.]+) cut_through=(\w+)")
+# origin.log: "<ISO time>Z origin DEBUG <event> key=value ..." (node.logs.TextFormatter)
+DECISION = re.compile(r"^(\S+)Z origin DEBUG (push|relay_ordered|region_delivered) (.*)$")
 
 
 def host_name(addr: str, origin: str) -> str:
@@ -39,9 +47,35 @@ def region(name: str) -> str:
     return "0" if name == "origin" else name[1:].split("-")[0]
 
 
-def timeline(logdir: Path, version: int, origin: str) -> list[dict[str, Any]]:
+def wall_time(stamp: str) -> float:
+    """Seconds since the epoch of ``2026-12-02T06:51:18.127`` (UTC, TextFormatter's)."""
+    whole, _, ms = stamp.partition(".")
+    return calendar.timegm(time.strptime(whole, "%Y-%m-%dT%H:%M:%S")) + int(ms or 0) / 1000
+
+
+def decisions(path: Path, version: int) -> list[dict[str, Any]]:
+    """The origin's push / relay_ordered / region_delivered lines of ``version``."""
     rows: list[dict[str, Any]] = []
-    for path in sorted(logdir.glob("n*.log")):
+    if not path.exists():
+        return rows
+    for line in path.read_text(errors="replace").splitlines():
+        m = DECISION.match(line)
+        if not m:
+            continue
+        fields = dict(kv.split("=", 1) for kv in m[3].split() if "=" in kv)
+        if fields.get("version") != str(version):
+            continue
+        t = wall_time(m[1])
+        rows.append({"kind": m[2], "start": t, "end": t, "index": int(fields.get("index", -1)),
+                     **{k: v for k, v in fields.items() if k not in ("version", "index")}})
+    return rows
+
+
+def timeline(logdir: Path, version: int, origin: str) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = decisions(logdir / "origin.log", version)
+    for path in sorted([*logdir.glob("n*.log"), logdir / "origin.log"]):
+        if not path.exists():
+            continue
         me = path.stem
         for line in path.read_text(errors="replace").splitlines():
             m = RECEIVED.search(line)
@@ -70,6 +104,26 @@ def timeline(logdir: Path, version: int, origin: str) -> list[dict[str, Any]]:
     return rows
 
 
+def row_text(r: dict[str, Any]) -> str:
+    """One line of the printed timeline."""
+    k = r["kind"]
+    if k in ("sent", "received"):
+        what = (f"sent{' cut-through' if r['cut_through'] else ''}" if k == "sent"
+                else f"received ({r['state']}, relayed on {r['relayed_on']}x while arriving)")
+        return (f"{r['start']:6.2f} {r['end']:6.2f} {r['end'] - r['start']:5.2f}  "
+                f"{r['from']:>6} -> {r['to']:<6}  #{r['index']:<4} {what}")
+    if k == "push":
+        src, dst = "origin", r.get("border", "?")
+        what = f"origin pushes (window {r.get('uplink_window')}{', cold link' if r.get('cold') == 'True' else ''})"
+    elif k == "relay_ordered":
+        src, dst = r.get("border", "?"), r.get("target", "?")
+        what = "relay ordered" + (" (on arrival)" if r.get("on_arrival") == "True" else "")
+    else:
+        src, dst = "HAVE", r.get("border", "?")
+        what = f"region {r.get('region')} has it ({r.get('via')}, {r.get('s')} s after the order)"
+    return f"{r['start']:6.2f}               {src:>6} -> {dst:<6}  #{r['index']:<4} {what}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("logdir", type=Path, help="one run's logs (bench_wan.py --keep-logs DIR/run<k>-patchswarm)")
@@ -83,10 +137,7 @@ def main() -> None:
                          "(were the nodes logging at debug? bench_wan.py --keep-logs)")
     print("start    end      s  from -> to       chunk  what")
     for r in rows:
-        what = (f"sent{' cut-through' if r['cut_through'] else ''}" if r["kind"] == "sent"
-                else f"received ({r['state']}, relayed on {r['relayed_on']}x while arriving)")
-        print(f"{r['start']:6.2f} {r['end']:6.2f} {r['end'] - r['start']:5.2f}  "
-              f"{r['from']:>6} -> {r['to']:<6}  #{r['index']:<4} {what}")
+        print(row_text(r))
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
         print(f"wrote {args.out}")

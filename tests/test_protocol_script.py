@@ -35,6 +35,11 @@ def _types(frames: list[wire.Frame]) -> list[type]:
     return [type(f) for f in frames]
 
 
+def _logs(actions: list[ev.Action], event: str) -> list[dict]:
+    """The fields of the core's ``event`` log actions."""
+    return [a.fields for a in actions if isinstance(a, ev.Log) and a.event == event]
+
+
 # ---------------------------------------------------------------- origin side: PEERS, ROLE
 
 def test_origin_grants_borders_then_sends_peers_before_role_tracker_only() -> None:
@@ -278,6 +283,9 @@ def test_origin_orders_a_relay_and_pushes_itself_when_it_fails() -> None:
     # r2 takes chunk 0 from r1 (a relays it), not from the origin's uplink
     assert wire.Relay(2, 0, "b") in a.frames(b.actions)
     assert not [x for x in b.actions if isinstance(x, ev.SendChunk)]
+    assert _logs(b.actions, "relay_ordered") == [  # the origin's decision, for wan_timeline.py
+        {"version": 2, "index": 0, "region": "r2", "border": "a", "target": "b",
+         "on_arrival": False}]
     # the relay fails: the origin forgets the link and sends the chunk into r2 itself
     a.send(wire.RelayFail(2, 0, "b"))
     assert [x for x in a.actions if isinstance(x, ev.SendChunk)] == [ev.SendChunk(2, 2, 0, 1000)]
@@ -778,3 +786,58 @@ def test_a_first_push_on_a_connection_times_the_cold_path_and_unmeasured_relays_
     assert not role._direct_faster("r1")
     o.handle(ev.PeerDisconnected(o.now, 1, "gone"))
     assert 1 not in role.pushed_to and 1 not in role.first_push
+
+
+
+def test_a_short_last_chunk_times_no_path_and_leaves_a_connection_cold() -> None:
+    """A version's last chunk may be a few bytes (a patch one header past whole chunks:
+    on the emulated WAN 17 chunks, the last 1.2 KB). Its push or relay times no path: it
+    feeds neither ``push_s`` nor ``cold_s`` nor the uplink window. Counted as a chunk, its
+    0.2 s once made pushes into a region look faster than relays and sent a chunk another
+    region held through the thin uplink again. A connection whose first push was that
+    chunk stays cold: the next full chunk on it times the cold path."""
+    s = Signer()
+    o = _core("origin", "home", role="origin", signer=s, border_nodes=1, uplink_window=2,
+              uplink_window_max=2, border_inflight=1, relay=False)
+    a = Script(o, 1, node_id="a", region="r1")
+    b = Script(o, 2, node_id="b", region="r2")
+    a.handshake()
+    m = s.manifest(2, 3, last_chunk=10)
+    t = o.now
+    pushes = _pushes(o.handle(ev.Publish(t, m)))
+    a.send(wire.Announce(m), now=t)
+    pushes += _pushes(a.actions)
+    role = o.role
+    assert role._full_size(2, 1) and not role._full_size(2, 2)
+    # b joins holding the full chunks 0 and 1 (from elsewhere): its one push is the short one
+    b.handshake()
+    pushes += _pushes(b.actions)
+    b.send(wire.Bitfield(2, wire.bits_to_bytes(0b011, 3)), now=t)
+    pushes += _pushes(b.actions)
+    assert sorted(pushes) == [(1, 0), (2, 2)]
+    by_conn = dict(pushes)
+    assert 2 not in role.pushed_to and 2 not in role.first_push  # b's link is still cold
+    o.handle(ev.ChunkSent(t + 0.1, 2, 2, 2))
+    b.send(wire.Have(2, (2,)), now=t + 0.2)
+    assert role.push_s.get("r2") is None and role.cold_s is None and role.window.n == 0
+    delivered = _logs(b.actions, "region_delivered")
+    assert delivered == [{"version": 2, "index": 2, "region": "r2", "border": "b",
+                          "via": "push", "s": pytest.approx(0.2)}]
+    # a's pushes: 0 (full, its first: the cold sample), then 1, then the short 2
+    assert by_conn[1] == 0
+    nxt = _pushes(o.handle(ev.ChunkSent(t + 0.9, 1, 2, 0)))
+    a.send(wire.Have(2, (0,)), now=t + 1.0)
+    nxt += _pushes(a.actions)
+    assert role.cold_s == pytest.approx(1.0) and role.push_s["r1"] == pytest.approx(1.0)
+    assert nxt == [(1, 1)]
+    acts = o.handle(ev.ChunkSent(t + 1.1, 1, 2, 1))
+    a.send(wire.Have(2, (1,)), now=t + 1.2)
+    acts += a.actions
+    assert role.push_s["r1"] == pytest.approx(0.7 * 1.0 + 0.3 * 0.3)
+    assert _pushes(acts) == [(1, 2)]
+    assert _logs(acts, "push") == [{"version": 2, "index": 2, "region": "r1", "border": "a",
+                                    "uplink_window": 2, "cold": False}]
+    o.handle(ev.ChunkSent(t + 1.21, 1, 2, 2))
+    a.send(wire.Have(2, (2,)), now=t + 1.25)
+    assert role.push_s["r1"] == pytest.approx(0.7 * 1.0 + 0.3 * 0.3)  # the short one: unchanged
+    assert role.cold_s == pytest.approx(1.0)

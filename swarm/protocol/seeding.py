@@ -344,16 +344,25 @@ class OriginRole(Role):
                 now = self.host.now
                 for i in iter_bits(gained & plan.infl):
                     src, _dst, d, t0 = plan.inflight[i]
-                    if self._via_uplink(plan, src):
+                    if t0 is not None:  # None: a relay on arrival that never started
+                        self.host.log("debug", "region_delivered", version=v, index=i,
+                                      region=p.region, border=p.node_id,
+                                      via="push" if src == ORIGIN_SRC else "relay",
+                                      s=round(now - t0, 4))
+                    # A version's short last chunk (a few bytes past the last full one)
+                    # times no path: counted as a chunk, its 0.2 s made pushes look
+                    # faster than relays and sent a second copy of a chunk into a region
+                    full = self._full_size(v, i)
+                    if full and self._via_uplink(plan, src):
                         # a push's deadline was set when its last byte left (``on_sent``)
                         sent = (d - self.cfg.request_timeout_s
                                 if src == ORIGIN_SRC and d is not None else None)
                         self.window.delivered(1, now, self._uplink_busy() >= self._uplink_limit(),
                                               t0, sent)
                     # measured delivery time into the region, per path kind (routing)
-                    table = self.push_s if src == ORIGIN_SRC else self.relay_s
-                    old = table.get(p.region)
-                    if t0 is not None:  # None: a relay on arrival that never started
+                    if full and t0 is not None:
+                        table = self.push_s if src == ORIGIN_SRC else self.relay_s
+                        old = table.get(p.region)
                         table[p.region] = now - t0 if old is None else 0.7 * old + 0.3 * (now - t0)
                         if src == ORIGIN_SRC and self.first_push.get(p.conn) == (v, i):
                             del self.first_push[p.conn]
@@ -588,6 +597,12 @@ class OriginRole(Role):
             i = self._relay_one(v, r, bs, plan, load, missing, now, union, home_ok=True)
         return i
 
+    def _full_size(self, v: int, i: int) -> bool:
+        """Whether chunk ``i`` of ``v`` is at least half a full chunk: only such transfers
+        time a path (``push_s``, ``relay_s``, ``cold_s``, the uplink window's rounds)."""
+        st = self.host.holding(v)
+        return st is None or 2 * st.chunk_length(i) >= st.chunk_length(0)
+
     def _direct_faster(self, r: str) -> bool:
         """Whether a chunk has been reaching region ``r`` sooner pushed by the origin than
         relayed from another region (measured). A relay into ``r`` not measured yet is
@@ -815,6 +830,8 @@ class OriginRole(Role):
                 plan.infl |= 1 << i
                 plan.relayed_at = now
                 self.host.send(b, wire.Relay(v, i, t.node_id).encode())
+                self.host.log("debug", "relay_ordered", version=v, index=i, region=r,
+                              border=b.node_id, target=t.node_id, on_arrival=ahead)
                 return i
         return -1
 
@@ -860,7 +877,8 @@ class OriginRole(Role):
             return -1
         self.warm[(ORIGIN_SRC, r)] = t.conn
         i = lowest(cand)
-        if t.conn not in self.pushed_to:
+        if t.conn not in self.pushed_to and self._full_size(v, i):
+            # (a short chunk first leaves the connection as cold as it was)
             self.pushed_to.add(t.conn)
             self.first_push[t.conn] = (v, i)
         load[t.conn] = load.get(t.conn, 0) + 1
@@ -869,4 +887,6 @@ class OriginRole(Role):
         plan.inflight[i] = [ORIGIN_SRC, t.conn, None, self.host.now]
         plan.infl |= 1 << i
         self._push(t, v, i, r)
+        self.host.log("debug", "push", version=v, index=i, region=r, border=t.node_id,
+                      uplink_window=self.window.w, cold=self.first_push.get(t.conn) == (v, i))
         return i

@@ -50,17 +50,20 @@ class Signer:
 
     def manifest(self, version: int, chunks: int, *, kind: str = "patch", chunk_size: int = 1000,
                  key: Ed25519PrivateKey | None = None, model: str = MODEL,
-                 target_digest: bytes | None = None) -> bytes:
+                 target_digest: bytes | None = None, last_chunk: int | None = None) -> bytes:
         """A signed manifest; a patch's parent is ``version - 1`` with that version's
         digest; an anchor of version v's weights is ``kind="full",
-        target_digest=Signer.digest(v)``."""
+        target_digest=Signer.digest(v)``. ``last_chunk``: the last chunk's length (default
+        a full chunk)."""
         r = random.Random(version)
         parent = version - 1 if kind == "patch" else None
         m = Manifest(
             model=model, version=version, kind=kind, parent_version=parent,
             parent_digest=self.digest(parent) if parent else None,
             target_digest=target_digest or self.digest(version),
-            payload_length=chunks * chunk_size, chunk_size=chunk_size,
+            payload_length=(chunks - 1) * chunk_size + (chunk_size if last_chunk is None
+                                                        else last_chunk),
+            chunk_size=chunk_size,
             chunk_hashes=tuple(r.randbytes(32) for _ in range(chunks)), created_at=float(version),
             key_id=self.kid if key is None else key_id(key),
         )

@@ -1,0 +1,64 @@
+"""``benchmarks/wan_timeline.py`` on logs written the way the bench keeps them: the nodes'
+and the origin's records through ``node.logs.TextFormatter``, fields as the driver and the
+origin core emit them (``chunk_sent``, ``chunk_received``, ``push``, ``relay_ordered``,
+``region_delivered``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+
+from node.logs import TextFormatter
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("wan_timeline", ROOT / "benchmarks" / "wan_timeline.py")
+assert _spec is not None and _spec.loader is not None
+wan_timeline = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(wan_timeline)
+
+T0 = 1_796_194_300.0  # a wall time on a whole second
+ORIGIN = "10.213.0.4"
+
+
+def _line(node: str, at: float, event: str, **fields: object) -> str:
+    rec = logging.LogRecord("patchswarm.node", logging.DEBUG, __file__, 1, event, None, None)
+    rec.created, rec.msecs = at, (at % 1) * 1000
+    rec.fields = fields  # type: ignore[attr-defined]
+    return TextFormatter(node).format(rec)
+
+
+def test_the_origins_decisions_and_the_transfers_come_out_in_time_order(tmp_path: Path) -> None:
+    (tmp_path / "origin.log").write_text("\n".join([
+        _line("origin", T0, "push", version=2, index=3, region="region-1", border="n1-1",
+              uplink_window=2, cold=True),
+        _line("origin", T0 + 0.9, "chunk_sent", peer="10.213.1.2:7400", version=2, index=3,
+              started_at=T0 + 0.001, s=0.9, cut_through=False),
+        _line("origin", T0 + 1.2, "region_delivered", version=2, index=3, region="region-1",
+              border="n1-1", via="push", s=1.2),
+        _line("origin", T0 + 1.25, "relay_ordered", version=2, index=3, region="region-2",
+              border="n1-1", target="n2-0", on_arrival=False),
+        _line("origin", T0 + 2.0, "push", version=3, index=0, region="region-1", border="n1-1",
+              uplink_window=2, cold=False),  # another version: left out
+        "a line of something else",
+    ]) + "\n")
+    (tmp_path / "n2-0.log").write_text(_line(
+        "n2-0", T0 + 2.0, "chunk_received", peer="10.213.1.2:7400", version=2, index=3,
+        state="stored", first_block_at=T0 + 1.3, s=0.7, relays=0) + "\n")
+    rows = wan_timeline.timeline(tmp_path, 2, ORIGIN)
+    assert [(r["kind"], r["index"]) for r in rows] == [
+        ("push", 3), ("sent", 3), ("region_delivered", 3), ("relay_ordered", 3), ("received", 3)]
+    assert [r["start"] for r in rows] == [0.0, 0.001, 1.2, 1.25, 1.3]
+    push, sent, delivered, relay, received = rows
+    assert (sent["from"], sent["to"], sent["end"]) == ("origin", "n1-1", 0.901)
+    assert (received["from"], received["to"], received["end"]) == ("n1-1", "n2-0", 2.0)
+    assert "window 2, cold link" in wan_timeline.row_text(push)
+    assert "region region-1 has it (push, 1.2 s" in wan_timeline.row_text(delivered)
+    assert "n1-1 -> n2-0" in wan_timeline.row_text(relay)
+    assert "(on arrival)" not in wan_timeline.row_text(relay)
+
+
+def test_wall_times_round_trip_through_the_text_formatter() -> None:
+    line = _line("origin", T0 + 0.25, "push", version=2, index=0)
+    stamp = line.split("Z ", 1)[0]
+    assert wan_timeline.wall_time(stamp) == T0 + 0.25
