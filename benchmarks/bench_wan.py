@@ -409,6 +409,7 @@ def run_patchswarm(lab: Any, args: argparse.Namespace, meter: Meter, oneshot: bo
         if origin_log is not None:
             ps_log = logging.getLogger("patchswarm")
             ps_log.removeHandler(origin_log)
+            ps_log.setLevel(logging.NOTSET)
             origin_log.close()
         if args.keep_logs:
             dest = Path(args.keep_logs) / f"run{seed}-{'oneshot' if oneshot else 'patchswarm'}"
