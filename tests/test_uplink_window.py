@@ -158,3 +158,54 @@ def test_lagged_haves_on_a_thin_uplink_keep_the_window_small() -> None:
     win = UplinkWindow(2, 256)
     seen = drive_lagged(win, capacity=3.0, per_push=1000.0, rtt=0.08, deliveries=200)
     assert max(seen[-100:]) <= 4, seen[-20:]
+
+
+def test_start_up_does_not_double_a_window_it_cannot_fill() -> None:
+    # A fat uplink whose rate doubles with the window, but a version's last round closes
+    # with fewer chunks left to cross than the window holds: doubling then would leave a
+    # probe nobody carried, and the next version would start with it (the simulator's
+    # wan-3x4: a second version 8.07 s against 7.58 for the first).
+    win = UplinkWindow(2, 256)
+    now = 0.0
+    for w, backlog in ((2, 100), (4, 100), (8, 3)):
+        assert win.w == w
+        win.delivered(1, now, True, backlog=backlog)  # the round starts
+        for _ in range(w):
+            now += 1.0 / (10.0 * w)  # the rate grows with the window
+            win.delivered(1, now, True, backlog=backlog)
+    assert win.startup and win.w == 8 and win.best_w == 8
+    # with a backlog to fill, the same round doubles
+    win.delivered(1, now, True, backlog=8)
+    for _ in range(8):
+        now += 1.0 / 160.0
+        win.delivered(1, now, True, backlog=8)
+    assert win.w == 16
+
+
+def test_a_round_does_not_time_the_gap_between_versions() -> None:
+    # A round is under way when a version's pushes run out; the next version comes 30 s
+    # later. Timed across the gap, the round measured an idle uplink as a slow one and
+    # ended start-up; restarted at the publish, it measures the new version's transfers.
+    def run(restart: bool) -> UplinkWindow:
+        win = UplinkWindow(2, 256)
+        now = 0.0
+        win.delivered(1, now, True)
+        for _ in range(2):
+            now += 0.05
+            win.delivered(1, now, True)
+        assert win.w == 4 and win.startup
+        for _ in range(2):  # the last of the version, sent under the new window
+            now += 0.05
+            win.delivered(1, now, True, started=now - 0.01, sent=now - 0.005)
+        now += 30.0
+        if restart:
+            win.restart(now)
+        for _ in range(5):  # the next version: twice the rate at twice the window
+            now += 0.025
+            win.delivered(1, now, True, started=now - 0.01, sent=now - 0.005)
+        return win
+
+    fresh = run(restart=True)
+    assert fresh.w == 8 and fresh.flat == 0 and fresh.best == pytest.approx(40.0)
+    gapped = run(restart=False)  # what the gap did before: a round that "did not pay"
+    assert gapped.flat == 1 and gapped.best == pytest.approx(20.0)

@@ -34,7 +34,7 @@ from collections import deque
 from swarm.protocol import wire
 from swarm.protocol.fleet import FleetEntry, FleetTable
 from swarm.protocol.peer import Peer
-from swarm.protocol.picker import iter_bits, lowest
+from swarm.protocol.picker import iter_bits, lowest, popcount
 from swarm.protocol.roles import FrameHandler, Host, Role
 from swarm.protocol.uplink import UplinkWindow
 
@@ -318,6 +318,8 @@ class OriginRole(Role):
 
     # ------------------------------------------------------------------ chunk flow
     def on_publish(self, v: int) -> None:
+        if self.versions and self._uplink_busy() == 0:
+            self.window.restart(self.host.now)  # no round times the gap between versions
         self.versions.append(v)
         self.versions.sort()
         self.plans[v] = {}
@@ -358,7 +360,7 @@ class OriginRole(Role):
                         sent = (d - self.cfg.request_timeout_s
                                 if src == ORIGIN_SRC and d is not None else None)
                         self.window.delivered(1, now, self._uplink_busy() >= self._uplink_limit(),
-                                              t0, sent)
+                                              t0, sent, self._uplink_backlog())
                     # measured delivery time into the region, per path kind (routing)
                     if full and t0 is not None:
                         table = self.push_s if src == ORIGIN_SRC else self.relay_s
@@ -709,6 +711,21 @@ class OriginRole(Role):
             elif (plan.sent | plan.infl) != st.full:
                 return True
         return False
+
+    def _uplink_backlog(self) -> int:
+        """Chunks still to cross the site uplink: held here, in no remote region yet and
+        not on their way to one (the uplink window's start-up grows only into these)."""
+        n = 0
+        for v, plans in self.plans.items():
+            st = self.host.holding(v)
+            if st is None:
+                continue
+            crossed = 0
+            for plan in plans.values():
+                if plan.remote:
+                    crossed |= plan.sent | plan.infl
+            n += popcount(st.full & ~crossed)
+        return n
 
     def _uplink_busy(self) -> int:
         """Transfers through the origin's site uplink: its pushes into remote regions

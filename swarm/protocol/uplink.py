@@ -30,6 +30,14 @@ doubling that did pay (a fleet whose pushes are capped by each border's downlink
 by the uplink) looked like none, and start-up stopped at its first step. "Mostly", not
 "started after": where one chunk takes many seconds to send (a long lossy link) the
 pushes under way at the change are the new window's.
+
+Start-up doubles only a window the origin has transfers to fill (``backlog``), as BBR
+does not grow on rounds the application limits. Near a version's end a round may close
+with two chunks left to cross; doubled there, the window became a probe never carried,
+and as the window is kept across versions the next version started with it: on a thin
+uplink, eight pushes at once that all arrived late (the simulator's `wan-3x4`: a second
+version took 8.07 s, the first 7.58). Between versions the uplink is idle: ``restart``
+times the next round from the new version's transfers, not across the gap.
 """
 
 from __future__ import annotations
@@ -68,14 +76,23 @@ class UplinkWindow:
             self.w = max(self.w, n)
             self.best_w = max(self.best_w, n)
 
+    def restart(self, now: float) -> None:
+        """The uplink carried nothing for a while (between versions): the next round is
+        timed from the first transfer sent from ``now`` on, not across the gap."""
+        self.start, self.n, self.nbytes = None, 0, 0
+        self.since = now
+
     def delivered(self, nbytes: int, now: float, full: bool,
-                  started: float | None = None, sent: float | None = None) -> None:
+                  started: float | None = None, sent: float | None = None,
+                  backlog: int | None = None) -> None:
         """A transfer through the uplink was confirmed (HAVE). ``full``: the window was
         full just before it (the uplink was kept as busy as the window allows).
         ``started`` / ``sent``: when it began and when its last byte left (``now`` if
         unknown). After the window changed, the round is timed from the first transfer
         that spent most of its sending under the new window: one sent mostly before
-        measures the old window."""
+        measures the old window. ``backlog``: transfers still waiting to cross the uplink
+        (None: unknown, as many as the window takes); start-up doubles only a window it
+        can fill."""
         if self.start is None and started is not None:
             end = now if sent is None else sent
             if end - self.since < (end - started) / 2:
@@ -93,17 +110,20 @@ class UplinkWindow:
         rate = self.nbytes / (now - self.start)
         self.start, self.n, self.nbytes = now, 0, 0
         w = self.w
-        self._round(rate)
+        self._round(rate, backlog)
         if self.w != w:
             self.since = now  # the next round starts with a transfer sent mostly from now on
             self.start = None
 
-    def _round(self, rate: float) -> None:
+    def _round(self, rate: float, backlog: int | None = None) -> None:
         if self.startup:
+            # twice the window needs ``w`` more transfers than are under way now
+            grow = backlog is None or backlog >= self.w
             if rate >= self.best * self.startup_gain and self.w < self.hi:
                 self.best, self.best_w = rate, self.w
                 self.flat = 0
-                self.w = min(self.hi, self.w * 2)
+                if grow:
+                    self.w = min(self.hi, self.w * 2)
                 return
             # A round that did not pay: a larger window takes over the best only by a
             # clear gain (``probe_gain``), so a thin uplink settles at few in flight.
@@ -111,7 +131,8 @@ class UplinkWindow:
             if rate >= self.best * self.probe_gain:
                 self.best, self.best_w = rate, self.w
             if self.flat < self.full_rounds and self.w < self.hi:
-                self.w = min(self.hi, self.w * 2)
+                if grow:
+                    self.w = min(self.hi, self.w * 2)
                 return
             self.startup = False
             self.w = self.best_w
