@@ -13,6 +13,12 @@ long lossy links, a partition that heals) and writes
 ``benchmarks/results/sim_scenarios.json``: per run the simulated time, the flow
 bound, their ratio, what binds, the explanatory figures and the wall time.
 Re-run it after a protocol change; it takes well under a minute.
+
+``--scenarios --versions N --seeds S ...`` publishes N versions in a row on each of
+those scenarios (one long-running origin, as in RL post-training: the origin keeps
+what it measured, its uplink window above all) for every seed, and writes
+``benchmarks/results/sim_versions.json``: each version's p100 per seed and its mean
+over seeds. The first version is the cold start; the later ones are the steady state.
 """
 
 from __future__ import annotations
@@ -108,6 +114,38 @@ def run_scenarios(only: list[str] | None, out: Path) -> int:
     return 0
 
 
+def run_versions(only: list[str] | None, versions: int, seeds: list[int], out: Path) -> int:
+    """Each issue-11 scenario, ``versions`` versions in a row, per seed -> ``out`` (JSON)."""
+    from statistics import mean
+
+    results: dict[str, dict] = {}
+    for label, stem, over in SCENARIOS:
+        if over or (only and label not in only and stem not in only):
+            continue
+        sc = dataclasses.replace(load_scenario(ROOT / "configs" / "sim" / f"{stem}.toml"),
+                                 versions=versions)
+        per_seed = {}
+        for seed in seeds or [sc.seed]:
+            _, fig = run_strategy(sc, sc.strategies[0], seed=seed)
+            per_seed[seed] = [pv["t_p100_s"] for pv in fig["per_version"]]
+            print(f"{stem} seed {seed}: " + " ".join(f"{t:.2f}" for t in per_seed[seed]), flush=True)
+        means = [round(mean(ts[v] for ts in per_seed.values()), 3) for v in range(versions)]
+        results[stem] = {"versions": versions, "seeds": list(per_seed), "lower_bound_s": fig["lower_bound_s"],
+                         "t_p100_s": {str(k): v for k, v in per_seed.items()},
+                         "mean_t_p100_s": means,
+                         "mean_over_bound": [round(m / fig["lower_bound_s"], 3) for m in means]}
+    print()
+    print(f"| {'scenario':<16} | bound s | " + " | ".join(f"v{v + 1} s (x bound)" for v in range(versions)) + " |")
+    for stem, row in results.items():
+        cells = " | ".join(f"{m:.2f} ({r:.2f})" for m, r in zip(row["mean_t_p100_s"], row["mean_over_bound"], strict=True))
+        print(f"| {stem:<16} | {row['lower_bound_s']:.2f} | {cells} |")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(results, indent=1) + "\n")
+    tmp.replace(out)
+    return 0
+
+
 def scenario(name: str, quick: bool):
     if name == "churn-baseline":
         sc = load_scenario(ROOT / "configs" / "sim" / "churn.toml")
@@ -125,8 +163,15 @@ def main() -> int:
     ap.add_argument("--only", nargs="+", default=None)
     ap.add_argument("--scenarios", action="store_true",
                     help="run the issue-11 scenarios into benchmarks/results/sim_scenarios.json")
+    ap.add_argument("--versions", type=int, default=1, metavar="N",
+                    help="with --scenarios: publish N versions in a row (per-version times)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=None, metavar="S",
+                    help="with --scenarios --versions: the seeds to run (default: each file's)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.scenarios and (args.versions > 1 or args.seeds):
+        return run_versions(args.only, max(1, args.versions), args.seeds or [],
+                            Path(args.out or ROOT / "benchmarks" / "results" / "sim_versions.json"))
     if args.scenarios:
         return run_scenarios(args.only, Path(args.out or ROOT / "benchmarks" / "results" / "sim_scenarios.json"))
     args.out = args.out or str(ROOT / "benchmarks" / "results" / "sim.json")

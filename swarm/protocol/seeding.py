@@ -713,8 +713,10 @@ class OriginRole(Role):
         return False
 
     def _uplink_backlog(self) -> int:
-        """Chunks still to cross the site uplink: held here, in no remote region yet and
-        not on their way to one (the uplink window's start-up grows only into these)."""
+        """Transfers still to cross the site uplink (the uplink window's start-up grows
+        only into these): chunks held here that are in no remote region yet and not on
+        their way to one, and what a remote region misses that it takes from the origin
+        rather than by relay (pushes measured faster, or no relays)."""
         n = 0
         for v, plans in self.plans.items():
             st = self.host.holding(v)
@@ -725,6 +727,9 @@ class OriginRole(Role):
                 if plan.remote:
                     crossed |= plan.sent | plan.infl
             n += popcount(st.full & ~crossed)
+            for r, plan in plans.items():
+                if plan.remote and (not self.cfg.relay or self._direct_faster(r)):
+                    n += popcount(crossed & ~(plan.sent | plan.infl))
         return n
 
     def _uplink_busy(self) -> int:
