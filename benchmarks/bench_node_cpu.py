@@ -117,23 +117,6 @@ def split_threads(pid: int, t0: dict, t1: dict, total: float) -> dict[str, float
     return {"loop": loop, "threads": max(0.0, total - loop)}
 
 
-def dense_next(prev: dict, seed: int) -> dict:
-    """A view in which every value of ``prev`` moved to a random finite BF16."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, b in prev.items():
-        m = b.numel()
-        bits = torch.randint(-32768, 32768, (m,), generator=g, dtype=torch.int32).to(torch.int16)
-        bits = torch.where((bits & 0x7F80) == 0x7F80, bits & ~0x0080, bits)  # no inf/NaN
-        flat = b.reshape(-1)
-        same = bits == flat.view(torch.int16)
-        nb = torch.where(same, (flat.float() * 2 + 1).to(torch.bfloat16), bits.view(torch.bfloat16))
-        out[name] = nb.reshape(b.shape)
-    return out
-
-
 # a sample whose stack holds one of these is a thread waiting, not running (py-spy's
 # idle detection does not work with --native)
 WAITING = ("PyThread_acquire_lock_timed", "pthread_cond_timedwait", "pthread_cond_wait",
@@ -180,7 +163,7 @@ def pyspy_thread_names(path: Path) -> dict[int, str]:
 
 def run(args: argparse.Namespace) -> dict:
     import torch
-    from bench_wan import dense_pair
+    from bench_wan import dense_next, dense_pair
 
     from lab.fleet import LoopbackFleet
 

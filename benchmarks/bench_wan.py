@@ -123,6 +123,23 @@ def dense_pair(size_bytes: int, seed: int) -> tuple[dict, dict]:
     return base, new
 
 
+def dense_next(prev: dict, seed: int) -> dict:
+    """A view in which every value of ``prev`` moved to a random finite BF16."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, b in prev.items():
+        m = b.numel()
+        bits = torch.randint(-32768, 32768, (m,), generator=g, dtype=torch.int32).to(torch.int16)
+        bits = torch.where((bits & 0x7F80) == 0x7F80, bits & ~0x0080, bits)  # no inf/NaN
+        flat = b.reshape(-1)
+        same = bits == flat.view(torch.int16)
+        nb = torch.where(same, (flat.float() * 2 + 1).to(torch.bfloat16), bits.view(torch.bfloat16))
+        out[name] = nb.reshape(b.shape)
+    return out
+
+
 # ---------------------------------------------------------------- measurement helpers
 
 
@@ -400,6 +417,34 @@ def run_patchswarm(lab: Any, args: argparse.Namespace, meter: Meter, oneshot: bo
                 except subprocess.TimeoutExpired:
                     cli.kill()
                     cli.wait(5)
+            out = _figures(fleet, meter, sts, before, (cpu0, cpu1), (io0, io1), (m0, m1),
+                           polls, t0, handoff, version, patch_bytes)
+            if pub is not None and args.versions > 1:
+                # the steady state of RL post-training: one long-running origin publishes
+                # version after version (it keeps what it measured, its uplink window
+                # above all); every value moves again in each
+                later = []
+                view = new
+                trace = meter.last_trace  # --trace keeps the first version's
+                for nv in range(2, args.versions + 1):
+                    view = dense_next(view, seed * 1000 + nv)
+                    time.sleep(2.0)  # the last version's applies and reports settle
+                    polls = {}
+                    before = {n.name: fleet.status(n) for n in fleet.nodes}
+                    cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
+                    io0 = {k: proc_counts(p) for k, p in pids.items()}
+                    m0 = meter.snapshot()
+                    t0 = time.time()
+                    r = pub.publish_served(view)
+                    sts = _poll_until(fleet, r.version, args.timeout, polls, args.poll_s)
+                    cpu1 = {k: cpu_seconds(p) for k, p in pids.items()}
+                    io1 = {k: proc_counts(p) for k, p in pids.items()}
+                    m1 = meter.snapshot()
+                    later.append(_figures(fleet, meter, sts, before, (cpu0, cpu1), (io0, io1),
+                                          (m0, m1), polls, t0, r.published_at, r.version,
+                                          r.patch_bytes))
+                out["later_versions"] = later
+                meter.last_trace = trace
     finally:
         if perf is not None and perf.poll() is None:  # the run failed with perf attached
             perf.kill()
@@ -417,6 +462,19 @@ def run_patchswarm(lab: Any, args: argparse.Namespace, meter: Meter, oneshot: bo
             for f in workdir.glob("*.log"):
                 shutil.copy(f, dest / f.name)
         shutil.rmtree(workdir, ignore_errors=True)
+    if perf_shares is not None:
+        out["perf"] = perf_shares
+    return out
+
+
+def _figures(fleet: Any, meter: Meter, sts: dict[str, dict[str, Any]],
+             before: dict[str, Any], cpu: tuple[dict, dict], io: tuple[dict, dict],
+             m: tuple[dict, dict], polls: dict[int, int], t0: float, handoff: float,
+             version: int, patch_bytes: int) -> dict[str, Any]:
+    """One version's figures from the counters before (``[0]``) and after (``[1]``)."""
+    cpu0, cpu1 = cpu
+    io0, io1 = io
+    m0, m1 = m
     per_node = {}
     regions: dict[str, float] = {}
     recv_total, cross_app = 0, {}
@@ -442,7 +500,7 @@ def run_patchswarm(lab: Any, args: argparse.Namespace, meter: Meter, oneshot: bo
         regions[r] = max(regions.get(r, 0.0), t_act - t0)
     last = max(v["s"] for v in per_node.values())
     digest_ok = len({st["active_digest"] for st in sts.values()}) == 1
-    out = {"payload_bytes": patch_bytes, "all_s": round(last, 3),
+    out = {"version": version, "payload_bytes": patch_bytes, "all_s": round(last, 3),
            "all_from_handoff_s": round(last - (handoff - t0), 3),
            "handoff_s": round(handoff - t0, 3),
            "regions_s": {k: round(v, 3) for k, v in sorted(regions.items())},
@@ -458,8 +516,6 @@ def run_patchswarm(lab: Any, args: argparse.Namespace, meter: Meter, oneshot: bo
     tail = [v["apply"]["cpu_s"] for v in per_node.values()
             if v["apply"] and "cpu_s" in v["apply"]]
     out["apply_tail_cpu_s"] = round(statistics.median(tail), 4) if tail else None
-    if perf_shares is not None:
-        out["perf"] = perf_shares
     return out
 
 
@@ -632,7 +688,7 @@ def inner(args: argparse.Namespace) -> int:
         "lt_cross_peers": args.lt_cross_peers, "lt_pex": not args.lt_no_pex,
         "uplink_burst_kib": args.uplink_burst_kib, "flow_bound_s": round(bound, 3),
         "swarm_knobs": args.swarm or [], "host_sysctls": dict(args.sysctl),
-        "warm_memory_mib": args.warm_mib, "loss": args.loss,
+        "warm_memory_mib": args.warm_mib, "loss": args.loss, "versions": args.versions,
         "congestion_control": args.congestion if args.congestion is not None else "bbr",
         "cpus": os.cpu_count(), "runs": []}
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -684,10 +740,15 @@ def summary_line(row: dict[str, Any]) -> str:
         return f"  {row['system']} run {row['run']}: ERROR {row['error']}"
     up = row["uplinks"]
     into = " ".join(f"r{r}={u['into_copies']}" for r, u in up.items() if r != "0")
+    later = ""
+    if row.get("later_versions"):
+        later = ("; later versions " + ", ".join(
+            f"{v['all_s']} s ({max(u['into_copies'] for r, u in v['uplinks'].items() if r != '0')} copies)"
+            for v in row["later_versions"]))
     return (f"  {row['system']} run {row['run']}: all {row['all_s']} s "
             f"(from hand-off {row['all_from_handoff_s']} s), regions {row['regions_s']}, "
             f"copies in {into}, {row['cpu_s_per_gb']} CPU-s/GB, "
-            f"holders {row['holders']['cpu_s']} CPU-s / {row['holders']['packets']} pkts")
+            f"holders {row['holders']['cpu_s']} CPU-s / {row['holders']['packets']} pkts{later}")
 
 
 def simulate(args: argparse.Namespace, result: dict[str, Any]) -> dict[str, Any] | None:
@@ -756,6 +817,13 @@ def print_table(result: dict[str, Any]) -> None:
             by.setdefault(row["system"], []).append(row["all_s"])
     for s, v in by.items():
         print(f"{s}: median {statistics.median(v):.2f} s, range {min(v):.2f}-{max(v):.2f} s")
+    later: dict[int, list[float]] = {}
+    for row in result["runs"]:
+        for k, v in enumerate(row.get("later_versions") or [], start=2):
+            later.setdefault(k, []).append(v["all_s"])
+    for k, v in sorted(later.items()):
+        print(f"patchswarm version {k} of each run (same origin): median "
+              f"{statistics.median(v):.2f} s, range {min(v):.2f}-{max(v):.2f} s")
 
 
 def outer(args: argparse.Namespace, argv: list[str]) -> int:
@@ -889,6 +957,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="[network] unsent_limit_kib of the trainer and every node: unsent "
                          "bytes the kernel may hold per peer socket (0: the kernel's default; "
                          "default: the shipped value)")
+    ap.add_argument("--versions", type=int, default=1, metavar="N",
+                    help="patchswarm: the long-running origin publishes N dense versions in a "
+                         "row per run (RL's steady state: it keeps what it measured); the "
+                         "run's figures are the first's, the others' under later_versions "
+                         "(default 1)")
     ap.add_argument("--warm-mib", type=int, default=DEFAULT_WARM_MEMORY_MIB, metavar="MIB",
                     help="[node] warm_memory_mib of every node: heap touched at start so the "
                          "first version runs on warm memory (0: off; default: the shipped "
