@@ -209,3 +209,21 @@ def test_a_round_does_not_time_the_gap_between_versions() -> None:
     assert fresh.w == 8 and fresh.flat == 0 and fresh.best == pytest.approx(40.0)
     gapped = run(restart=False)  # what the gap did before: a round that "did not pay"
     assert gapped.flat == 1 and gapped.best == pytest.approx(20.0)
+
+
+def test_a_start_up_that_saw_a_round_not_pay_ends_between_versions() -> None:
+    # A thin uplink: 2 -> 4 did not pay and start-up doubled again to 8, but the version
+    # ran out before a round at 8 was whole. Windows that large are never filled for a
+    # whole round on the next versions either (the emulated WAN kept 8 for every later
+    # version, ~1 s each): the next version starts at the best window measured.
+    win = UplinkWindow(2, 256)
+    seen = drive_rates(win, {2: 3.0}, deliveries=8)
+    assert win.startup and win.w == 8 and win.flat == 1 and win.best_w == 2, seen
+    win.restart(100.0)
+    assert not win.startup and win.w == 2
+    # a start-up whose last round paid (a fat uplink, still growing) goes on
+    fat = UplinkWindow(2, 256)
+    drive_rates(fat, {2: 10.0, 4: 20.0, 8: 40.0}, deliveries=8)
+    assert fat.startup and fat.flat == 0 and fat.w == 8
+    fat.restart(100.0)
+    assert fat.startup and fat.w == 8

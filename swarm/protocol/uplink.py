@@ -78,9 +78,16 @@ class UplinkWindow:
 
     def restart(self, now: float) -> None:
         """The uplink carried nothing for a while (between versions): the next round is
-        timed from the first transfer sent from ``now`` on, not across the gap."""
+        timed from the first transfer sent from ``now`` on, not across the gap. A start-up
+        that has seen a round not pay ends here, at the best window measured: the window
+        it doubled to after that round was not measured whole, and a window larger than
+        a version's transfers can keep full is never measured at all (its rounds never
+        complete), so it would stay for every version after."""
         self.start, self.n, self.nbytes = None, 0, 0
         self.since = now
+        if self.startup and self.flat:
+            self.startup = False
+            self.w = self.best_w
 
     def delivered(self, nbytes: int, now: float, full: bool,
                   started: float | None = None, sent: float | None = None,
