@@ -37,7 +37,8 @@ with two chunks left to cross; doubled there, the window became a probe never ca
 and as the window is kept across versions the next version started with it: on a thin
 uplink, eight pushes at once that all arrived late (the simulator's `wan-3x4`: a second
 version took 8.07 s, the first 7.58). Between versions the uplink is idle: ``restart``
-times the next round from the new version's transfers, not across the gap.
+times the next round from the new version's transfers, not across the gap, and ends a
+start-up that has seen a round not pay at the best window measured.
 """
 
 from __future__ import annotations
