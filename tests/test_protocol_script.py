@@ -296,9 +296,9 @@ class _Origin:
     """An origin with one border in each of r1 (``a``, conn 1) and r2 (``b``, conn 2),
     linked to each other, both showing version 2; every action it took is in ``log``."""
 
-    def __init__(self, chunks: int) -> None:
+    def __init__(self, chunks: int, **knobs) -> None:
         s = Signer()
-        self.o = o = _core("origin", "trainer", role="origin", signer=s, border_nodes=1)
+        self.o = o = _core("origin", "trainer", role="origin", signer=s, border_nodes=1, **knobs)
         self.a = Script(o, 1, node_id="a", region="r1")
         self.b = Script(o, 2, node_id="b", region="r2")
         self.log: list[ev.Action] = []
@@ -841,3 +841,25 @@ def test_a_short_last_chunk_times_no_path_and_leaves_a_connection_cold() -> None
     a.send(wire.Have(2, (2,)), now=t + 1.25)
     assert role.push_s["r1"] == pytest.approx(0.7 * 1.0 + 0.3 * 0.3)  # the short one: unchanged
     assert role.cold_s == pytest.approx(1.0)
+
+
+def test_a_slow_relay_path_is_no_source_while_a_push_is_much_faster() -> None:
+    """``_slow_source``: a region whose relays into another take ``slow_relay_factor`` x
+    a push into it (both measured) relays nothing into it, until pushes into it slow
+    down (where the origin's uplink is thin, the pushes that replace those relays do)."""
+    t = _Origin(2, slow_relay_factor=3.0)
+    role = t.o.role
+    assert not role._slow_source("r2", "r1")  # nothing measured
+    role.push_s["r1"] = 0.2
+    role.path_s[("r2", "r1")] = 0.5
+    assert not role._slow_source("r2", "r1")  # 2.5x: still a source
+    role.path_s[("r2", "r1")] = 0.9
+    role.path_s[("r1", "r2")] = 0.9  # no push into r2 measured: not slow
+    assert role._slow_source("r2", "r1") and not role._slow_source("r1", "r2")
+    t.o.handle(ev.Publish(t.o.now, Signer().manifest(3, 2)))
+    assert role._slow_source("r2", "r1")  # a new version does not forget it
+    role.push_s["r1"] = 0.35  # pushes into r1 slowed down: r2 relays into it again
+    assert not role._slow_source("r2", "r1")
+    off = _Origin(2, slow_relay_factor=0.0).o.role
+    off.push_s["r1"], off.path_s[("r2", "r1")] = 0.2, 10.0
+    assert not off._slow_source("r2", "r1")

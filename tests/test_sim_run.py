@@ -232,3 +232,38 @@ def test_a_thin_uplink_s_later_versions_are_no_slower_than_its_first():
     first, *later = [pv["t_p100_s"] for pv in fig["per_version"]]
     assert all(pv["completed"] == pv["of"] for pv in fig["per_version"])
     assert max(later) <= first * 1.03, (first, later)
+
+
+def _upload_bound_small(slow_relay_factor: float, seed: int) -> dict:
+    """``upload-bound`` at 8 nodes a region and 64 MiB, three versions: the edge
+    region's hosts send at 100 Mbit/s, the core regions' at 1 Gbit/s."""
+    import dataclasses
+
+    from simulations.scenario import load_scenario
+
+    sc = load_scenario(CONFIGS / "upload-bound.toml")
+    sc = dataclasses.replace(
+        sc, patch_bytes=64 << 20, versions=3,
+        regions=tuple(dataclasses.replace(r, nodes=8) for r in sc.regions),
+        protocol={**sc.protocol, "slow_relay_factor": slow_relay_factor})
+    fig = run_strategy(sc, "patchswarm", seed=seed)[1]
+    check_invariants(sc, fig)
+    assert all(pv["completed"] == pv["of"] for pv in fig["per_version"])
+    return fig
+
+
+@pytest.mark.parametrize("seed", [22, 1])
+def test_a_region_that_relays_out_slowly_is_no_source_once_measured(seed):
+    # Routing compared a region's pushes with its relays from any region: the core
+    # regions kept taking chunks from the edge region (100 Mbit/s hosts, a relay
+    # ~15x a push from the 10 Gbit trainer) because relays between the two core regions
+    # were fast. Measured per path, the edge relays only until its path is measured
+    # (its first version) and the core regions take those chunks by push or from
+    # each other: later versions 5.6-5.7 s / 6.8-7.1 s against 6.4-7.0 / 8.2-9.1 before
+    on, off = _upload_bound_small(3.0, seed), _upload_bound_small(0.0, seed)
+    out_of_edge = [sum(v for k, v in f["pair_bytes"].items()
+                       if k.startswith("edge->core")) >> 22 for f in (on, off)]
+    assert out_of_edge[0] <= 5 < out_of_edge[1], out_of_edge
+    later = [sum(pv["t_p100_s"] for pv in f["per_version"][1:]) for f in (on, off)]
+    assert later[0] < later[1] * 0.9, later
+    assert on["cross_region_ratio"] == off["cross_region_ratio"] == 1.0

@@ -39,7 +39,8 @@ KNOB_RANGES: dict[str, tuple[float, float]] = {
     "border_grace_s": (0.0, _DAY), "keep_versions": (1, 1 << 20), "apply_retries": (0, 1000),
     "apply_retry_s": (0.0, _DAY), "status_interval_s": (0.0, _DAY), "status_delay_s": (0.0, 3600.0),
     "fleet_max": (1, 10_000_000), "unavailable_s": (0.0, _DAY),
-    "relay_wait_s": (0.0, _DAY), "serve_arriving_region": (0, 1_000_000),
+    "relay_wait_s": (0.0, _DAY), "slow_relay_factor": (0.0, 1e6),
+    "serve_arriving_region": (0, 1_000_000),
 }
 
 
@@ -103,6 +104,9 @@ class CoreConfig:
     serve_arriving_region: int = 48
     border_grace_s: float = 5.0  # wait before re-sending what a departed border held
     relay_wait_s: float = 5.0  # origin: push a chunk a linked region could relay only after relays into the region stalled this long
+    # origin: a region whose relays into another take this many times a push into it is
+    # no relay source for it (measured per path; an upload-bound region) (0: off)
+    slow_relay_factor: float = 3.0
     # ---- versions
     active_version: int | None = 0  # version held at start (0 = the base checkpoint)
     keep_versions: int = 3  # versions kept announced/served behind the active one

@@ -94,6 +94,10 @@ class OriginRole(Role):
         # from the origin, by relay from another region (``_direct_faster``)
         self.push_s: dict[str, float] = {}
         self.relay_s: dict[str, float] = {}
+        # ... by relay, per (source region, region): a region is no relay source for
+        # another while its relays into it take ``slow_relay_factor`` x a push into it
+        # (``_slow_source``: an upload-bound region relays out slowly)
+        self.path_s: dict[tuple[str, str], float] = {}
         # measured delivery time of a first push on a border connection (one that had
         # carried no chunk of ours: TCP's window still at its start; EWMA), and the push
         # each such connection is on: an unmeasured relay is guessed this slow
@@ -366,6 +370,11 @@ class OriginRole(Role):
                         table = self.push_s if src == ORIGIN_SRC else self.relay_s
                         old = table.get(p.region)
                         table[p.region] = now - t0 if old is None else 0.7 * old + 0.3 * (now - t0)
+                        s = self.host.peers.get(src) if src != ORIGIN_SRC else None
+                        if s is not None:
+                            key = (s.region, p.region)
+                            old = self.path_s.get(key)
+                            self.path_s[key] = now - t0 if old is None else 0.7 * old + 0.3 * (now - t0)
                         if src == ORIGIN_SRC and self.first_push.get(p.conn) == (v, i):
                             del self.first_push[p.conn]
                             dt, c = now - t0, self.cold_s
@@ -599,6 +608,26 @@ class OriginRole(Role):
             i = self._relay_one(v, r, bs, plan, load, missing, now, union, home_ok=True)
         return i
 
+    def _slow_source(self, src: str, r: str) -> bool:
+        """Whether region ``src`` is no relay source for region ``r``: its relays into
+        ``r`` have been taking ``slow_relay_factor`` x what a push into ``r`` takes
+        (both measured, EWMA). Routing per region compared a region's pushes with its
+        relays from any region: in the simulator's ``upload-bound`` the core regions
+        took chunks from the edge region, whose hosts send at 100 Mbit/s (3.4-3.9 s a
+        chunk, against 0.2 s for a push from the 10 Gbit trainer), because relays
+        between the two core regions were fast. Such chunks are pushed instead, or
+        relayed from a faster source; copies into ``r`` stay one. An excluded path is
+        measured no more, but the push it is compared with is: where the origin's uplink
+        is thin, the pushes that replace its relays slow the origin's pushes down, and the
+        path is used again once it is no longer ``slow_relay_factor`` x as slow. (Letting
+        its estimate decay so that it is tried again cost ``lossy-long-bbr``'s later
+        versions 6-17 %: a relay there runs over a cold 150 ms connection.)"""
+        f = self.cfg.slow_relay_factor
+        if f <= 0:
+            return False
+        path, push = self.path_s.get((src, r)), self.push_s.get(r)
+        return path is not None and push is not None and path > f * push
+
     def _full_size(self, v: int, i: int) -> bool:
         """Whether chunk ``i`` of ``v`` is at least half a full chunk: only such transfers
         time a path (``push_s``, ``relay_s``, ``cold_s``, the uplink window's rounds)."""
@@ -756,10 +785,12 @@ class OriginRole(Role):
         for r2, lst in self.borders.items():
             if r2 in (r, c.region):
                 continue
+            slow = self._slow_source(r2, r)
             for b in lst:
                 if b.ready and b.links & ids:
                     linked = True
-                    held |= b.bits.get(v, 0)
+                    if not slow:
+                        held |= b.bits.get(v, 0)
         if not linked:
             return None
         held &= ~rbits.get(r, 0)
@@ -817,7 +848,7 @@ class OriginRole(Role):
         # origin would push it).
         for r2 in self.borders:
             lst = self.borders[r2]
-            if r2 == r or (r2 == home and not home_ok):
+            if r2 == r or (r2 == home and not home_ok) or self._slow_source(r2, r):
                 continue
             mask = missing & ~union if r2 == home else missing
             if r2 == home and not self._uplink_free(r, plan):
