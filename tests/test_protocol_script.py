@@ -844,22 +844,32 @@ def test_a_short_last_chunk_times_no_path_and_leaves_a_connection_cold() -> None
 
 
 def test_a_slow_relay_path_is_no_source_while_a_push_is_much_faster() -> None:
-    """``_slow_source``: a region whose relays into another take ``slow_relay_factor`` x
-    a push into it (both measured) relays nothing into it, until pushes into it slow
-    down (where the origin's uplink is thin, the pushes that replace those relays do)."""
-    t = _Origin(2, slow_relay_factor=3.0)
+    """``_slow_source``: a region whose relays into another take ``slow_relay_factor`` (5)
+    x a push into it (both measured, the path over at least three relays) relays nothing
+    into it, until pushes into it slow down (where the origin's uplink is thin, the
+    pushes that replace those relays do). Each change is logged."""
+    t = _Origin(2)
     role = t.o.role
     assert not role._slow_source("r2", "r1")  # nothing measured
     role.push_s["r1"] = 0.2
-    role.path_s[("r2", "r1")] = 0.5
-    assert not role._slow_source("r2", "r1")  # 2.5x: still a source
-    role.path_s[("r2", "r1")] = 0.9
-    role.path_s[("r1", "r2")] = 0.9  # no push into r2 measured: not slow
-    assert role._slow_source("r2", "r1") and not role._slow_source("r1", "r2")
+    logs = []
+    for dt in (2.0, 2.0):  # 10x a push, but two relays say little (a cold connection)
+        role._path_sample(("r2", "r1"), dt)
+    assert not role._slow_source("r2", "r1")
+    role.host.log = lambda level, event, **f: logs.append((event, f))
+    role._path_sample(("r2", "r1"), 2.0)
+    assert role._slow_source("r2", "r1")
+    assert logs == [("relay_path_slow", {"source": "r2", "region": "r1", "relay_s": 2.0,
+                                         "push_s": 0.2})]
+    for dt in (0.5, 0.5, 0.5):  # r1 -> r2: no push into r2 measured, never slow
+        role._path_sample(("r1", "r2"), dt)
+    assert not role._slow_source("r1", "r2")
     t.o.handle(ev.Publish(t.o.now, Signer().manifest(3, 2)))
     assert role._slow_source("r2", "r1")  # a new version does not forget it
-    role.push_s["r1"] = 0.35  # pushes into r1 slowed down: r2 relays into it again
+    role.push_s["r1"] = 0.45  # pushes into r1 slowed down: r2 relays into it again
     assert not role._slow_source("r2", "r1")
     off = _Origin(2, slow_relay_factor=0.0).o.role
-    off.push_s["r1"], off.path_s[("r2", "r1")] = 0.2, 10.0
+    off.push_s["r1"] = 0.2
+    for _ in range(3):
+        off._path_sample(("r2", "r1"), 10.0)
     assert not off._slow_source("r2", "r1")

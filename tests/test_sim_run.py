@@ -257,13 +257,14 @@ def test_a_region_that_relays_out_slowly_is_no_source_once_measured(seed):
     # Routing compared a region's pushes with its relays from any region: the core
     # regions kept taking chunks from the edge region (100 Mbit/s hosts, a relay
     # ~15x a push from the 10 Gbit trainer) because relays between the two core regions
-    # were fast. Measured per path, the edge relays only until its path is measured
-    # (its first version) and the core regions take those chunks by push or from
-    # each other: later versions 5.6-5.7 s / 6.8-7.1 s against 6.4-7.0 / 8.2-9.1 before
-    on, off = _upload_bound_small(3.0, seed), _upload_bound_small(0.0, seed)
+    # were fast. Measured per path (three relays at least), the edge relays until its
+    # paths are measured and the core regions then take those chunks by push or from
+    # each other: 10 chunks out of the edge against 15; versions 2 and 3 6.4-6.7 s and
+    # 6.8 s against 6.4-7.0 and 8.5-9.1 s
+    on, off = _upload_bound_small(5.0, seed), _upload_bound_small(0.0, seed)
     out_of_edge = [sum(v for k, v in f["pair_bytes"].items()
                        if k.startswith("edge->core")) >> 22 for f in (on, off)]
-    assert out_of_edge[0] <= 5 < out_of_edge[1], out_of_edge
+    assert out_of_edge[0] <= 10 < out_of_edge[1], out_of_edge
     later = [sum(pv["t_p100_s"] for pv in f["per_version"][1:]) for f in (on, off)]
     assert later[0] < later[1] * 0.9, later
     assert on["cross_region_ratio"] == off["cross_region_ratio"] == 1.0

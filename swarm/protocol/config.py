@@ -106,7 +106,7 @@ class CoreConfig:
     relay_wait_s: float = 5.0  # origin: push a chunk a linked region could relay only after relays into the region stalled this long
     # origin: a region whose relays into another take this many times a push into it is
     # no relay source for it (measured per path; an upload-bound region) (0: off)
-    slow_relay_factor: float = 3.0
+    slow_relay_factor: float = 5.0
     # ---- versions
     active_version: int | None = 0  # version held at start (0 = the base checkpoint)
     keep_versions: int = 3  # versions kept announced/served behind the active one

@@ -39,6 +39,10 @@ from swarm.protocol.roles import FrameHandler, Host, Role
 from swarm.protocol.uplink import UplinkWindow
 
 ORIGIN_SRC = -1
+# relays a path must have carried before it may count as slow (``_slow_source``): on the
+# emulated WAN a first relay over a cold connection against a first push once excluded a
+# path at 3x and sent a sixth of a copy more through the thin uplink
+MIN_PATH_SAMPLES = 3
 
 
 class SeedMode(enum.Enum):
@@ -98,6 +102,7 @@ class OriginRole(Role):
         # another while its relays into it take ``slow_relay_factor`` x a push into it
         # (``_slow_source``: an upload-bound region relays out slowly)
         self.path_s: dict[tuple[str, str], float] = {}
+        self.path_n: dict[tuple[str, str], int] = {}  # relays measured on each path
         # measured delivery time of a first push on a border connection (one that had
         # carried no chunk of ours: TCP's window still at its start; EWMA), and the push
         # each such connection is on: an unmeasured relay is guessed this slow
@@ -372,9 +377,7 @@ class OriginRole(Role):
                         table[p.region] = now - t0 if old is None else 0.7 * old + 0.3 * (now - t0)
                         s = self.host.peers.get(src) if src != ORIGIN_SRC else None
                         if s is not None:
-                            key = (s.region, p.region)
-                            old = self.path_s.get(key)
-                            self.path_s[key] = now - t0 if old is None else 0.7 * old + 0.3 * (now - t0)
+                            self._path_sample((s.region, p.region), now - t0)
                         if src == ORIGIN_SRC and self.first_push.get(p.conn) == (v, i):
                             del self.first_push[p.conn]
                             dt, c = now - t0, self.cold_s
@@ -608,10 +611,21 @@ class OriginRole(Role):
             i = self._relay_one(v, r, bs, plan, load, missing, now, union, home_ok=True)
         return i
 
+    def _path_sample(self, key: tuple[str, str], dt: float) -> None:
+        was = self._slow_source(*key)
+        old = self.path_s.get(key)
+        self.path_s[key] = dt if old is None else 0.7 * old + 0.3 * dt
+        self.path_n[key] = self.path_n.get(key, 0) + 1
+        if self._slow_source(*key) != was:
+            self.host.log("info", "relay_path_slow" if not was else "relay_path_ok",
+                          source=key[0], region=key[1], relay_s=round(self.path_s[key], 3),
+                          push_s=round(self.push_s.get(key[1], 0.0), 3))
+
     def _slow_source(self, src: str, r: str) -> bool:
         """Whether region ``src`` is no relay source for region ``r``: its relays into
         ``r`` have been taking ``slow_relay_factor`` x what a push into ``r`` takes
-        (both measured, EWMA). Routing per region compared a region's pushes with its
+        (both measured, EWMA; the path over at least ``MIN_PATH_SAMPLES`` relays). Routing
+        per region compared a region's pushes with its
         relays from any region: in the simulator's ``upload-bound`` the core regions
         took chunks from the edge region, whose hosts send at 100 Mbit/s (3.4-3.9 s a
         chunk, against 0.2 s for a push from the 10 Gbit trainer), because relays
@@ -623,7 +637,7 @@ class OriginRole(Role):
         its estimate decay so that it is tried again cost ``lossy-long-bbr``'s later
         versions 6-17 %: a relay there runs over a cold 150 ms connection.)"""
         f = self.cfg.slow_relay_factor
-        if f <= 0:
+        if f <= 0 or self.path_n.get((src, r), 0) < MIN_PATH_SAMPLES:
             return False
         path, push = self.path_s.get((src, r)), self.push_s.get(r)
         return path is not None and push is not None and path > f * push
