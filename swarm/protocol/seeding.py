@@ -612,6 +612,8 @@ class OriginRole(Role):
         return i
 
     def _path_sample(self, key: tuple[str, str], dt: float) -> None:
+        """A relay on path ``key`` (source region, region) took ``dt``; log a change of
+        its standing as a relay source."""
         was = self._slow_source(*key)
         old = self.path_s.get(key)
         self.path_s[key] = dt if old is None else 0.7 * old + 0.3 * dt
@@ -624,13 +626,13 @@ class OriginRole(Role):
     def _slow_source(self, src: str, r: str) -> bool:
         """Whether region ``src`` is no relay source for region ``r``: its relays into
         ``r`` have been taking ``slow_relay_factor`` x what a push into ``r`` takes
-        (both measured, EWMA; the path over at least ``MIN_PATH_SAMPLES`` relays). Routing
-        per region compared a region's pushes with its
-        relays from any region: in the simulator's ``upload-bound`` the core regions
-        took chunks from the edge region, whose hosts send at 100 Mbit/s (3.4-3.9 s a
-        chunk, against 0.2 s for a push from the 10 Gbit trainer), because relays
-        between the two core regions were fast. Such chunks are pushed instead, or
-        relayed from a faster source; copies into ``r`` stay one. An excluded path is
+        (both measured, EWMA; the path over at least ``MIN_PATH_SAMPLES`` relays).
+        Routing per region compared a region's pushes with its relays from any region:
+        in the simulator's ``upload-bound`` the core regions took chunks from the edge
+        region, whose hosts send at 100 Mbit/s (3.4-3.9 s a chunk, against 0.2 s for a
+        push from the 10 Gbit trainer), because relays between the two core regions were
+        fast. Such chunks are pushed instead, or relayed from a faster source; copies
+        into ``r`` stay one. An excluded path is
         measured no more, but the push it is compared with is: where the origin's uplink
         is thin, the pushes that replace its relays slow the origin's pushes down, and the
         path is used again once it is no longer ``slow_relay_factor`` x as slow. (Letting
