@@ -39,9 +39,9 @@ from swarm.protocol.roles import FrameHandler, Host, Role
 from swarm.protocol.uplink import UplinkWindow
 
 ORIGIN_SRC = -1
-# relays a path must have carried before it may count as slow (``_slow_source``): on the
-# emulated WAN a first relay over a cold connection against a first push once excluded a
-# path at 3x and sent a sixth of a copy more through the thin uplink
+# relays a path must have carried before it may count as slow (``_slow_source``): at 3x
+# from the first relay (a cold one against a first push) the emulated WAN's first versions
+# most likely lost a path and sent a sixth of a copy more through the thin uplink
 MIN_PATH_SAMPLES = 3
 
 
