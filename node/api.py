@@ -101,6 +101,8 @@ def status_dict(driver: Driver, model: str) -> dict[str, Any]:
             # TCP congestion control of the peer sockets ([network] congestion_control)
             "congestion_control": driver.congestion_in_use,
             "congestion_refused": driver.congestion_refused,
+            # loss-based algorithm only: Linux restarts an idle link's window (None: n/a)
+            "slow_start_after_idle": driver.slow_start_after_idle,
             "connections": driver.guard.stats.open,
             "refused": driver.guard.stats.refused,
             "timed_out": driver.guard.stats.timed_out,

@@ -225,6 +225,29 @@ def set_congestion(sock: Any, name: str) -> str | None:
     return None
 
 
+SLOW_START_AFTER_IDLE = "/proc/sys/net/ipv4/tcp_slow_start_after_idle"
+
+
+def slow_start_after_idle(path: str = SLOW_START_AFTER_IDLE) -> bool | None:
+    """Whether Linux restarts an idle connection's congestion window (this network
+    namespace's ``net.ipv4.tcp_slow_start_after_idle``); None where it cannot be read.
+    It applies to loss-based algorithms only: Linux skips it for one with its own
+    ``cong_control`` (BBR), see ``keeps_window_across_idle``."""
+    try:
+        with open(path, encoding="ascii") as f:
+            text = f.read(16).strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return {"0": False, "1": True}.get(text)
+
+
+def keeps_window_across_idle(algorithm: str) -> bool:
+    """BBR (and its successors) has its own ``cong_control``: Linux neither restarts its
+    window after idle nor decays a window left unused (``tcp_slow_start_after_idle_check``,
+    ``tcp_cwnd_validate``); it paces the first flight after idle at its estimate."""
+    return algorithm.startswith("bbr")
+
+
 def congestion_of(sock: Any) -> str | None:
     """The congestion control a TCP socket uses, or None where it cannot be read."""
     opt = getattr(socket, "TCP_CONGESTION", None)
@@ -272,6 +295,9 @@ class Driver:
         # refused ``congestion`` (logged once: every socket would say the same)
         self.congestion_in_use: str | None = None
         self.congestion_refused: str | None = None
+        # a loss-based algorithm in use: whether Linux restarts an idle link's window
+        # (between versions every link idles; docs/operations.md); None otherwise
+        self.slow_start_after_idle: bool | None = None
         self.store = store
         self.guard = guard or ConnectionGuard(max_total=1024, max_per_ip=32, upgrade_timeout_s=10.0)
         self.tls = tls
@@ -530,8 +556,17 @@ class Driver:
                         "run with CAP_NET_ADMIN) or set network.congestion_control = \"\" "
                         "(docs/operations.md)", self.congestion, why, congestion_of(sock))
         in_use = congestion_of(sock)
-        if in_use is not None:
+        if in_use is not None and in_use != self.congestion_in_use:
             self.congestion_in_use = in_use
+            was = self.slow_start_after_idle
+            self.slow_start_after_idle = (None if keeps_window_across_idle(in_use)
+                                          else slow_start_after_idle())
+            if self.slow_start_after_idle and not was:
+                log.info("peer links use %r, a loss-based congestion control, and Linux "
+                         "restarts a link's window after it idles "
+                         "(net.ipv4.tcp_slow_start_after_idle=1): every link idles between "
+                         "versions. Consider setting it to 0, or allowing BBR "
+                         "(docs/operations.md)", in_use)
 
     def _tls_identity(self, ssl_object: Any, addr: str) -> tuple[str, str, str] | None:
         """The peer's identity proven by mutual TLS; ``ProtocolError`` if there is none."""

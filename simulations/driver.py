@@ -58,7 +58,7 @@ from typing import Any
 
 from simulations.cpu import Cores, run_job
 from simulations.engine import Engine
-from simulations.network import INF, FlowNet, Resource
+from simulations.network import INF, LOSS_BASED, FlowNet, Resource
 from simulations.scenario import STRATEGY_KNOBS, Cpu, Scenario
 from simulations.topology import Endpoint, Topology, draw_capacities
 from swarm.protocol import events as ev
@@ -721,7 +721,7 @@ class Simulation:
         src, dst = half.node.ep, peer.node.ep
         res = self.topo.flow_resources(src, dst)
         cap = self.topo.flow_cap[(src.site, dst.site)]
-        if self.sc.slow_start and self.sc.idle_restart:
+        if self.sc.slow_start and self.sc.idle_restart and self.sc.congestion in LOSS_BASED:
             self._idle_restart(half, cap, res)
         if half.cwnd != INF:
             # slow start: the window doubles every RTT until the path, not the window, limits
@@ -758,7 +758,13 @@ class Simulation:
         few segments of it), and restarts it from the initial window after a timeout with
         nothing sent at all (``tcp_slow_start_after_idle``). Modelled as: one halving per
         timeout since the last chunk left, down to the initial window. An open window
-        counts as the path's rate times the RTT."""
+        counts as the path's rate times the RTT.
+
+        Loss-based algorithms only: Linux skips both checks for a congestion control that
+        has its own ``cong_control`` (``tcp_slow_start_after_idle_check``,
+        ``tcp_cwnd_validate``), as BBR does; BBR keeps its window and its bandwidth
+        estimate (a max over round trips, which an idle connection does not count) and
+        paces the first flight after idle at that estimate."""
         if half.cur is not None or half.queue:
             return
         idle = self.engine.now - half.last

@@ -192,7 +192,8 @@ class Scenario:
     initial_window: int = 10  # segments (Linux IW10)
     # with slow_start: a connection's window halves once per retransmission timeout (its RTT
     # + 200 ms) since its last chunk left, down to initial_window (Linux halves a window left
-    # unused, RFC 2861, and restarts an idle one: Simulation._idle_restart)
+    # unused, RFC 2861, and restarts an idle one: Simulation._idle_restart); loss-based
+    # congestion only: Linux exempts BBR (a congestion control with its own cong_control)
     idle_restart: bool = True
     encode_s: float = 0.0  # trainer: time from the publish call to the hand-off to its core
     host_cores: int = 0  # > 0: every node shares one CPU of this many cores (one emulation box)

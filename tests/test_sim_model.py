@@ -268,11 +268,13 @@ def test_slow_start_ramps_a_new_connection():
     assert half.cwnd == math.inf or half.cwnd > iw * 2**6
 
 
-def _two_chunks(second_at: float, idle_restart: bool) -> tuple[float, float, int]:
+def _two_chunks(second_at: float, idle_restart: bool,
+                congestion: str = "cubic") -> tuple[float, float, int]:
     """1 MiB on a fresh 80 ms-RTT connection, another at ``second_at`` on the same one:
     (first's arrival, second's time from ``second_at``, chunks started on a decayed window)."""
     sc = two_site(defaults={"uplink_mbps": 1000, "downlink_mbps": 1000, "latency_ms": 0.5},
-                  network={"slow_start": True, "idle_restart": idle_restart})
+                  network={"slow_start": True, "idle_restart": idle_restart,
+                           "congestion": congestion})
     w = Wire(sc)
     a0, b0 = w.node("a", 0), w.node("b", 0)
     w.connect(a0, b0)
@@ -282,15 +284,26 @@ def _two_chunks(second_at: float, idle_restart: bool) -> tuple[float, float, int
     return w.chunks[0][0], w.chunks[1][0] - second_at, w.sim.idle_restarts
 
 
-def test_a_window_left_unused_decays_back_to_slow_start():
-    """Linux halves a window the sender left unused for a retransmission timeout (RTT +
-    200 ms here): 3 s after its last chunk a connection is back at IW10 and its next
-    chunk takes as long as a fresh connection's first. ``idle_restart = false`` keeps
-    the window open."""
-    first, again, restarts = _two_chunks(3.5, True)
+@pytest.mark.parametrize("congestion", ["cubic", "reno"])
+def test_a_window_left_unused_decays_back_to_slow_start(congestion):
+    """Linux halves a loss-based algorithm's window the sender left unused for a
+    retransmission timeout (RTT + 200 ms here): 3 s after its last chunk a connection is
+    back at IW10 and its next chunk takes as long as a fresh connection's first.
+    ``idle_restart = false`` keeps the window open."""
+    first, again, restarts = _two_chunks(3.5, True, congestion)
     assert again == pytest.approx(first, rel=1e-3) and restarts == 1
-    first, kept_open, restarts = _two_chunks(3.5, False)
+    first, kept_open, restarts = _two_chunks(3.5, False, congestion)
     assert kept_open < 0.5 * first and restarts == 0
+
+
+def test_bbr_keeps_its_window_across_idle():
+    """Linux skips slow start after idle and the RFC 2861 decay for a congestion control
+    with its own ``cong_control`` (BBR): with ``idle_restart`` on, a BBR connection's
+    second chunk 3 s later goes at the ramped rate, exactly as with it off."""
+    first, again, restarts = _two_chunks(3.5, True, "bbr")
+    assert restarts == 0 and again < 0.5 * first
+    assert again == pytest.approx(_two_chunks(3.5, False, "bbr")[1], rel=1e-9)
+    assert again == pytest.approx(_two_chunks(3.5, False, "cubic")[1], rel=1e-9)
 
 
 def test_a_window_unused_for_less_than_a_timeout_stays_as_it_was():
