@@ -873,3 +873,29 @@ def test_a_slow_relay_path_is_no_source_while_a_push_is_much_faster() -> None:
     for _ in range(3):
         off._path_sample(("r2", "r1"), 10.0)
     assert not off._slow_source("r2", "r1")
+
+
+
+def test_after_start_up_a_push_goes_to_an_idle_border_already_pushed_to() -> None:
+    """A push queued behind another on the warm border adds nothing a probe of the uplink
+    window can measure: after start-up it goes to another border the origin has pushed to
+    (its connection warm) while that one has nothing in flight, never to a border it has
+    not (a cold connection); in start-up it stacks on the warm one as before."""
+    s = Signer()
+    o = _core("origin", "home", role="origin", signer=s, border_nodes=3, border_inflight=2)
+    bs = [Script(o, k + 1, node_id=f"a{k}", region="r1") for k in range(3)]
+    for x in bs:
+        x.handshake()
+    role = o.role
+    peers = [o.peers[k + 1] for k in range(3)]
+    role.pushed_to.update({1, 2})
+    assert role.window.startup
+    assert role._push_target(peers, {1: 1}, 1).conn == 1  # start-up: behind the first
+    role.window.startup = False  # as if the window's start-up had ended
+    assert role._push_target(peers, {1: 1}, 1).conn == 2
+    assert role._push_target(peers, {}, 1).conn == 1  # the warm border while it idles
+    assert role._push_target(peers, {1: 1, 2: 1}, 1).conn == 1  # none idle: stack, not a2
+    # the warm border full: the least loaded, as in start-up (``_target``)
+    assert role._push_target(peers, {1: 2, 2: 1}, 1).conn == 3
+    role.pushed_to.discard(2)
+    assert role._push_target(peers, {1: 1}, 1).conn == 1

@@ -852,6 +852,29 @@ class OriginRole(Role):
                 best_n = n
         return best
 
+    def _push_target(self, bs: list[Peer], load: dict[int, int], warm: int | None) -> Peer | None:
+        """The border of ``bs`` a push goes to: ``_target`` (the warm connection, stacked
+        up to ``border_inflight``), except after the uplink window's start-up, where a push
+        does not queue behind a transfer on the warm border while another border whose
+        connection has carried a push of ours (``pushed_to``: its window open, and BBR
+        keeps it across idle) has none in flight. Queued behind the warm one, the push
+        added nothing a probe of the window could measure: where the origin's uplink is
+        fat and each border's downlink the limit (a fleet), a window of one push per region
+        probed one more and always found it paid nothing, and stayed there (fleet-1k's
+        second version 1.21-1.23x its bound on two seeds of three against 1.14x,
+        docs/simulation.md round 17). A border the origin never pushed to is not taken for
+        this (its connection would start from slow start). Start-up keeps stacking: its
+        doubled rounds on a thin uplink would otherwise put every push on the wire at once."""
+        if self.window.startup:
+            return self._target(bs, load, warm=warm)
+        for b in bs:
+            if b.conn == warm and not load.get(b.conn, 0):
+                return b
+        for b in bs:
+            if b.conn in self.pushed_to and not load.get(b.conn, 0):
+                return b
+        return self._target(bs, load, warm=warm)
+
     def _relay_one(self, v: int, r: str, bs: list[Peer], plan: RegionPlan, load: dict[int, int],
                    missing: int, now: float, union: int, home_ok: bool,
                    ahead: bool = False) -> int:
@@ -941,7 +964,7 @@ class OriginRole(Role):
             return -1
         if plan.remote and (not self._uplink_free(r, plan) or self._push_capped(r)):
             return -1
-        t = self._target(bs, load, warm=self.warm.get((ORIGIN_SRC, r)))
+        t = self._push_target(bs, load, self.warm.get((ORIGIN_SRC, r)))
         if t is None:
             return -1
         self.warm[(ORIGIN_SRC, r)] = t.conn
