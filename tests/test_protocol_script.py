@@ -8,6 +8,7 @@ network tests live in ``test_protocol_core.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -877,12 +878,13 @@ def test_a_slow_relay_path_is_no_source_while_a_push_is_much_faster() -> None:
 
 
 def test_after_start_up_a_push_goes_to_an_idle_border_already_pushed_to() -> None:
-    """A push queued behind another on the warm border adds nothing a probe of the uplink
+    """``spread_pushes``: a push queued behind another on the warm border adds nothing a probe of the uplink
     window can measure: after start-up it goes to another border the origin has pushed to
     (its connection warm) while that one has nothing in flight, never to a border it has
     not (a cold connection); in start-up it stacks on the warm one as before."""
     s = Signer()
-    o = _core("origin", "home", role="origin", signer=s, border_nodes=3, border_inflight=2)
+    o = _core("origin", "home", role="origin", signer=s, border_nodes=3, border_inflight=2,
+              spread_pushes=True)
     bs = [Script(o, k + 1, node_id=f"a{k}", region="r1") for k in range(3)]
     for x in bs:
         x.handshake()
@@ -898,4 +900,7 @@ def test_after_start_up_a_push_goes_to_an_idle_border_already_pushed_to() -> Non
     # the warm border full: the least loaded, as in start-up (``_target``)
     assert role._push_target(peers, {1: 2, 2: 1}, 1).conn == 3
     role.pushed_to.discard(2)
+    assert role._push_target(peers, {1: 1}, 1).conn == 1
+    role.pushed_to.add(2)
+    role.cfg = dataclasses.replace(role.cfg, spread_pushes=False)  # the shipped default
     assert role._push_target(peers, {1: 1}, 1).conn == 1

@@ -95,6 +95,12 @@ class CoreConfig:
     # border: relay a chunk while it arrives (the last block once verified). Off: no measured
     # gain on the emulated WAN, and the simulator's fat-trainer scenarios lose (docs/simulation.md)
     cut_through: bool = False
+    # origin: after the uplink window's start-up, a push goes to another border it has
+    # pushed to that is idle rather than queue behind one on the warm border. Off: on the
+    # emulated WAN's thin uplink the window's probe then runs as a parallel flow and the
+    # versions where it fired were slow; a fat-trainer fleet's steady state gains 3-4 %
+    # (docs/simulation.md round 17)
+    spread_pushes: bool = False
     # a chunk arriving from a peer may be asked for by the region's peers at once (sent
     # block by block as it comes, the last once verified here): see docs/protocol.md.
     # Offered (COMING) only by a node that knows at least serve_arriving_region nodes of

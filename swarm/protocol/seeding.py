@@ -854,7 +854,9 @@ class OriginRole(Role):
 
     def _push_target(self, bs: list[Peer], load: dict[int, int], warm: int | None) -> Peer | None:
         """The border of ``bs`` a push goes to: ``_target`` (the warm connection, stacked
-        up to ``border_inflight``), except after the uplink window's start-up, where a push
+        up to ``border_inflight``), except with ``spread_pushes`` (off by default: on a
+        thin uplink the window's probe then becomes a parallel flow, docs/simulation.md
+        round 17) after the uplink window's start-up, where a push
         does not queue behind a transfer on the warm border while another border whose
         connection has carried a push of ours (``pushed_to``: its window open, and BBR
         keeps it across idle) has none in flight. Queued behind the warm one, the push
@@ -865,7 +867,7 @@ class OriginRole(Role):
         docs/simulation.md round 17). A border the origin never pushed to is not taken for
         this (its connection would start from slow start). Start-up keeps stacking: its
         doubled rounds on a thin uplink would otherwise put every push on the wire at once."""
-        if self.window.startup:
+        if self.window.startup or not self.cfg.spread_pushes:
             return self._target(bs, load, warm=warm)
         for b in bs:
             if b.conn == warm and not load.get(b.conn, 0):
