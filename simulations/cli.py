@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +32,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a `patchswarm demo --json` result to compare bytes per region and sender kind with",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--timeline", type=int, default=None, metavar="K",
+        help="record the K-th version published (1 = the first) under the first strategy: "
+             "every chunk transfer, the origin's decisions and each node's apply, into "
+             "DIR/timeline.json, and print each region's downlink use over time",
+    )
+    parser.add_argument("--bin", type=float, default=0.1, metavar="S",
+                        help="with --timeline: the downlink-use table's time bin (default 0.1 s)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
 
         raise ConfigError("--seed: must be >= 0")
     out = Path(args.out)
+    timeline = _timeline_arg(args, sc)
     results, runs = [], []
     for strategy in strategies:
         total = sc.nodes * sc.versions
@@ -65,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
             bar.set_postfix_str(f"t={now:.2f}s events={events}", refresh=False)
             bar.refresh()
 
-        result, fig = run_strategy(sc, strategy, seed=seed, progress=progress)
+        result, fig = run_strategy(sc, strategy, seed=seed, progress=progress,
+                                   timeline=timeline if not runs else None)
         bar.n = min(sum(len(d) for d in result.done.values()), total)
         bar.close()
         results.append(fig)
@@ -83,7 +94,44 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {row['region']:>8} {row['kind']:>13} {row['sim_copies']:>9} {row['demo_copies']:>9}")
         print(f"  fanout: simulated p100 {cmp['fanout_s']['sim_p100']} s, loopback {cmp['fanout_s']['demo']} s")
     print(f"report: {path}")
+    if timeline is not None:
+        print(_write_timeline(out, sc, runs[0], timeline, args.bin))
     return 0
+
+
+def _timeline_arg(args: argparse.Namespace, sc: Any) -> Any:
+    from simulations.driver import BASE_VERSION
+    from simulations.timeline import Timeline
+    from swarm.errors import ConfigError
+
+    if args.timeline is None:
+        return None
+    if not 1 <= args.timeline <= sc.versions:
+        raise ConfigError(f"--timeline: the scenario publishes {sc.versions} version(s), "
+                          f"so K must be in 1..{sc.versions}, not {args.timeline}")
+    if not args.bin > 0:
+        raise ConfigError(f"--bin: must be > 0 seconds, not {args.bin}")
+    return Timeline(BASE_VERSION + args.timeline)
+
+
+def _write_timeline(out: Path, sc: Any, run: Any, timeline: Any, bin_s: float) -> str:
+    """DIR/timeline.json (rows and each region's downlink use) and the tables as text."""
+    import json
+
+    from simulations.timeline import downlink_use, format_use
+
+    rows = timeline.result()
+    use, text = {}, []
+    for r in sc.regions:
+        cap = 8 * sum(down for _up, down in run.capacities[r.name])  # bytes/s -> bits/s
+        use[r.name] = downlink_use(rows, r.name, cap, bin_s)
+        if use[r.name]:
+            text.append(format_use(r.name, use[r.name]))
+    path = out / "timeline.json"
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"version": timeline.version, "bin_s": bin_s, "rows": rows,
+                                "downlink_use": use}, indent=1) + "\n", encoding="utf-8")
+    return "\n".join([*text, f"timeline: {path} ({len(rows)} rows)"])
 
 
 def _compare(fig: dict, demo_path: str) -> dict:

@@ -60,6 +60,7 @@ from simulations.cpu import Cores, run_job
 from simulations.engine import Engine
 from simulations.network import INF, LOSS_BASED, FlowNet, Resource
 from simulations.scenario import STRATEGY_KNOBS, Cpu, Scenario
+from simulations.timeline import Timeline
 from simulations.topology import Endpoint, Topology, draw_capacities
 from swarm.protocol import events as ev
 
@@ -228,6 +229,7 @@ class Simulation:
         self.cross_control = 0
         self.chunks_sent = 0
         self.logs: dict[str, int] = {}
+        self.timeline: Timeline | None = None  # set before run() to record one version
         self.cut: set[str] = set()
         # bytes on the wire per payload byte: a shaper counts every packet's headers
         self.wire = (sc.mss + sc.header_bytes) / sc.mss
@@ -458,6 +460,8 @@ class Simulation:
             return
         self.published = k
         self.publish_at.append(self.engine.now)  # the publish call: encoding starts
+        if self.timeline is not None and BASE_VERSION + k == self.timeline.version:
+            self.timeline.rows.append({"kind": "published", "start": self.engine.now})
         self.done_count.setdefault(k, 0)
         if self.sc.encode_s > 0:
             self.engine.schedule(self.engine.now + self.sc.encode_s, self._hand_off, k)
@@ -467,6 +471,8 @@ class Simulation:
     def _hand_off(self, k: int) -> None:
         """The encoded, signed version reaches the trainer's core."""
         t = self.trainer
+        if self.timeline is not None and BASE_VERSION + k == self.timeline.version:
+            self.timeline.rows.append({"kind": "handed_off", "start": self.engine.now})
         self._deliver(t, t.inc, ev.Publish(self.engine.now, self.manifests[k - 1]))
         self.check_finished()
 
@@ -528,6 +534,8 @@ class Simulation:
                 self._applied(node, a.version)
             elif t is ev.Log:
                 self.logs[a.event] = self.logs.get(a.event, 0) + 1
+                if self.timeline is not None and node.origin:
+                    self.timeline.decision(self.engine.now, a.event, a.fields)
             if not node.alive:
                 return
 
@@ -735,6 +743,10 @@ class Simulation:
         item[4] = self.net.start(item[3] * self.wire, res, self._chunk_left, item, cap)
         item[8] = now = self.engine.now
         half.cur = item
+        if self.timeline is not None:
+            n, p = half.node, peer.node
+            self.timeline.started(id(item), now, (n.node_id, n.region), (p.node_id, p.region),
+                                  item[1], item[2], item[3], bool(item[7]))
         if item[7]:
             # sent while it arrives here: it cannot leave faster than it comes in (it
             # follows the rate of the flow bringing it in until it is verified here)
@@ -797,6 +809,8 @@ class Simulation:
 
     def _chunk_left(self, item: list[Any]) -> None:
         half, version, index, size, _flow, seq, _ceil, arriving, _t0 = item
+        if self.timeline is not None:
+            self.timeline.left(id(item), self.engine.now)
         node = half.node
         peer = half.peer
         src, dst = node.ep.site, peer.node.ep.site
@@ -916,6 +930,8 @@ class Simulation:
         now = self.engine.now
         if not node.origin and version not in node.done_at:
             node.done_at[version] = now
+            if self.timeline is not None and version == self.timeline.version:
+                self.timeline.applied(now, node.node_id, node.region)
             k = version - BASE_VERSION
             self.done_count[k] = self.done_count.get(k, 0) + 1
         at = now

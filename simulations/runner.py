@@ -8,6 +8,7 @@ from typing import Any
 from simulations.bounds import lower_bound
 from simulations.driver import RunResult, Simulation
 from simulations.scenario import Scenario
+from simulations.timeline import Timeline
 
 
 def run_strategy(
@@ -15,11 +16,14 @@ def run_strategy(
     strategy: str,
     seed: int | None = None,
     progress: Callable[[int, int, float], None] | None = None,
+    timeline: Timeline | None = None,
 ) -> tuple[RunResult, dict[str, Any]]:
-    """Simulate ``strategy`` on ``sc``; return the raw tallies and the report figures."""
+    """Simulate ``strategy`` on ``sc``; return the raw tallies and the report figures.
+    ``timeline``: filled with its version's transfers and decisions as the run goes."""
     from simulations.report import figures
 
     sim = Simulation(sc, strategy, seed=seed, progress=progress)
+    sim.timeline = timeline
     result = sim.run()
     ups = {r: [u for u, _ in caps] for r, caps in sim.capacities.items()}
     downs = {r: [d for _, d in caps] for r, caps in sim.capacities.items()}

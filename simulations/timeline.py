@@ -1,0 +1,110 @@
+"""A simulated fanout's timeline: chunk transfers, the origin's decisions, applies.
+
+The same rows ``benchmarks/wan_timeline.py`` reads from an emulated run's logs
+(``kind`` "sent" for a chunk on the wire, "push" / "relay_ordered" /
+"region_delivered" for the origin's decisions, with their fields), plus
+"applied" (a node serves the version), so a simulated and an emulated run of one
+scenario can be laid side by side. ``downlink_use`` turns the transfers into
+what a region's downlinks carried per time bin, as a share of their capacity:
+where a fanout leaves capacity unused (a slow ramp, relays that lag their
+pushes, a tail after the last byte crossed) shows there first.
+
+``patchswarm sim SCENARIO --out DIR --timeline K`` writes
+``DIR/timeline.json`` and prints the table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+DECISIONS = ("push", "relay_ordered", "region_delivered")
+
+
+@dataclass
+class Timeline:
+    """Collects one version's rows while a ``Simulation`` runs (``Simulation.timeline``)."""
+
+    version: int
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    _open: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    def started(self, key: int, now: float, src: tuple[str, str], dst: tuple[str, str],
+                version: int, index: int, size: int, cut_through: bool) -> None:
+        """A chunk went on the wire (``src``/``dst``: node id, region)."""
+        if version == self.version:
+            self._open[key] = {"kind": "sent", "from": src[0], "to": dst[0],
+                               "from_region": src[1], "to_region": dst[1], "index": index,
+                               "bytes": size, "start": now, "end": None,
+                               "cut_through": cut_through}
+
+    def left(self, key: int, now: float) -> None:
+        """Its last byte left (an unfinished transfer, cut by a fault, is dropped)."""
+        row = self._open.pop(key, None)
+        if row is not None:
+            row["end"] = now
+            self.rows.append(row)
+
+    def decision(self, now: float, event: str, fields: dict[str, Any]) -> None:
+        """One of the origin's log lines (``DECISIONS``) about this version."""
+        if event in DECISIONS and fields.get("version") == self.version:
+            self.rows.append({"kind": event, "start": now, **fields})
+
+    def applied(self, now: float, node: str, region: str) -> None:
+        self.rows.append({"kind": "applied", "node": node, "region": region, "start": now})
+
+    def result(self) -> list[dict[str, Any]]:
+        """The rows in time order, times in seconds from the version's first row."""
+        rows = sorted(self.rows, key=lambda r: (r["start"], r["kind"]))
+        if not rows:
+            return []
+        base = rows[0]["start"]
+        out = []
+        for r in rows:
+            r = dict(r)
+            r["start"] = round(r["start"] - base, 4)
+            if r.get("end") is not None:
+                r["end"] = round(r["end"] - base, 4)
+            out.append(r)
+        return out
+
+
+def downlink_use(rows: list[dict[str, Any]], region: str, capacity_bps: float,
+                 bin_s: float = 0.1) -> list[dict[str, float]]:
+    """Per ``bin_s`` from the region's first inbound byte (``t``, seconds on the rows'
+    clock): what its nodes took in, each transfer spread evenly over its duration, as a
+    share of ``capacity_bps`` (the sum of their downlinks, bits/s; ``use``), in Mbit/s
+    (``mbps``) and the part of it from outside the region (``outside_mbps``; against a
+    region ingress such as a shaped uplink)."""
+    xs = [r for r in rows if r["kind"] == "sent" and r["to_region"] == region]
+    if not xs or capacity_bps <= 0 or bin_s <= 0:
+        return []
+    t0 = min(r["start"] for r in xs)
+    total: dict[int, float] = {}
+    outside: dict[int, float] = {}
+    for r in xs:
+        a, b = r["start"], r["end"]
+        rate = r["bytes"] / max(b - a, 1e-9)
+        k = int((a - t0) // bin_s)
+        while t0 + k * bin_s < b:
+            lo, hi = max(a, t0 + k * bin_s), min(b, t0 + (k + 1) * bin_s)
+            total[k] = total.get(k, 0.0) + rate * (hi - lo)
+            if r["from_region"] != region:
+                outside[k] = outside.get(k, 0.0) + rate * (hi - lo)
+            k += 1
+    cap = capacity_bps / 8 * bin_s
+    mbit = 8 / 1e6 / bin_s
+    return [{"t": round(t0 + k * bin_s, 3), "use": round(total[k] / cap, 3),
+             "mbps": round(total[k] * mbit, 1),
+             "outside_mbps": round(outside.get(k, 0.0) * mbit, 1)} for k in sorted(total)]
+
+
+def format_use(region: str, table: list[dict[str, float]]) -> str:
+    """``downlink_use`` as text: one line per bin, with a bar."""
+    lines = [f"region {region}: s | share of its downlinks in use | Mbit/s in | "
+             "of which from outside the region"]
+    for row in table:
+        bar = "#" * round(20 * min(1.0, row["use"]))
+        lines.append(f"  {row['t']:7.2f}  {row['use']:5.2f}  {row['mbps']:8.1f}  "
+                     f"{row['outside_mbps']:8.1f}  {bar}")
+    return "\n".join(lines)

@@ -1,0 +1,95 @@
+"""The simulator's timeline (``simulations.timeline``, ``patchswarm sim --timeline``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from simulations.driver import BASE_VERSION
+from simulations.runner import run_strategy
+from simulations.scenario import load_scenario
+from simulations.timeline import Timeline, downlink_use
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "sim"
+
+
+def test_downlink_use_spreads_each_transfer_over_its_bins():
+    # 1.25 MB over 0.1 s is 100 Mbit/s; a region of two 100 Mbit downlinks
+    rows = [
+        {"kind": "sent", "from_region": "a", "to_region": "b", "bytes": 1_250_000,
+         "start": 0.0, "end": 0.1},
+        {"kind": "sent", "from_region": "b", "to_region": "b", "bytes": 1_250_000,
+         "start": 0.05, "end": 0.15},
+        {"kind": "sent", "from_region": "b", "to_region": "a", "bytes": 9_999_999,
+         "start": 0.0, "end": 0.1},  # into another region: not counted
+        {"kind": "push", "start": 0.0},
+    ]
+    use = downlink_use(rows, "b", 200e6, bin_s=0.1)
+    assert use == [
+        {"t": 0.0, "use": 0.75, "mbps": 150.0, "outside_mbps": 100.0},
+        {"t": 0.1, "use": 0.25, "mbps": 50.0, "outside_mbps": 0.0},
+    ]
+    assert downlink_use(rows, "c", 200e6) == []
+
+
+def test_a_simulated_version_timeline_adds_up():
+    sc = dataclasses.replace(load_scenario(CONFIGS / "wan-3x4.toml"), versions=2)
+    tl = Timeline(BASE_VERSION + 2)  # the second version: a steady-state one
+    _, fig = run_strategy(sc, "patchswarm", timeline=tl)
+    rows = tl.result()
+    kinds = [r["kind"] for r in rows]
+    assert kinds[0] == "published" and rows[0]["start"] == 0.0
+    handed = next(r for r in rows if r["kind"] == "handed_off")
+    assert handed["start"] == pytest.approx(sc.encode_s, abs=1e-6)
+    first_push = next(r for r in rows if r["kind"] == "push")
+    assert first_push["start"] >= handed["start"]
+    # every node but the trainer serves it once; the last one is the version's p100
+    applied = [r for r in rows if r["kind"] == "applied"]
+    assert sorted(r["node"] for r in applied) == sorted(
+        f"{r.name}-{i}" for r in sc.regions for i in range(r.nodes))
+    p100 = fig["per_version"][1]["t_p100_s"]
+    assert max(r["start"] for r in applied) == pytest.approx(p100, abs=1e-3)
+    # one copy of the payload into each remote region, carried by transfers
+    payload = fig["patch_bytes"]
+    for region in ("r1", "r2"):
+        inbound = sum(r["bytes"] for r in rows if r["kind"] == "sent"
+                      and r["to_region"] == region and r["from_region"] != region)
+        assert payload <= inbound <= 1.1 * payload, region
+    # what its origin decided: one region_delivered per chunk per remote region at least
+    chunks = -(-payload // sc.chunk_bytes)
+    for region in ("r1", "r2"):
+        got = {r["index"] for r in rows if r["kind"] == "region_delivered"
+               and r["region"] == region}
+        assert got == set(range(chunks)), region
+    for r in rows:
+        if r["kind"] == "sent":
+            assert 0.0 <= r["start"] <= r["end"]
+
+
+def test_cli_writes_the_timeline(tmp_path, capsys):
+    from patchswarm.cli import main
+
+    out = tmp_path / "out"
+    rc = main(["sim", str(CONFIGS / "wan-3x4.toml"), "--out", str(out), "--quiet",
+               "--no-plots", "--timeline", "1", "--bin", "0.5"])
+    assert rc == 0
+    data = json.loads((out / "timeline.json").read_text())
+    assert data["version"] == BASE_VERSION + 1 and data["bin_s"] == 0.5
+    assert set(data["downlink_use"]) == {"r0", "r1", "r2"}
+    # a 100 Mbit/s shaped region ingress, averaged over half-second bins
+    outside = [b["outside_mbps"] for b in data["downlink_use"]["r1"]]
+    assert max(outside) < 130 and sum(outside) * 0.5 > 0.9 * 64 * 8.39
+    text = capsys.readouterr().out
+    assert "region r1:" in text and "timeline.json" in text
+
+
+def test_cli_rejects_a_version_the_scenario_does_not_publish(tmp_path, capsys):
+    from patchswarm.cli import main
+
+    rc = main(["sim", str(CONFIGS / "wan-3x4.toml"), "--out", str(tmp_path / "o"),
+               "--quiet", "--timeline", "2"])
+    assert rc == 1
+    assert "--timeline" in capsys.readouterr().err
