@@ -52,13 +52,15 @@ class StorePort(Protocol):
         ...
 
     def put_chunk(self, version: int, index: int, data: bytes | memoryview, *,
-                  keep: bool = False) -> None:
+                  keep: bool = False, hashed: bool = False) -> None:
         """Verify chunk ``index`` against the stored manifest and keep it durably.
 
         ``ChunkError`` if it is not that chunk: nothing is stored. This is the
         one check a received chunk gets before the core hears of it. ``keep``:
         the caller hands the buffer over unchanged for good; the store may serve
-        reads of the chunk from it.
+        reads of the chunk from it. ``hashed``: the caller built the manifest's hash
+        from these very bytes (the trainer's own payload), so only the length is
+        checked; never for bytes from a peer.
         """
         ...
 

@@ -135,13 +135,13 @@ def test_disk_error_mid_publish_rolls_back_in_process(trainer: Path, monkeypatch
         calls = {"n": 0}
         real = pub.store.put_chunk
 
-        def full_disk(v, i, data):
+        def full_disk(v, i, data, **kw):
             calls["n"] += 1
             if calls["n"] == 1:
                 from swarm.errors import StoreError
 
                 raise StoreError("No space left on device")
-            return real(v, i, data)
+            return real(v, i, data, **kw)
 
         monkeypatch.setattr(pub.store, "put_chunk", full_disk)
         with pytest.raises(Exception, match="No space left"):

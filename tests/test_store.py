@@ -114,6 +114,31 @@ def test_put_chunk_rechecks_the_hash(tmp_path):
         assert s.have(1) == set()
 
 
+def test_put_chunk_hashed_checks_the_length_and_reading_back_the_hash(tmp_path):
+    """``hashed=True`` (the trainer storing the payload it just hashed into the manifest)
+    skips the second hash on the way in; a wrong length or index is still refused, and a
+    read hashes what the disk holds, so a chunk that went bad is dropped there."""
+    payload, raw, m = version(1)
+    with ChunkStore(tmp_path) as s:
+        s.put_manifest(raw, m)
+        with pytest.raises(ChunkError, match=r"chunk 0 of version 1 \(16383 bytes\) is not one of the manifest's 6 chunks; not stored"):
+            s.put_chunk(1, 0, payload[: CHUNK - 1], hashed=True)
+        with pytest.raises(ChunkError, match=r"chunk 6 .* not one of"):
+            s.put_chunk(1, 6, payload[:CHUNK], hashed=True)
+        assert s.have(1) == set()
+        for i, c in enumerate(split_payload(payload, CHUNK)):
+            s.put_chunk(1, i, c, hashed=True)
+        assert s.complete(1) and s.payload(1) == payload
+        # bytes of the right length but not the chunk: stored (nothing hashed them), and
+        # found out by the first read, which drops the file so the node fetches it again
+    with ChunkStore(tmp_path / "b") as s:
+        s.put_manifest(raw, m)
+        s.put_chunk(1, 1, payload[:CHUNK], hashed=True)
+        with pytest.raises(ChunkError, match="corrupt on disk; dropped"):
+            s.read_chunk(1, 1)
+        assert s.have(1) == set()
+
+
 def test_manifest_must_match_and_not_equivocate(tmp_path):
     _, raw1, m1 = version(1)
     _, _, m2 = version(2)

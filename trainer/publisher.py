@@ -476,7 +476,8 @@ class Publisher:
             self.store.put_manifest(raw, m)
             _crash_point("manifest")
             for i, chunk in enumerate(split_payload(payload, self.cfg.chunk_size)):
-                self.store.put_chunk(version, i, chunk)
+                # hashed into the manifest from these very bytes a moment ago
+                self.store.put_chunk(version, i, chunk, hashed=True)
                 if i == 0:
                     _crash_point("chunk")
             _crash_point("chunks")
