@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  fanout: simulated p100 {cmp['fanout_s']['sim_p100']} s, loopback {cmp['fanout_s']['demo']} s")
     print(f"report: {path}")
     if timeline is not None:
-        print(_write_timeline(out, sc, runs[0], timeline, args.bin))
+        print(_write_timeline(out, sc, runs[0], timeline, args.bin, not args.no_plots))
     return 0
 
 
@@ -114,11 +114,13 @@ def _timeline_arg(args: argparse.Namespace, sc: Any) -> Any:
     return Timeline(BASE_VERSION + args.timeline)
 
 
-def _write_timeline(out: Path, sc: Any, run: Any, timeline: Any, bin_s: float) -> str:
-    """DIR/timeline.json (rows and each region's downlink use) and the tables as text."""
+def _write_timeline(out: Path, sc: Any, run: Any, timeline: Any, bin_s: float,
+                    plots: bool) -> str:
+    """DIR/timeline.json (rows and each region's downlink use), DIR/timeline.png, and
+    the tables as text."""
     import json
 
-    from simulations.timeline import downlink_use, format_use
+    from simulations.timeline import downlink_use, format_use, plot_use
 
     rows = timeline.result()
     use, text = {}, []
@@ -131,7 +133,12 @@ def _write_timeline(out: Path, sc: Any, run: Any, timeline: Any, bin_s: float) -
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"version": timeline.version, "bin_s": bin_s, "rows": rows,
                                 "downlink_use": use}, indent=1) + "\n", encoding="utf-8")
-    return "\n".join([*text, f"timeline: {path} ({len(rows)} rows)"])
+    text.append(f"timeline: {path} ({len(rows)} rows)")
+    if plots:
+        png = plot_use(out / "timeline.png", f"{sc.name}: version {timeline.version}, "
+                       f"into each region per {bin_s:g} s", use)
+        text.append(f"plot: {png}")
+    return "\n".join(text)
 
 
 def _compare(fig: dict, demo_path: str) -> dict:

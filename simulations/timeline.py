@@ -10,12 +10,13 @@ where a fanout leaves capacity unused (a slow ramp, relays that lag their
 pushes, a tail after the last byte crossed) shows there first.
 
 ``patchswarm sim SCENARIO --out DIR --timeline K`` writes
-``DIR/timeline.json`` and prints the table.
+``DIR/timeline.json`` and ``DIR/timeline.png`` (``plot_use``) and prints the table.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 DECISIONS = ("push", "relay_ordered", "region_delivered")
@@ -108,3 +109,29 @@ def format_use(region: str, table: list[dict[str, float]]) -> str:
         lines.append(f"  {row['t']:7.2f}  {row['use']:5.2f}  {row['mbps']:8.1f}  "
                      f"{row['outside_mbps']:8.1f}  {bar}")
     return "\n".join(lines)
+
+
+def plot_use(path: Path, title: str, use: dict[str, list[dict[str, float]]]) -> Path:
+    """Each region's ``downlink_use`` over time (Mbit/s in, and from outside) as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for region, table in use.items():
+        if not table:
+            continue
+        ts = [row["t"] for row in table]
+        line = ax.step(ts, [row["mbps"] for row in table], where="post", label=f"{region}: in")
+        ax.step(ts, [row["outside_mbps"] for row in table], where="post", linestyle="--",
+                color=line[0].get_color(), alpha=0.7, label=f"{region}: from outside")
+    ax.set_xlabel("seconds since the publish call")
+    ax.set_ylabel("Mbit/s into the region's nodes")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small", ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -74,8 +74,9 @@ def test_cli_writes_the_timeline(tmp_path, capsys):
 
     out = tmp_path / "out"
     rc = main(["sim", str(CONFIGS / "wan-3x4.toml"), "--out", str(out), "--quiet",
-               "--no-plots", "--timeline", "1", "--bin", "0.5"])
+               "--timeline", "1", "--bin", "0.5"])
     assert rc == 0
+    assert (out / "timeline.png").stat().st_size > 1000
     data = json.loads((out / "timeline.json").read_text())
     assert data["version"] == BASE_VERSION + 1 and data["bin_s"] == 0.5
     assert set(data["downlink_use"]) == {"r0", "r1", "r2"}
@@ -83,7 +84,7 @@ def test_cli_writes_the_timeline(tmp_path, capsys):
     outside = [b["outside_mbps"] for b in data["downlink_use"]["r1"]]
     assert max(outside) < 130 and sum(outside) * 0.5 > 0.9 * 64 * 8.39
     text = capsys.readouterr().out
-    assert "region r1:" in text and "timeline.json" in text
+    assert "region r1:" in text and "timeline.json" in text and "timeline.png" in text
 
 
 def test_cli_rejects_a_version_the_scenario_does_not_publish(tmp_path, capsys):
