@@ -460,8 +460,8 @@ class Simulation:
             return
         self.published = k
         self.publish_at.append(self.engine.now)  # the publish call: encoding starts
-        if self.timeline is not None and BASE_VERSION + k == self.timeline.version:
-            self.timeline.rows.append({"kind": "published", "start": self.engine.now})
+        if self.timeline is not None:
+            self.timeline.mark(self.engine.now, "published", BASE_VERSION + k)
         self.done_count.setdefault(k, 0)
         if self.sc.encode_s > 0:
             self.engine.schedule(self.engine.now + self.sc.encode_s, self._hand_off, k)
@@ -471,8 +471,8 @@ class Simulation:
     def _hand_off(self, k: int) -> None:
         """The encoded, signed version reaches the trainer's core."""
         t = self.trainer
-        if self.timeline is not None and BASE_VERSION + k == self.timeline.version:
-            self.timeline.rows.append({"kind": "handed_off", "start": self.engine.now})
+        if self.timeline is not None:
+            self.timeline.mark(self.engine.now, "handed_off", BASE_VERSION + k)
         self._deliver(t, t.inc, ev.Publish(self.engine.now, self.manifests[k - 1]))
         self.check_finished()
 

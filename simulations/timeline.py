@@ -51,6 +51,12 @@ class Timeline:
         if event in DECISIONS and fields.get("version") == self.version:
             self.rows.append({"kind": event, "start": now, **fields})
 
+    def mark(self, now: float, kind: str, version: int) -> None:
+        """``version``'s publish call ("published") or its hand-off to the origin's core
+        ("handed_off")."""
+        if version == self.version:
+            self.rows.append({"kind": kind, "start": now})
+
     def applied(self, now: float, node: str, region: str) -> None:
         self.rows.append({"kind": "applied", "node": node, "region": region, "start": now})
 
