@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 from simulations.network import flow_ceiling, mbps
 from simulations.scenario import TRAINER_SITE, Cpu, Scenario
+from swarm.protocol.config import CoreConfig
 
 
 @dataclass
@@ -113,7 +114,7 @@ def lower_bound(
     d_min = min(min(v) for v in downlinks.values() if v)
     terms["slowest_downlink"] = F / d_min
 
-    k_flows = int(sc.protocol.get("border_nodes", 4))
+    k_flows = int(sc.protocol.get("border_nodes", CoreConfig.border_nodes))
     t0 = sc.start_s + sc.encode_s
     total_up = u_s
     c_ins: dict[str, float] = {}
@@ -158,6 +159,15 @@ def lower_bound(
             if per_flow != math.inf:
                 # not a bound: the same region fed over only the protocol's border flows
                 info[f"inflow_{k_flows}_flows[{r}]"] = F / min(c_in, k_flows * per_flow)
+                # not a bound: the protocol moves a chunk over one TCP flow, so no chunk
+                # enters r sooner than one chunk at the best per-flow ceiling into it
+                info[f"chunk_one_flow[{r}]"] = min(sc.chunk_bytes, F) / per_flow
+            if sc.slow_start:
+                # not a bound: one chunk over a fresh connection on the shortest path into
+                # r, slow start from the initial window (a first version's floor per chunk)
+                rtt = 2 * min(sc.link(a, r).latency_ms for a in sc.sites if a != r) / 1000.0
+                info[f"cold_chunk[{r}]"] = cold_chunk_s(min(sc.chunk_bytes, F), sc.mss,
+                                                        sc.initial_window, rtt)
         terms[f"region_upload[{r}]"] = region.nodes * F / (up_r + c_in)
         if r != trainer_site and region.nodes > 1:
             # not a bound: with one copy let in, the region's own uploads carry (n_r - 1) F
@@ -208,6 +218,21 @@ def _chunk_work(sc: Scenario, payload_bytes: int, cpu: Cpu) -> float:
     count = max(1, -(-payload_bytes // sc.chunk_bytes))
     last = payload_bytes - (count - 1) * sc.chunk_bytes
     return (count - 1) * cpu.chunk_s(sc.chunk_bytes) + cpu.chunk_s(last)
+
+
+def cold_chunk_s(nbytes: float, mss: int, iw: int, rtt: float) -> float:
+    """Seconds for a fresh TCP connection to deliver ``nbytes`` when its window starts at
+    ``iw`` segments and doubles every round trip (slow start, no cap): the rounds needed,
+    each one ``rtt``, the last counted as the one-way trip of its data only."""
+    segments = math.ceil(nbytes / mss)
+    if segments <= 0:
+        return 0.0
+    rounds = 0
+    sent = 0
+    while sent < segments:
+        sent += iw << rounds
+        rounds += 1
+    return (rounds - 1) * rtt + rtt / 2
 
 
 def min_latency_s(sc: Scenario) -> float:

@@ -9,13 +9,14 @@ involved (its nodes are never booted).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from simulations.bounds import flow_cap, lower_bound
+from simulations.bounds import cold_chunk_s, flow_cap, lower_bound
 from simulations.cpu import Cores, run_job
 from simulations.driver import Half, Simulation
 from simulations.network import mathis_cap, mbps
@@ -399,7 +400,39 @@ def test_bound_counts_per_flow_caps_over_every_pair():
     # region a takes in from the trainer (2 flows, no loss there: the link default is lossy too)
     # and from b (2 x 2 flows)
     assert b.terms["inflow[a]"] == pytest.approx(8 * MiB / (2 * cap + 4 * cap), rel=1e-6)
-    assert b.info["inflow_4_flows[a]"] == pytest.approx(8 * MiB / (4 * cap), rel=1e-6)
+    # the protocol's default border count (CoreConfig.border_nodes = 8) names the info; 8
+    # border flows are more than the 6 pairs there are, so they cap nothing here
+    assert b.info["inflow_8_flows[a]"] == pytest.approx(8 * MiB / (6 * cap), rel=1e-6)
+    # a 4 MiB chunk crosses over one flow: no chunk enters sooner than 4 MiB at the cap
+    assert b.info["chunk_one_flow[a]"] == pytest.approx(4 * MiB / cap, rel=1e-6)
+    assert "cold_chunk[a]" not in b.info  # slow start off
+
+
+def test_bound_info_follows_the_scenarios_border_count():
+    sc = lossy(n=2)
+    sc = dataclasses.replace(sc, protocol={**sc.protocol, "border_nodes": 2})
+    up = {r.name: [mbps(10_000)] * r.nodes for r in sc.regions}
+    b = lower_bound(sc, sc.patch_bytes, up, up)
+    cap = mathis_cap(1460, 0.150, 0.01)
+    assert b.info["inflow_2_flows[a]"] == pytest.approx(8 * MiB / (2 * cap), rel=1e-6)
+
+
+@pytest.mark.parametrize("nbytes,iw,rounds", [
+    (1, 10, 1), (10 * 1460, 10, 1), (10 * 1460 + 1, 10, 2), (30 * 1460, 10, 2),
+    (30 * 1460 + 1, 10, 3), (4 * MiB, 10, 9), (4 * MiB, 1000, 2)])
+def test_cold_chunk_counts_slow_start_rounds(nbytes, iw, rounds):
+    """IW segments in the first round trip, twice as many in each next: 10, 30, 70, ...
+    cumulative; the last round counts only its data's one-way trip."""
+    assert cold_chunk_s(nbytes, 1460, iw, 0.1) == pytest.approx((rounds - 1) * 0.1 + 0.05)
+    assert cold_chunk_s(0, 1460, iw, 0.1) == 0.0
+
+
+def test_bound_info_has_the_cold_chunk_with_slow_start():
+    sc = lossy(n=2, slow_start=True)
+    up = {r.name: [mbps(10_000)] * r.nodes for r in sc.regions}
+    b = lower_bound(sc, sc.patch_bytes, up, up)
+    # 4 MiB = 2,873 segments of 1,460: 10 + 20 + ... + 2,560 > 2,873 after 9 rounds of 150 ms
+    assert b.info["cold_chunk[a]"] == pytest.approx(8 * 0.150 + 0.075)
 
 
 def test_bound_waits_out_a_cut():

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from simulations.bounds import kumar_ross, lower_bound
-from simulations.network import mbps
+from simulations.network import mathis_cap, mbps
 from simulations.scenario import STRATEGIES, load_scenario, parse_scenario, parse_size
 from swarm.errors import ConfigError
 
@@ -219,10 +219,18 @@ def test_issue_11_scenarios_bounds(name):
         tail = 4 * 2**20 / 8000e6 + 4 * 2**20 / 110e6 + 0.001
         assert b.seconds == pytest.approx(0.37 + 64 * 2**20 / mbps(100) + 0.001 + tail, rel=1e-6)
     if name == "lossy-long":
-        assert b.info["inflow_4_flows[us]"] > 10 * b.seconds  # the border flows alone crawl
+        assert b.info["inflow_8_flows[us]"] > 5 * b.seconds  # the border flows alone crawl
+        # whole chunks over single flows: 4 MiB at the 3 Mbit/s Mathis ceiling. The bound
+        # spreads 16 chunks' bytes over the trainer's 48 flows; a chunk on one flow takes 3x
+        cap = mathis_cap(1460, 0.15, 0.001)
+        assert b.info["chunk_one_flow[us]"] == pytest.approx(4 * 2**20 / cap)
+        assert b.info["chunk_one_flow[us]"] == pytest.approx(3 * b.terms["trainer_uplink"])
     if name == "lossy-long-bbr":
         # BBR: no per-flow ceiling, so neither the bound nor the border flows crawl
-        assert "inflow_4_flows[us]" not in b.info and b.seconds < 1.0
+        assert "inflow_8_flows[us]" not in b.info and b.seconds < 1.0
+        assert "chunk_one_flow[us]" not in b.info
+        # a first version's chunk over a fresh 150 ms connection: 9 slow-start rounds
+        assert b.info["cold_chunk[us]"] == pytest.approx(8 * 0.150 + 0.075)
     if name == "partition-heal":
         assert b.info["after_heal[cut]"] > 3.5
     if name == "upload-bound":
