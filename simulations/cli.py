@@ -120,19 +120,22 @@ def _write_timeline(out: Path, sc: Any, run: Any, timeline: Any, bin_s: float,
     the tables as text."""
     import json
 
-    from simulations.timeline import downlink_use, format_use, plot_use
+    from simulations.timeline import downlink_use, format_ramp, format_use, plot_use, ramp
 
     rows = timeline.result()
-    use, text = {}, []
+    use, ramps, text = {}, {}, []
     for r in sc.regions:
         cap = 8 * sum(down for _up, down in run.capacities[r.name])  # bytes/s -> bits/s
         use[r.name] = downlink_use(rows, r.name, cap, bin_s)
         if use[r.name]:
+            ramps[r.name] = ramp(rows, r.name, use[r.name])
             text.append(format_use(r.name, use[r.name]))
+    text.extend(format_ramp(name, summary) for name, summary in ramps.items())
     path = out / "timeline.json"
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"version": timeline.version, "bin_s": bin_s, "rows": rows,
-                                "downlink_use": use}, indent=1) + "\n", encoding="utf-8")
+                                "downlink_use": use, "ramp": ramps}, indent=1) + "\n",
+                    encoding="utf-8")
     text.append(f"timeline: {path} ({len(rows)} rows)")
     if plots:
         png = plot_use(out / "timeline.png", f"{sc.name}: version {timeline.version}, "

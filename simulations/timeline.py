@@ -7,7 +7,9 @@ The same rows ``benchmarks/wan_timeline.py`` reads from an emulated run's logs
 scenario can be laid side by side. ``downlink_use`` turns the transfers into
 what a region's downlinks carried per time bin, as a share of their capacity:
 where a fanout leaves capacity unused (a slow ramp, relays that lag their
-pushes, a tail after the last byte crossed) shows there first.
+pushes, a tail after the last byte crossed) shows there first. ``ramp`` sums it
+up: how long the region took to reach half and 90 % use, the downlink time lost
+before and after, and how fast its early transfers ran.
 
 ``patchswarm sim SCENARIO --out DIR --timeline K`` writes
 ``DIR/timeline.json`` and ``DIR/timeline.png`` (``plot_use``) and prints the table.
@@ -104,6 +106,76 @@ def downlink_use(rows: list[dict[str, Any]], region: str, capacity_bps: float,
     return [{"t": round(t0 + k * bin_s, 3), "use": round(total[k] / cap, 3),
              "mbps": round(total[k] * mbit, 1),
              "outside_mbps": round(outside.get(k, 0.0) * mbit, 1)} for k in sorted(total)]
+
+
+def ramp(rows: list[dict[str, Any]], region: str, table: list[dict[str, float]],
+         busy: float = 0.9) -> dict[str, float]:
+    """A region's start-up and tail from its ``downlink_use`` table (same rows).
+
+    ``to_half_s`` / ``to_busy_s``: from its first inbound byte to the start of the first
+    bin at half / ``busy`` use (None if never). ``ramp_lost_s``: the downlink time left
+    unused before that bin, ``sum((1 - use) * bin)``, in seconds of the whole region's
+    downlinks (what the ramp costs the version, at most). ``tail_s`` / ``tail_lost_s``:
+    the same after the last bin at ``busy`` use. ``early_mbps``: the median rate of
+    transfers into the region that started before it was busy, ``early_cut_through``
+    the share of them sent while their chunk still arrived at the sender, and
+    ``early_cut_through_mbps`` their median rate (a chunk forwarded as it arrives comes no
+    faster than it arrives, and a sender forwarding it to two peers halves that)."""
+    if not table:
+        return {}
+    bin_s = table[1]["t"] - table[0]["t"] if len(table) > 1 else 0.0
+    t0 = table[0]["t"]
+    out: dict[str, Any] = {"first_byte_s": t0, "to_half_s": None, "to_busy_s": None}
+    first_busy = last_busy = None
+    for k, row in enumerate(table):
+        if out["to_half_s"] is None and row["use"] >= 0.5:
+            out["to_half_s"] = round(row["t"] - t0, 4)
+        if row["use"] >= busy:
+            last_busy = k
+            if first_busy is None:
+                first_busy = k
+                out["to_busy_s"] = round(row["t"] - t0, 4)
+    head = table if first_busy is None else table[:first_busy]
+    out["ramp_lost_s"] = round(sum((1 - min(1.0, r["use"])) * bin_s for r in head), 4)
+    tail = [] if last_busy is None else table[last_busy + 1:]
+    out["tail_s"] = round(len(tail) * bin_s, 4)
+    out["tail_lost_s"] = round(sum((1 - min(1.0, r["use"])) * bin_s for r in tail), 4)
+    end = table[first_busy]["t"] if first_busy is not None else table[-1]["t"] + bin_s
+    early = sorted((r for r in rows if r["kind"] == "sent" and r["to_region"] == region
+                    and r["start"] < end), key=lambda r: r["bytes"] / max(r["end"] - r["start"], 1e-9))
+    if early:
+        out["early_mbps"] = _median_mbps(early)
+        ct = [r for r in early if r["cut_through"]]
+        out["early_cut_through"] = round(len(ct) / len(early), 3)
+        if ct:
+            out["early_cut_through_mbps"] = _median_mbps(ct)
+    return out
+
+
+def _median_mbps(rows: list[dict[str, Any]]) -> float:
+    """The median transfer rate of ``rows`` (sorted by rate), Mbit/s."""
+    mid = rows[len(rows) // 2]
+    return round(8e-6 * mid["bytes"] / max(mid["end"] - mid["start"], 1e-9), 1)
+
+
+def format_ramp(region: str, summary: dict[str, Any]) -> str:
+    """``ramp`` as one line."""
+    if not summary:
+        return f"region {region}: no transfer in"
+
+    def s(key: str) -> str:
+        v = summary.get(key)
+        return "never" if v is None else f"{v:.2f} s"
+
+    line = (f"region {region} ramp: half use after {s('to_half_s')}, 90 % after "
+            f"{s('to_busy_s')}, {summary['ramp_lost_s']:.2f} s of its downlinks lost before; "
+            f"tail {summary['tail_s']:.2f} s ({summary['tail_lost_s']:.2f} s lost)")
+    if "early_mbps" in summary:
+        line += (f"; early transfers {summary['early_mbps']:.0f} Mbit/s (median), "
+                 f"{100 * summary['early_cut_through']:.0f} % cut-through")
+        if "early_cut_through_mbps" in summary:
+            line += f" at {summary['early_cut_through_mbps']:.0f} Mbit/s"
+    return line
 
 
 def format_use(region: str, table: list[dict[str, float]]) -> str:

@@ -11,7 +11,7 @@ import pytest
 from simulations.driver import BASE_VERSION
 from simulations.runner import run_strategy
 from simulations.scenario import load_scenario
-from simulations.timeline import Timeline, downlink_use
+from simulations.timeline import Timeline, downlink_use, format_ramp, ramp
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "sim"
 
@@ -33,6 +33,34 @@ def test_downlink_use_spreads_each_transfer_over_its_bins():
         {"t": 0.1, "use": 0.25, "mbps": 50.0, "outside_mbps": 0.0},
     ]
     assert downlink_use(rows, "c", 200e6) == []
+
+
+def test_ramp_sums_up_the_start_and_the_tail():
+    # a region of one 100 Mbit downlink: 10 %, 50 %, 100 %, 100 %, 40 % of it per 0.1 s bin
+    def sent(start, end, mbit, ct=False):
+        return {"kind": "sent", "from_region": "x", "to_region": "b", "cut_through": ct,
+                "bytes": round(mbit * 1e6 / 8 * (end - start)), "start": start, "end": end}
+
+    rows = [sent(1.0, 1.1, 10, ct=True), sent(1.1, 1.2, 50), sent(1.2, 1.4, 100),
+            sent(1.4, 1.5, 40)]
+    use = downlink_use(rows, "b", 100e6, bin_s=0.1)
+    assert [u["use"] for u in use] == [0.1, 0.5, 1.0, 1.0, 0.4]
+    got = ramp(rows, "b", use)
+    assert got["first_byte_s"] == 1.0
+    assert got["to_half_s"] == pytest.approx(0.1) and got["to_busy_s"] == pytest.approx(0.2)
+    assert got["ramp_lost_s"] == pytest.approx(0.9 * 0.1 + 0.5 * 0.1)
+    assert got["tail_s"] == pytest.approx(0.1) and got["tail_lost_s"] == pytest.approx(0.06)
+    # the two transfers that started before the region was busy: 10 and 50 Mbit/s
+    assert got["early_mbps"] == pytest.approx(50, abs=0.1)
+    assert got["early_cut_through"] == 0.5
+    assert got["early_cut_through_mbps"] == pytest.approx(10, abs=0.1)
+    line = format_ramp("b", got)
+    assert "90 % after 0.20 s" in line and "50 % cut-through at 10 Mbit/s" in line
+    # never busy: the whole table is ramp
+    slow = ramp(rows[:2], "b", downlink_use(rows[:2], "b", 100e6, bin_s=0.1))
+    assert slow["to_busy_s"] is None and slow["tail_s"] == 0
+    assert "90 % after never" in format_ramp("b", slow)
+    assert ramp([], "b", []) == {} and "no transfer" in format_ramp("b", {})
 
 
 def test_a_simulated_version_timeline_adds_up():
