@@ -19,6 +19,10 @@ those scenarios (one long-running origin, as in RL post-training: the origin kee
 what it measured, its uplink window above all) for every seed, and writes
 ``benchmarks/results/sim_versions.json``: each version's p100 per seed and its mean
 over seeds. The first version is the cold start; the later ones are the steady state.
+``--swarm KNOB=VALUE`` (repeatable) sets a protocol knob in every scenario, as a
+scenario's ``[protocol]`` would, and ``--against FILE`` (an earlier such JSON, e.g. of
+the shipped defaults) adds each mean's change against it: a knob's A/B over the
+scenarios and seeds in two commands.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ sys.path.insert(0, str(ROOT))
 from simulations.report import format_table  # noqa: E402
 from simulations.runner import run_strategy  # noqa: E402
 from simulations.scenario import load_scenario  # noqa: E402
+from swarm.errors import ConfigError  # noqa: E402
+from swarm.protocol.config import check_knobs  # noqa: E402
 
 CASES = [
     ("fleet-10k", ("patchswarm",)),
@@ -114,31 +120,69 @@ def run_scenarios(only: list[str] | None, out: Path) -> int:
     return 0
 
 
-def run_versions(only: list[str] | None, versions: int, seeds: list[int], out: Path) -> int:
-    """Each issue-11 scenario, ``versions`` versions in a row, per seed -> ``out`` (JSON)."""
+def parse_knobs(items: list[str]) -> dict[str, object]:
+    """``KNOB=VALUE`` strings (VALUE in JSON; a bare word is a string) -> checked knobs.
+    An unknown knob or a wrong type is a ``ConfigError`` naming ``swarm.KNOB``."""
+    knobs: dict[str, object] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--swarm: expected KNOB=VALUE, got {item!r}")
+        try:
+            knobs[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            knobs[key.strip()] = raw
+    return check_knobs(knobs, "swarm")
+
+
+def compare(results: dict[str, dict], before: dict[str, dict]) -> dict[str, list[float | None]]:
+    """Per scenario in both: each version's mean p100 change against ``before``, in %."""
+    out: dict[str, list[float | None]] = {}
+    for stem, row in results.items():
+        old = before.get(stem, {}).get("mean_t_p100_s")
+        if not old:
+            continue
+        out[stem] = [round(100 * (m / o - 1), 1) if o else None
+                     for m, o in zip(row["mean_t_p100_s"], old, strict=False)]
+    return out
+
+
+def run_versions(only: list[str] | None, versions: int, seeds: list[int], out: Path,
+                 knobs: dict[str, object] | None = None, against: Path | None = None) -> int:
+    """Each issue-11 scenario, ``versions`` versions in a row, per seed -> ``out`` (JSON),
+    with ``knobs`` set in each (``--swarm``); ``against``: an earlier such file to compare."""
     from statistics import mean
 
+    before = json.loads(against.read_text()) if against is not None else None
     results: dict[str, dict] = {}
     for label, stem, over in SCENARIOS:
         if over or (only and label not in only and stem not in only):
             continue
         sc = dataclasses.replace(load_scenario(ROOT / "configs" / "sim" / f"{stem}.toml"),
                                  versions=versions)
+        if knobs:
+            sc = dataclasses.replace(sc, protocol={**sc.protocol, **knobs})
         per_seed = {}
         for seed in seeds or [sc.seed]:
             _, fig = run_strategy(sc, sc.strategies[0], seed=seed)
             per_seed[seed] = [pv["t_p100_s"] for pv in fig["per_version"]]
             print(f"{stem} seed {seed}: " + " ".join(f"{t:.2f}" for t in per_seed[seed]), flush=True)
         means = [round(mean(ts[v] for ts in per_seed.values()), 3) for v in range(versions)]
-        results[stem] = {"versions": versions, "seeds": list(per_seed), "lower_bound_s": fig["lower_bound_s"],
+        results[stem] = {"versions": versions, "seeds": list(per_seed), "knobs": knobs or {},
+                         "lower_bound_s": fig["lower_bound_s"],
                          "t_p100_s": {str(k): v for k, v in per_seed.items()},
                          "mean_t_p100_s": means,
                          "mean_over_bound": [round(m / fig["lower_bound_s"], 3) for m in means]}
     print()
     print(f"| {'scenario':<16} | bound s | " + " | ".join(f"v{v + 1} s (x bound)" for v in range(versions)) + " |")
+    changes = compare(results, before) if before is not None else {}
     for stem, row in results.items():
         cells = " | ".join(f"{m:.2f} ({r:.2f})" for m, r in zip(row["mean_t_p100_s"], row["mean_over_bound"], strict=True))
         print(f"| {stem:<16} | {row['lower_bound_s']:.2f} | {cells} |")
+        if stem in changes:
+            row["change_pct"] = changes[stem]
+            print(f"| {'':<16} | against | " + " | ".join(
+                "n/a" if c is None else f"{c:+.1f} %" for c in changes[stem]) + " |")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(results, indent=1) + "\n")
@@ -167,11 +211,26 @@ def main() -> int:
                     help="with --scenarios: publish N versions in a row (per-version times)")
     ap.add_argument("--seeds", type=int, nargs="+", default=None, metavar="S",
                     help="with --scenarios --versions: the seeds to run (default: each file's)")
+    ap.add_argument("--swarm", action="append", default=[], metavar="KNOB=VALUE",
+                    help="with --scenarios --versions: set a protocol knob in every scenario "
+                         "(VALUE in JSON), e.g. --swarm uplink_window=24; repeatable")
+    ap.add_argument("--against", type=Path, default=None, metavar="FILE",
+                    help="with --scenarios --versions: an earlier result file; print and keep "
+                         "each mean's change against it")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if (args.swarm or args.against) and not (args.scenarios and (args.versions > 1 or args.seeds)):
+        ap.error("--swarm and --against go with --scenarios --versions N or --seeds")
     if args.scenarios and (args.versions > 1 or args.seeds):
+        try:
+            knobs = parse_knobs(args.swarm)
+        except ConfigError as e:
+            ap.error(str(e))
+        if args.against is not None and not args.against.is_file():
+            ap.error(f"--against: no such file: {args.against}")
         return run_versions(args.only, max(1, args.versions), args.seeds or [],
-                            Path(args.out or ROOT / "benchmarks" / "results" / "sim_versions.json"))
+                            Path(args.out or ROOT / "benchmarks" / "results" / "sim_versions.json"),
+                            knobs, args.against)
     if args.scenarios:
         return run_scenarios(args.only, Path(args.out or ROOT / "benchmarks" / "results" / "sim_scenarios.json"))
     args.out = args.out or str(ROOT / "benchmarks" / "results" / "sim.json")
