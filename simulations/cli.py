@@ -128,7 +128,7 @@ def _write_timeline(out: Path, sc: Any, run: Any, timeline: Any, bin_s: float,
         cap = 8 * sum(down for _up, down in run.capacities[r.name])  # bytes/s -> bits/s
         use[r.name] = downlink_use(rows, r.name, cap, bin_s)
         if use[r.name]:
-            ramps[r.name] = ramp(rows, r.name, use[r.name])
+            ramps[r.name] = ramp(rows, r.name, use[r.name], bin_s)
             text.append(format_use(r.name, use[r.name]))
     text.extend(format_ramp(name, summary) for name, summary in ramps.items())
     path = out / "timeline.json"

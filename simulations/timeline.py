@@ -109,8 +109,9 @@ def downlink_use(rows: list[dict[str, Any]], region: str, capacity_bps: float,
 
 
 def ramp(rows: list[dict[str, Any]], region: str, table: list[dict[str, float]],
-         busy: float = 0.9) -> dict[str, float]:
-    """A region's start-up and tail from its ``downlink_use`` table (same rows).
+         bin_s: float, busy: float = 0.9) -> dict[str, Any]:
+    """A region's start-up and tail from its ``downlink_use`` table (same rows, same
+    ``bin_s``; a bin missing from the table carried nothing).
 
     ``to_half_s`` / ``to_busy_s``: from its first inbound byte to the start of the first
     bin at half / ``busy`` use (None if never). ``ramp_lost_s``: the downlink time left
@@ -121,26 +122,29 @@ def ramp(rows: list[dict[str, Any]], region: str, table: list[dict[str, float]],
     the share of them sent while their chunk still arrived at the sender, and
     ``early_cut_through_mbps`` their median rate (a chunk forwarded as it arrives comes no
     faster than it arrives, and a sender forwarding it to two peers halves that)."""
-    if not table:
+    if not table or bin_s <= 0:
         return {}
-    bin_s = table[1]["t"] - table[0]["t"] if len(table) > 1 else 0.0
     t0 = table[0]["t"]
-    out: dict[str, Any] = {"first_byte_s": t0, "to_half_s": None, "to_busy_s": None}
+    uses = [0.0] * (round((table[-1]["t"] - t0) / bin_s) + 1)
+    for row in table:
+        uses[round((row["t"] - t0) / bin_s)] = min(1.0, row["use"])
+    out: dict[str, Any] = {"busy": busy, "first_byte_s": t0, "to_half_s": None,
+                           "to_busy_s": None}
     first_busy = last_busy = None
-    for k, row in enumerate(table):
-        if out["to_half_s"] is None and row["use"] >= 0.5:
-            out["to_half_s"] = round(row["t"] - t0, 4)
-        if row["use"] >= busy:
+    for k, use in enumerate(uses):
+        if out["to_half_s"] is None and use >= 0.5:
+            out["to_half_s"] = round(k * bin_s, 4)
+        if use >= busy:
             last_busy = k
             if first_busy is None:
                 first_busy = k
-                out["to_busy_s"] = round(row["t"] - t0, 4)
-    head = table if first_busy is None else table[:first_busy]
-    out["ramp_lost_s"] = round(sum((1 - min(1.0, r["use"])) * bin_s for r in head), 4)
-    tail = [] if last_busy is None else table[last_busy + 1:]
+                out["to_busy_s"] = round(k * bin_s, 4)
+    head = uses if first_busy is None else uses[:first_busy]
+    out["ramp_lost_s"] = round(sum(1 - u for u in head) * bin_s, 4)
+    tail = [] if last_busy is None else uses[last_busy + 1:]
     out["tail_s"] = round(len(tail) * bin_s, 4)
-    out["tail_lost_s"] = round(sum((1 - min(1.0, r["use"])) * bin_s for r in tail), 4)
-    end = table[first_busy]["t"] if first_busy is not None else table[-1]["t"] + bin_s
+    out["tail_lost_s"] = round(sum(1 - u for u in tail) * bin_s, 4)
+    end = t0 + (first_busy if first_busy is not None else len(uses)) * bin_s - 1e-9
     early = sorted((r for r in rows if r["kind"] == "sent" and r["to_region"] == region
                     and r["start"] < end), key=lambda r: r["bytes"] / max(r["end"] - r["start"], 1e-9))
     if early:
@@ -167,7 +171,8 @@ def format_ramp(region: str, summary: dict[str, Any]) -> str:
         v = summary.get(key)
         return "never" if v is None else f"{v:.2f} s"
 
-    line = (f"region {region} ramp: half use after {s('to_half_s')}, 90 % after "
+    line = (f"region {region} ramp: half use after {s('to_half_s')}, "
+            f"{100 * summary['busy']:.0f} % after "
             f"{s('to_busy_s')}, {summary['ramp_lost_s']:.2f} s of its downlinks lost before; "
             f"tail {summary['tail_s']:.2f} s ({summary['tail_lost_s']:.2f} s lost)")
     if "early_mbps" in summary:

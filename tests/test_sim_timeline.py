@@ -45,7 +45,7 @@ def test_ramp_sums_up_the_start_and_the_tail():
             sent(1.4, 1.5, 40)]
     use = downlink_use(rows, "b", 100e6, bin_s=0.1)
     assert [u["use"] for u in use] == [0.1, 0.5, 1.0, 1.0, 0.4]
-    got = ramp(rows, "b", use)
+    got = ramp(rows, "b", use, 0.1)
     assert got["first_byte_s"] == 1.0
     assert got["to_half_s"] == pytest.approx(0.1) and got["to_busy_s"] == pytest.approx(0.2)
     assert got["ramp_lost_s"] == pytest.approx(0.9 * 0.1 + 0.5 * 0.1)
@@ -57,10 +57,19 @@ def test_ramp_sums_up_the_start_and_the_tail():
     line = format_ramp("b", got)
     assert "90 % after 0.20 s" in line and "50 % cut-through at 10 Mbit/s" in line
     # never busy: the whole table is ramp
-    slow = ramp(rows[:2], "b", downlink_use(rows[:2], "b", 100e6, bin_s=0.1))
+    slow = ramp(rows[:2], "b", downlink_use(rows[:2], "b", 100e6, bin_s=0.1), 0.1)
     assert slow["to_busy_s"] is None and slow["tail_s"] == 0
     assert "90 % after never" in format_ramp("b", slow)
-    assert ramp([], "b", []) == {} and "no transfer" in format_ramp("b", {})
+    assert ramp([], "b", [], 0.1) == {} and "no transfer" in format_ramp("b", {})
+    # a bin nothing came in is a bin lost, not skipped: 100 %, then 0.2 s of nothing, 100 %
+    gap = [sent(2.0, 2.1, 100), sent(2.3, 2.4, 100)]
+    g = ramp(gap, "b", downlink_use(gap, "b", 100e6, bin_s=0.1), 0.1, busy=0.5)
+    assert g["to_busy_s"] == 0 and g["ramp_lost_s"] == 0 and g["tail_s"] == 0
+    assert "50 % after 0.00 s" in format_ramp("b", g)
+    lagging = [sent(2.0, 2.1, 10), sent(2.3, 2.4, 100)]
+    lg = ramp(lagging, "b", downlink_use(lagging, "b", 100e6, bin_s=0.1), 0.1)
+    assert lg["to_busy_s"] == pytest.approx(0.3)
+    assert lg["ramp_lost_s"] == pytest.approx(0.9 * 0.1 + 2 * 0.1)
 
 
 def test_a_simulated_version_timeline_adds_up():
