@@ -114,9 +114,6 @@ class OriginRole(Role):
         self.window = UplinkWindow(c.uplink_window, max(c.uplink_window, c.uplink_window_max))
         # (sender conn | ORIGIN_SRC, region) -> the border conn it sent to last (``_target``)
         self.warm: dict[tuple[int, str], int] = {}
-        # border conn -> the border conns we ordered it to relay to: connections that have
-        # carried a chunk, whose TCP window is open (``_target``; pushes: ``pushed_to``)
-        self.relayed_to: dict[int, set[int]] = {}
 
     # ------------------------------------------------------------------ role hooks
     def frame_handlers(self) -> dict[type[wire.Frame], FrameHandler]:
@@ -262,9 +259,6 @@ class OriginRole(Role):
         self.pushed_to.discard(p.conn)
         for key in [k for k, t in self.warm.items() if k[0] == p.conn or t == p.conn]:
             del self.warm[key]  # its connections are gone: nothing is warm there
-        self.relayed_to.pop(p.conn, None)
-        for targets in self.relayed_to.values():
-            targets.discard(p.conn)
         if self.mode is not REGIONS or not p.border:
             self.schedule()
             return
@@ -839,19 +833,14 @@ class OriginRole(Role):
         return load
 
     def _target(self, bs: list[Peer], load: dict[int, int],
-                allowed: set[str] | None = None, warm: int | None = None,
-                used: set[int] | None = None) -> Peer | None:
+                allowed: set[str] | None = None, warm: int | None = None) -> Peer | None:
         """The border of ``bs`` with a free inbound slot to send to: ``warm`` (the
         connection the sender used last into this region) if it has one, else the least
-        loaded of those the sender has sent a chunk to before (``used``), else the least
-        loaded. A connection that has carried chunks has its TCP window open, and BBR
-        (what nodes ask for) keeps it across idle; a new one starts from the initial
-        window: at 150 ms a 4 MiB chunk takes ~1.2 s over it against ~0.1 s over a warm
-        one (`lossy-long-bbr`, docs/simulation.md round 19). A connection of a loss-based
-        algorithm left idle restarts from slow start too (Linux's default), so staying on
-        ``warm`` still pays there."""
-        best = best_used = None
-        best_n = best_used_n = self.cfg.border_inflight
+        loaded. Staying on one connection keeps its TCP window open: a connection left
+        idle restarts from slow start (Linux's default), which on a long link costs
+        several round trips per chunk."""
+        best = None
+        best_n = self.cfg.border_inflight
         for b in bs:
             if allowed is not None and b.node_id not in allowed:
                 continue
@@ -861,10 +850,7 @@ class OriginRole(Role):
             if n < best_n:
                 best = b
                 best_n = n
-            if used and b.conn in used and n < best_used_n:
-                best_used = b
-                best_used_n = n
-        return best_used if best_used is not None else best
+        return best
 
     def _push_target(self, bs: list[Peer], load: dict[int, int], warm: int | None) -> Peer | None:
         """The border of ``bs`` a push goes to: ``_target`` (the warm connection, stacked
@@ -882,14 +868,14 @@ class OriginRole(Role):
         this (its connection would start from slow start). Start-up keeps stacking: its
         doubled rounds on a thin uplink would otherwise put every push on the wire at once."""
         if self.window.startup or not self.cfg.spread_pushes:
-            return self._target(bs, load, warm=warm, used=self.pushed_to)
+            return self._target(bs, load, warm=warm)
         for b in bs:
             if b.conn == warm and not load.get(b.conn, 0):
                 return b
         for b in bs:
             if b.conn in self.pushed_to and not load.get(b.conn, 0):
                 return b
-        return self._target(bs, load, warm=warm, used=self.pushed_to)
+        return self._target(bs, load, warm=warm)
 
     def _relay_one(self, v: int, r: str, bs: list[Peer], plan: RegionPlan, load: dict[int, int],
                    missing: int, now: float, union: int, home_ok: bool,
@@ -925,12 +911,10 @@ class OriginRole(Role):
                     continue
                 if not cand:
                     continue
-                t = self._target(bs, load, b.links, self.warm.get((b.conn, r)),
-                                 self.relayed_to.get(b.conn))
+                t = self._target(bs, load, b.links, self.warm.get((b.conn, r)))
                 if t is None:
                     continue
                 self.warm[(b.conn, r)] = t.conn
-                self.relayed_to.setdefault(b.conn, set()).add(t.conn)
                 i = lowest(cand)
                 if not ahead:
                     b.relay_busy += 1
