@@ -41,7 +41,7 @@ from simulations.report import format_table  # noqa: E402
 from simulations.runner import run_strategy  # noqa: E402
 from simulations.scenario import load_scenario  # noqa: E402
 from swarm.errors import ConfigError  # noqa: E402
-from swarm.protocol.config import check_knobs  # noqa: E402
+from swarm.protocol.config import KNOB_RANGES, check_knobs  # noqa: E402
 
 CASES = [
     ("fleet-10k", ("patchswarm",)),
@@ -122,7 +122,8 @@ def run_scenarios(only: list[str] | None, out: Path) -> int:
 
 def parse_knobs(items: list[str]) -> dict[str, object]:
     """``KNOB=VALUE`` strings (VALUE in JSON; a bare word is a string) -> checked knobs.
-    An unknown knob or a wrong type is a ``ConfigError`` naming ``swarm.KNOB``."""
+    An unknown knob, a wrong type or a value out of its range is a ``ConfigError`` naming
+    ``swarm.KNOB``, before anything runs."""
     knobs: dict[str, object] = {}
     for item in items:
         key, sep, raw = item.partition("=")
@@ -132,7 +133,25 @@ def parse_knobs(items: list[str]) -> dict[str, object]:
             knobs[key.strip()] = json.loads(raw)
         except json.JSONDecodeError:
             knobs[key.strip()] = raw
-    return check_knobs(knobs, "swarm")
+    knobs = check_knobs(knobs, "swarm")
+    for key, value in knobs.items():
+        lo, hi = KNOB_RANGES.get(key, (None, None))
+        if lo is not None and not lo <= value <= hi:  # NaN fails too
+            raise ConfigError(f"swarm.{key}: must be a number in {lo}..{hi}, got {value!r}")
+    return knobs
+
+
+def load_against(path: Path) -> dict[str, dict]:
+    """An earlier ``--scenarios --versions`` result (``--against``); ``ConfigError`` naming
+    the file if it is missing or not such a result."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--against: cannot read {path}: {e}") from None
+    if not isinstance(data, dict) or not all(
+            isinstance(v, dict) and isinstance(v.get("mean_t_p100_s"), list) for v in data.values()):
+        raise ConfigError(f"--against: {path} is not a bench_sim.py --scenarios --versions result")
+    return data
 
 
 def compare(results: dict[str, dict], before: dict[str, dict]) -> dict[str, list[float | None]]:
@@ -148,12 +167,13 @@ def compare(results: dict[str, dict], before: dict[str, dict]) -> dict[str, list
 
 
 def run_versions(only: list[str] | None, versions: int, seeds: list[int], out: Path,
-                 knobs: dict[str, object] | None = None, against: Path | None = None) -> int:
+                 knobs: dict[str, object] | None = None,
+                 before: dict[str, dict] | None = None) -> int:
     """Each issue-11 scenario, ``versions`` versions in a row, per seed -> ``out`` (JSON),
-    with ``knobs`` set in each (``--swarm``); ``against``: an earlier such file to compare."""
+    with ``knobs`` set in each (``--swarm``); ``before``: an earlier such result to compare
+    with (``load_against``)."""
     from statistics import mean
 
-    before = json.loads(against.read_text()) if against is not None else None
     results: dict[str, dict] = {}
     for label, stem, over in SCENARIOS:
         if over or (only and label not in only and stem not in only):
@@ -224,13 +244,12 @@ def main() -> int:
     if args.scenarios and (args.versions > 1 or args.seeds):
         try:
             knobs = parse_knobs(args.swarm)
+            before = load_against(args.against) if args.against is not None else None
         except ConfigError as e:
             ap.error(str(e))
-        if args.against is not None and not args.against.is_file():
-            ap.error(f"--against: no such file: {args.against}")
         return run_versions(args.only, max(1, args.versions), args.seeds or [],
                             Path(args.out or ROOT / "benchmarks" / "results" / "sim_versions.json"),
-                            knobs, args.against)
+                            knobs, before)
     if args.scenarios:
         return run_scenarios(args.only, Path(args.out or ROOT / "benchmarks" / "results" / "sim_scenarios.json"))
     args.out = args.out or str(ROOT / "benchmarks" / "results" / "sim.json")

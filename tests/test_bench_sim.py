@@ -29,6 +29,25 @@ def test_parse_knobs_checks_names_and_types():
         bench_sim.parse_knobs(["uplink_window=wide"])
     with pytest.raises(ConfigError, match="KNOB=VALUE"):
         bench_sim.parse_knobs(["uplink_window"])
+    with pytest.raises(ConfigError, match=r"swarm\.uplink_window: must be a number in 1\.\.65536, got 0"):
+        bench_sim.parse_knobs(["uplink_window=0"])
+    with pytest.raises(ConfigError, match=r"swarm\.have_batch_s: must be a number"):
+        bench_sim.parse_knobs(["have_batch_s=NaN"])
+
+
+def test_against_must_be_an_earlier_result(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        bench_sim.load_against(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("not json")
+    with pytest.raises(ConfigError, match="cannot read"):
+        bench_sim.load_against(bad)
+    bad.write_text('{"slow-direct": {"t_p100_s": 1}}')
+    with pytest.raises(ConfigError, match=r"not a bench_sim\.py"):
+        bench_sim.load_against(bad)
+    good = tmp_path / "good.json"
+    good.write_text('{"slow-direct": {"mean_t_p100_s": [2.0]}}')
+    assert bench_sim.load_against(good) == {"slow-direct": {"mean_t_p100_s": [2.0]}}
 
 
 def test_compare_gives_each_versions_change():
@@ -43,7 +62,7 @@ def test_a_knob_ab_over_a_scenario(tmp_path, capsys):
     base, wide = tmp_path / "base.json", tmp_path / "wide.json"
     assert bench_sim.run_versions(["slow-direct"], 1, [21], base) == 0
     assert bench_sim.run_versions(["slow-direct"], 1, [21], wide, {"uplink_window": 12},
-                                  base) == 0
+                                  bench_sim.load_against(base)) == 0
     b, w = json.loads(base.read_text()), json.loads(wide.read_text())
     assert b["slow-direct"]["knobs"] == {} and w["slow-direct"]["knobs"] == {"uplink_window": 12}
     t0, t1 = b["slow-direct"]["mean_t_p100_s"][0], w["slow-direct"]["mean_t_p100_s"][0]
@@ -52,7 +71,14 @@ def test_a_knob_ab_over_a_scenario(tmp_path, capsys):
     assert "against" in capsys.readouterr().out
 
 
-def test_cli_refuses_knobs_without_versions():
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_sim.py"),
-                          "--swarm", "uplink_window=2"], capture_output=True, text=True)
+def test_cli_refuses_knobs_without_versions_and_bad_input_before_running(tmp_path):
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_sim.py")]
+    out = subprocess.run([*cmd, "--swarm", "uplink_window=2"], capture_output=True, text=True)
     assert out.returncode == 2 and "--swarm and --against go with" in out.stderr
+    res = tmp_path / "out.json"
+    for extra, msg in ((["--swarm", "uplink_window=0"], "swarm.uplink_window: must be"),
+                       (["--against", str(tmp_path / "none.json")], "--against: cannot read")):
+        out = subprocess.run([*cmd, "--scenarios", "--versions", "2", "--out", str(res), *extra],
+                             capture_output=True, text=True)
+        assert out.returncode == 2 and msg in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr and not res.exists()  # nothing ran
