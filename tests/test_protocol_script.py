@@ -600,6 +600,95 @@ def test_a_region_behind_a_slow_direct_path_gets_one_push_at_a_time() -> None:
     assert 2 in {c for c, _ in off}, off
 
 
+def test_a_sender_goes_to_a_connection_it_has_sent_on_before_a_new_one() -> None:
+    """``_target``: the warm border while it has room, else the least loaded of the
+    borders the sender has sent chunks to (their TCP windows open), else the least loaded
+    (round 19: a new 150 ms connection takes ~1.2 s for a 4 MiB chunk, a used one ~0.1 s)."""
+    o = _core("origin", "home", role="origin", border_nodes=4, border_inflight=2)
+    for k in range(4):
+        Script(o, k + 1, node_id=f"a{k}", region="r1").handshake()
+    role = o.role
+    peers = [o.peers[k + 1] for k in range(4)]
+    assert role._target(peers, {1: 1}, warm=1, used={3}).conn == 1  # warm, room left
+    assert role._target(peers, {1: 2, 3: 1}, warm=1, used={3}).conn == 3  # not idle a1/a3
+    assert role._target(peers, {1: 2, 3: 1, 4: 0}, warm=1, used={3, 4}).conn == 4
+    assert role._target(peers, {1: 2, 3: 2}, warm=1, used={3}).conn == 2  # used full
+    assert role._target(peers, {1: 2, 3: 1}, warm=1).conn == 2  # nothing used: least loaded
+    # only borders the sender is linked to (a relay's ``allowed``)
+    assert role._target(peers, {1: 2, 3: 1}, {"a0", "a2"}, warm=1, used={3}).conn == 3
+    assert role._target(peers, {1: 2, 3: 1}, {"a0", "a2"}, warm=1, used=set()).conn == 3
+    assert role._target(peers, {1: 2, 2: 2, 3: 2, 4: 2}, warm=1, used={3}) is None
+
+
+def test_used_connections_are_preferred_only_where_a_fresh_one_measured_slow() -> None:
+    """``_push_timed`` / ``_stay_used``: a fresh connection's first push (``cold_s``, EWMA)
+    against the fastest push over a used one (``warm_s``). Where slow start costs little (a
+    network without it, a fat short path) the preference only piles transfers onto the
+    first borders used: the simulator's ``upload-bound`` lost 10 % on later versions with
+    it on everywhere (round 19). The switch is logged both ways."""
+    o = _core("origin", "home", role="origin", border_nodes=4, border_inflight=2)
+    logs: list[tuple[str, dict]] = []
+    o.log = lambda level, event, **kw: logs.append((event, kw))  # type: ignore[method-assign]
+    role, used = o.role, {3}
+    assert role._stay_used(used) is None  # nothing measured
+    role.first_push[1] = (1, 0)
+    role._push_timed(1, (1, 0), 1.5)  # a first push: cold
+    assert role.cold_s == 1.5 and role.warm_s is None and 1 not in role.first_push
+    assert role._stay_used(used) is None  # no warm push measured
+    role.first_push[2] = (1, 1)
+    role._push_timed(2, (1, 2), 5.0)  # stacked behind a first push: times nothing
+    assert role.warm_s is None and role.first_push[2] == (1, 1)
+    role._push_timed(1, (1, 3), 0.6)  # a used connection: 2.5x, under the factor (3)
+    assert role.warm_s == 0.6 and not role.fresh_slow and role._stay_used(used) is None
+    role._push_timed(1, (1, 4), 0.5)  # the fastest warm push: 3x
+    assert role.warm_s == 0.5 and role.fresh_slow and role._stay_used(used) is used
+    assert logs[-1] == ("fresh_connections_slow", {"cold_s": 1.5, "warm_s": 0.5})
+    assert role._stay_used(set()) is None and role._stay_used(None) is None
+    role._push_timed(1, (1, 5), 0.9)  # slower warm pushes do not move the fastest
+    assert role.warm_s == 0.5 and role.fresh_slow
+    role.first_push[4] = (2, 0)
+    role._push_timed(4, (2, 0), 0.2)  # fresh connections got fast: EWMA 1.11
+    assert abs(role.cold_s - 1.11) < 1e-9 and not role.fresh_slow
+    assert logs[-1][0] == "fresh_connections_ok"
+    role.cfg = dataclasses.replace(role.cfg, cold_path_factor=0.0)  # off
+    role.first_push[4] = (2, 1)
+    role._push_timed(4, (2, 1), 50.0)
+    assert not role.fresh_slow and role._stay_used(used) is None
+
+
+def test_used_borders_take_more_in_flight_where_fresh_connections_are_slow() -> None:
+    """``_used_depth``: where a fresh connection costs k x a warm push, a chunk stacked
+    up to k - 1 deep on a used border still lands first (at most 4 x border_inflight)."""
+    o = _core("origin", "home", role="origin", border_nodes=4, border_inflight=2)
+    for k in range(4):
+        Script(o, k + 1, node_id=f"a{k}", region="r1").handshake()
+    role = o.role
+    peers = [o.peers[k + 1] for k in range(4)]
+    assert role._used_depth() == 2  # nothing measured: border_inflight
+    role.cold_s, role.warm_s = 1.2, 0.25
+    assert role._used_depth() == 2  # measured, but the gate is shut
+    role.fresh_slow = True
+    assert role._used_depth() == 3  # 4.8x: three in flight land before a fresh one would
+    load = {1: 2, 3: 2}
+    assert role._target(peers, load, warm=1, used={3}).conn == 3  # a third on used a2
+    assert role._target(peers, {1: 2, 3: 3}, warm=1, used={3}).conn == 2  # full: fresh
+    assert role._target(peers, load, warm=1).conn == 2  # no used set: border_inflight
+    assert role._target(peers, {1: 3}, warm=1, used={1}).conn == 2  # warm a0 counts as used: full at 3
+    role.warm_s = 0.01
+    assert role._used_depth() == 8  # 120x, capped at 4 x border_inflight
+    role.warm_s = 0.6
+    assert role._used_depth() == 2  # 2x: never under border_inflight
+
+
+def test_relay_targets_are_remembered_per_border_and_forgotten_with_it() -> None:
+    t = _Origin(4)
+    role = t.o.role
+    # each border was ordered to relay to the other: those links now carry chunks
+    assert role.relayed_to == {1: {2}, 2: {1}}
+    t.handle(ev.PeerDisconnected(t.o.now, 2, "gone"))
+    assert role.relayed_to == {1: set()}
+
+
 def test_a_departed_border_leaves_no_warm_connection_behind() -> None:
     s = Signer()
     o = _core("origin", "home", role="origin", signer=s, border_nodes=2, uplink_window=1,
@@ -897,8 +986,14 @@ def test_after_start_up_a_push_goes_to_an_idle_border_already_pushed_to() -> Non
     assert role._push_target(peers, {1: 1}, 1).conn == 2
     assert role._push_target(peers, {}, 1).conn == 1  # the warm border while it idles
     assert role._push_target(peers, {1: 1, 2: 1}, 1).conn == 1  # none idle: stack, not a2
-    # the warm border full: the least loaded, as in start-up (``_target``)
+    # the warm border full: the least loaded, as in start-up (``_target``) ...
     assert role._push_target(peers, {1: 2, 2: 1}, 1).conn == 3
+    # ... but where a fresh connection was measured slow (``_stay_used``), the least
+    # loaded border already pushed to before a cold one
+    role.fresh_slow = True
+    assert role._push_target(peers, {1: 2, 2: 1}, 1).conn == 2
+    assert role._push_target(peers, {1: 2, 2: 2}, 1).conn == 3  # those full: a cold one
+    role.fresh_slow = False
     role.pushed_to.discard(2)
     assert role._push_target(peers, {1: 1}, 1).conn == 1
     role.pushed_to.add(2)

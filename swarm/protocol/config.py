@@ -39,7 +39,7 @@ KNOB_RANGES: dict[str, tuple[float, float]] = {
     "border_grace_s": (0.0, _DAY), "keep_versions": (1, 1 << 20), "apply_retries": (0, 1000),
     "apply_retry_s": (0.0, _DAY), "status_interval_s": (0.0, _DAY), "status_delay_s": (0.0, 3600.0),
     "fleet_max": (1, 10_000_000), "unavailable_s": (0.0, _DAY),
-    "relay_wait_s": (0.0, _DAY), "slow_relay_factor": (0.0, 1e6),
+    "relay_wait_s": (0.0, _DAY), "slow_relay_factor": (0.0, 1e6), "cold_path_factor": (0.0, 1e6),
     "serve_arriving_region": (0, 1_000_000),
 }
 
@@ -113,6 +113,11 @@ class CoreConfig:
     # origin: a region whose relays into another take this many times a push into it is
     # no relay source for it (measured per path; an upload-bound region) (0: off)
     slow_relay_factor: float = 5.0
+    # origin: once a first push over a fresh border connection has measured this many
+    # times a push into the region (TCP's slow start on a long round trip), a push or
+    # relay whose warm border is full goes to a border its sender has sent chunks to,
+    # not a new connection (0: never; docs/protocol.md)
+    cold_path_factor: float = 3.0
     # ---- versions
     active_version: int | None = 0  # version held at start (0 = the base checkpoint)
     keep_versions: int = 3  # versions kept announced/served behind the active one

@@ -108,12 +108,19 @@ class OriginRole(Role):
         # each such connection is on: an unmeasured relay is guessed this slow
         # (``_direct_faster``)
         self.cold_s: float | None = None
+        # ... and the fastest push on a connection that had carried one; whether the
+        # first is cold_path_factor x the second (``_push_timed``, ``_stay_used``)
+        self.warm_s: float | None = None
+        self.fresh_slow = False
         self.first_push: dict[int, tuple[int, int]] = {}  # border conn -> (version, index)
         self.pushed_to: set[int] = set()  # border conns that carried a push of ours
         self.uplink_pushes = 0  # pushes into remote regions not yet confirmed by a HAVE
         self.window = UplinkWindow(c.uplink_window, max(c.uplink_window, c.uplink_window_max))
         # (sender conn | ORIGIN_SRC, region) -> the border conn it sent to last (``_target``)
         self.warm: dict[tuple[int, str], int] = {}
+        # border conn -> the border conns we ordered it to relay to: connections that have
+        # carried a chunk, whose TCP window is open (``_target``; pushes: ``pushed_to``)
+        self.relayed_to: dict[int, set[int]] = {}
 
     # ------------------------------------------------------------------ role hooks
     def frame_handlers(self) -> dict[type[wire.Frame], FrameHandler]:
@@ -259,6 +266,9 @@ class OriginRole(Role):
         self.pushed_to.discard(p.conn)
         for key in [k for k, t in self.warm.items() if k[0] == p.conn or t == p.conn]:
             del self.warm[key]  # its connections are gone: nothing is warm there
+        self.relayed_to.pop(p.conn, None)
+        for targets in self.relayed_to.values():
+            targets.discard(p.conn)
         if self.mode is not REGIONS or not p.border:
             self.schedule()
             return
@@ -378,10 +388,8 @@ class OriginRole(Role):
                         s = self.host.peers.get(src) if src != ORIGIN_SRC else None
                         if s is not None:
                             self._path_sample((s.region, p.region), now - t0)
-                        if src == ORIGIN_SRC and self.first_push.get(p.conn) == (v, i):
-                            del self.first_push[p.conn]
-                            dt, c = now - t0, self.cold_s
-                            self.cold_s = dt if c is None else 0.7 * c + 0.3 * dt
+                        if src == ORIGIN_SRC:
+                            self._push_timed(p.conn, (v, i), now - t0)
                     if src != ORIGIN_SRC:
                         plan.relayed_at = now
                     self._drop_inflight(plan, i)
@@ -833,14 +841,21 @@ class OriginRole(Role):
         return load
 
     def _target(self, bs: list[Peer], load: dict[int, int],
-                allowed: set[str] | None = None, warm: int | None = None) -> Peer | None:
+                allowed: set[str] | None = None, warm: int | None = None,
+                used: set[int] | None = None) -> Peer | None:
         """The border of ``bs`` with a free inbound slot to send to: ``warm`` (the
         connection the sender used last into this region) if it has one, else the least
-        loaded. Staying on one connection keeps its TCP window open: a connection left
-        idle restarts from slow start (Linux's default), which on a long link costs
-        several round trips per chunk."""
-        best = None
+        loaded of those the sender has sent a chunk to before (``used``, up to
+        ``_used_depth`` each), else the least loaded. A connection that has carried
+        chunks has its TCP window open, and BBR (what nodes ask for) keeps it across
+        idle; a new one starts from the initial window: at 150 ms a 4 MiB chunk takes
+        ~1.2 s over it against ~0.1 s over a warm one (`lossy-long-bbr`,
+        docs/simulation.md round 19). A connection of a loss-based algorithm left idle
+        restarts from slow start too (Linux's default), so staying on ``warm`` still
+        pays there."""
+        best = best_used = None
         best_n = self.cfg.border_inflight
+        best_used_n = self._used_depth() if used else 0
         for b in bs:
             if allowed is not None and b.node_id not in allowed:
                 continue
@@ -850,7 +865,53 @@ class OriginRole(Role):
             if n < best_n:
                 best = b
                 best_n = n
-        return best
+            if used and b.conn in used and n < best_used_n:
+                best_used = b
+                best_used_n = n
+        return best_used if best_used is not None else best
+
+    def _push_timed(self, conn: int, chunk: tuple[int, int], dt: float) -> None:
+        """A full push over border connection ``conn`` took ``dt`` from order to HAVE:
+        the first on that connection updates ``cold_s``, a later one ``warm_s`` (a second
+        push stacked behind the first is neither: it waited for the first's slow start)."""
+        if self.first_push.get(conn) == chunk:
+            del self.first_push[conn]
+            c = self.cold_s
+            self.cold_s = dt if c is None else 0.7 * c + 0.3 * dt
+        elif conn not in self.first_push:
+            self.warm_s = dt if self.warm_s is None else min(self.warm_s, dt)
+        else:
+            return
+        f = self.cfg.cold_path_factor
+        slow = (f > 0 and self.cold_s is not None and self.warm_s is not None
+                and self.cold_s >= f * self.warm_s)
+        if slow != self.fresh_slow:
+            self.fresh_slow = slow
+            self.host.log("info", "fresh_connections_slow" if slow else "fresh_connections_ok",
+                          cold_s=round(self.cold_s or 0.0, 3), warm_s=round(self.warm_s or 0.0, 3))
+
+    def _used_depth(self) -> int:
+        """Transfers a used border may hold at once (``_target``): ``border_inflight``,
+        or, where a fresh connection is measured slow, as many as still land before a
+        chunk over a fresh one would (``cold_s`` / ``warm_s`` - 1, at most 4 x
+        ``border_inflight``): a chunk stacked n deep on a warm connection lands after
+        about (n + 1) x ``warm_s``. (`lossy-long-bbr`: versions 1-4 -4 / -36 / +8 / +2 %
+        against staying at ``border_inflight``; docs/simulation.md round 20.)"""
+        bi = self.cfg.border_inflight
+        if not self.fresh_slow or not self.cold_s or not self.warm_s:
+            return bi
+        return max(bi, min(4 * bi, int(self.cold_s / self.warm_s) - 1))
+
+    def _stay_used(self, used: set[int] | None) -> set[int] | None:
+        """``used`` (connections the sender has sent chunks on) where a fresh connection
+        is measured to cost more than queueing on a used one, else None: ``_target`` then
+        takes the least loaded border. The measure (``_push_timed``): first pushes over
+        fresh border connections (``cold_s``, EWMA) took ``cold_path_factor`` x the fastest
+        push over a used one or more. On a long round trip slow start makes a fresh
+        connection slow (150 ms: ~1.2 s for 4 MiB against ~0.1 s warm); where it costs
+        little (a short fat path, a network without slow start) staying would only pile
+        transfers onto the first borders used (docs/simulation.md round 20)."""
+        return used if used and self.fresh_slow else None
 
     def _push_target(self, bs: list[Peer], load: dict[int, int], warm: int | None) -> Peer | None:
         """The border of ``bs`` a push goes to: ``_target`` (the warm connection, stacked
@@ -868,14 +929,14 @@ class OriginRole(Role):
         this (its connection would start from slow start). Start-up keeps stacking: its
         doubled rounds on a thin uplink would otherwise put every push on the wire at once."""
         if self.window.startup or not self.cfg.spread_pushes:
-            return self._target(bs, load, warm=warm)
+            return self._target(bs, load, warm=warm, used=self._stay_used(self.pushed_to))
         for b in bs:
             if b.conn == warm and not load.get(b.conn, 0):
                 return b
         for b in bs:
             if b.conn in self.pushed_to and not load.get(b.conn, 0):
                 return b
-        return self._target(bs, load, warm=warm)
+        return self._target(bs, load, warm=warm, used=self._stay_used(self.pushed_to))
 
     def _relay_one(self, v: int, r: str, bs: list[Peer], plan: RegionPlan, load: dict[int, int],
                    missing: int, now: float, union: int, home_ok: bool,
@@ -911,10 +972,12 @@ class OriginRole(Role):
                     continue
                 if not cand:
                     continue
-                t = self._target(bs, load, b.links, self.warm.get((b.conn, r)))
+                t = self._target(bs, load, b.links, self.warm.get((b.conn, r)),
+                                 self._stay_used(self.relayed_to.get(b.conn)))
                 if t is None:
                     continue
                 self.warm[(b.conn, r)] = t.conn
+                self.relayed_to.setdefault(b.conn, set()).add(t.conn)
                 i = lowest(cand)
                 if not ahead:
                     b.relay_busy += 1
