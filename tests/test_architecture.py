@@ -74,4 +74,5 @@ def test_no_import_by_string_in_the_library() -> None:
 
 def test_trainer_is_only_what_a_trainer_imports() -> None:
     names = sorted(p.name for p in (ROOT / "trainer").glob("*.py"))
-    assert names == ["__init__.py", "cli_publish.py", "fleet.py", "publisher.py", "served.py"], names
+    assert names == ["__init__.py", "cli_publish.py", "fleet.py", "publisher.py", "served.py",
+                     "view_file.py"], names

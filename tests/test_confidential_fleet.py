@@ -230,3 +230,38 @@ def test_publisher_cannot_rebuild_confidential_chain_without_a_key(tmp_path):
                     base=base, persist_view=False)
     assert pub.version == 2 and state_digest(pub.view) == state_digest(served)
     pub.store.close()
+
+
+def test_sealed_versions_write_the_view_file_before_they_commit(tmp_path, monkeypatch):
+    """Plain versions write the trainer's view file after the hand-off (trainer.view_file);
+    sealed ones before the commit point, as rebuilding a lost view from a sealed chain
+    needs a recipient's key: the file is on disk when ``publish`` returns, and the older
+    one is gone only once the version is committed."""
+    generate_keypair(tmp_path / "trainer.key")
+    generate_keypair(tmp_path / "a.x25519", kind="x25519")
+    base = _weights(0)
+    save_file(base, str(tmp_path / "base.safetensors"))
+    pub_cfg = {"signing_key": "trainer.key", "chunk_size": 4096, "recipients": ["a.x25519.pub"]}
+    pub = Publisher(_config(tmp_path, "t", "origin", {"publish": pub_cfg}), base=base)
+    store = tmp_path / "t-store"
+    try:
+        monkeypatch.setattr(pub._saver, "submit", lambda *a: pytest.fail("sealed: no saver"))
+        seen: list[list[str]] = []
+        real = pub.store.put_manifest
+
+        def put_manifest(*args, **kw):  # what is on disk when the store takes the version
+            seen.append(sorted(p.name for p in store.glob("published*")))
+            return real(*args, **kw)
+
+        monkeypatch.setattr(pub.store, "put_manifest", put_manifest)
+        v2 = pub.publish_served(_step(base, 1)).version
+        assert sorted(p.name for p in store.glob("published*")) == [f"published-{v2}.safetensors"]
+        v3 = pub.publish_served(_step(base, 2)).version
+        assert seen[-1] == [f"published-{v2}.safetensors", f"published-{v3}.safetensors"]
+        assert sorted(p.name for p in store.glob("published*")) == [f"published-{v3}.safetensors"]
+    finally:
+        pub.close()
+    # no recipient key needed to restart: the view file is there
+    again = Publisher(_config(tmp_path, "t", "origin", {"publish": pub_cfg}), base=base)
+    assert again.version == v3 and state_digest(again.view) == state_digest(_step(base, 2))
+    again.close()

@@ -20,17 +20,23 @@ store directory; the version and its digest are the store's active record.
 
 Publishing is a transaction whose commit point is the store's active record:
 
-1. encode the patch; 2. write the new view file (fsync + rename);
-3. store the signed manifest and every chunk; 4. **set the active record**;
-5. delete the previous view file; 6. hand the version to the swarm.
+1. encode the patch; 2. store the signed manifest and every chunk;
+3. **set the active record**; 4. hand the version to the swarm;
+5. write the new view file (fsync + rename) and delete older ones, on a thread
+   of its own, after the hand-off (``trainer.view_file``: the whole view is
+   50-2000x the patch, and the swarm need not wait for it). Sealed versions
+   (confidential mode) write it before step 2 instead, and delete the older
+   ones after step 3: rebuilding a lost view from a sealed chain needs a
+   recipient's key.
 
-A trainer killed anywhere before step 4 rolls back on its next start: stored
-versions above the active one and view files of other versions are deleted
-*before the origin's core starts*, so an unfinished version is never shipped
-and the next publish reuses its number. Killed after step 4, it resumes: the
-version is complete and is seeded on start. A missing or damaged view file is
-rebuilt from the newest stored full checkpoint (else the base) and the stored
-chain of patches after it.
+A trainer killed anywhere before step 3 rolls back on its next start: stored
+versions above the active one and their view files are deleted *before the
+origin's core starts*, so an unfinished version is never shipped and the next
+publish reuses its number. Killed after step 3, it resumes: the version is
+complete and is seeded on start. A view file not written yet (killed in step 5),
+missing or damaged is rebuilt from the newest older view file and the stored
+patches after it, else from the newest stored full checkpoint (else the base)
+and the stored chain of patches after it.
 
 **Anchors** (``publish_full``, ``[publish] anchor_every = N``): a full checkpoint
 of the served view as a version of its own. The store and the protocol core hold
@@ -76,13 +82,14 @@ from swarm.trust.chunks import split_payload
 from swarm.trust.keys import TrustStore, key_id, load_private_key
 from swarm.trust.manifest import build_manifest, sign_manifest
 from trainer.fleet import FleetView, StalenessTimeout
+from trainer.view_file import PUBLISHED_VIEW, VIEW_PATTERN, ViewSaver, drop_views_below, view_files
 
 if TYPE_CHECKING:
     import torch
 
+    from node.store import ActiveRecord
+
 log = logging.getLogger("patchswarm.trainer")
-PUBLISHED_VIEW = "published.safetensors"  # before 0.2: one view file, no version in its name
-VIEW_PATTERN = "published-{version}.safetensors"
 REGIONS_FILE = "regions.json"  # regions and nodes met by the last run: a one-shot publish
 MAX_REMEMBERED = 10_000          # waits for them (bounded by its --wait-peers-s)
 
@@ -159,6 +166,7 @@ class Publisher:
             if kid != self.key_id:
                 self.trust.add(extra.get(kid))
         self.persist_view = persist_view
+        self._saver = ViewSaver(self._write_view)  # the view file, after each hand-off
         self.node: Node = build_node(cfg, trust=self.trust)
         self.store = self.node.store
         try:
@@ -193,27 +201,60 @@ class Publisher:
             if v > active:
                 log.warning("rolling back version %d: its publish did not finish", v)
                 self.store.remove_version(v)
-        keep = self._view_path(active)
-        for stale in self.cfg.store_dir.glob("published-*.safetensors"):
-            if stale != keep:
+        views = view_files(self.cfg.store_dir)
+        for v, stale in views.items():
+            if v > active:  # a rolled-back version's
                 stale.unlink(missing_ok=True)
         for tmp in self.cfg.store_dir.glob(".published-*.tmp"):
             tmp.unlink(missing_ok=True)
         if rec is None or rec.version <= self.cfg.base_version:
             return self.cfg.base_version, self._base_view(base)
-        for path in (keep, self.cfg.store_dir / PUBLISHED_VIEW):
+        for path in (self._view_path(active), self.cfg.store_dir / PUBLISHED_VIEW):
             view = self._read_view(path)
             if view is not None and state_digest(view) == rec.digest:
+                drop_views_below(self.cfg.store_dir, active)
                 return rec.version, view
-        log.warning("no view file of version %d; rebuilding it from the stored patches",
-                    rec.version)
-        view = self._rebuild(rec.version, self._base_view(base))
-        if state_digest(view) != rec.digest:
-            raise PatchswarmError(f"the stored patches do not rebuild version {rec.version}'s "
-                                  "recorded digest; restore the trainer's store")
+        older = sorted((v for v in views if self.cfg.base_version <= v < active), reverse=True)
+        view = self._replay_from_view(older[0], rec) if older else None
+        if view is None:
+            log.warning("no view file of version %d; rebuilding it from the stored patches",
+                        rec.version)
+            view = self._rebuild(rec.version, self._base_view(base))
+            if state_digest(view) != rec.digest:
+                raise PatchswarmError(f"the stored patches do not rebuild version "
+                                      f"{rec.version}'s recorded digest; restore the trainer's "
+                                      "store")
         if self.persist_view:
-            self._save_view(rec.version, view)
+            self._write_view(rec.version, view)
         return rec.version, view
+
+    def _replay_from_view(self, k: int, rec: ActiveRecord) -> dict[str, torch.Tensor] | None:
+        """Version ``rec.version``'s view from version ``k``'s view file and the stored
+        versions after ``k``, or None (unreadable, a version missing, not the recorded
+        digest): the caller then rebuilds from the chain's start."""
+        from swarm.codec import state_digest
+
+        view = self._read_view(self._view_path(k))
+        if view is None:
+            return None
+        try:
+            chain = self.store.replay_chain(rec.version, self.cfg.base_version)
+        except PatchswarmError:
+            return None
+        if not chain or chain[0] > k + 1:
+            return None  # a full checkpoint after k starts the chain: rebuild from it
+        log.warning("no view file of version %d; replaying the stored patches after version "
+                    "%d's view file", rec.version, k)
+        try:
+            view = self._apply_chain(view, [v for v in chain if v > k], rec.version)
+        except PatchswarmError as exc:
+            log.warning("%s; rebuilding from the chain's start", exc)
+            return None
+        if state_digest(view) != rec.digest:
+            log.warning("version %d's view file and the patches after it do not give version "
+                        "%d's recorded digest; rebuilding from the chain's start", k, rec.version)
+            return None
+        return view
 
     def _base_view(self, base: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file
@@ -241,13 +282,20 @@ class Publisher:
     def _rebuild(self, version: int, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Apply the stored chain to ``version`` (from its newest full checkpoint, else
         from ``base``)."""
+        try:
+            chain = self.store.replay_chain(version, self.cfg.base_version)
+        except PatchswarmError as exc:
+            raise PatchswarmError(f"cannot rebuild version {version}: {exc}") from None
+        return self._apply_chain(base, chain, version)
+
+    def _apply_chain(self, view: dict[str, torch.Tensor], chain: list[int],
+                     version: int) -> dict[str, torch.Tensor]:
+        """Apply the stored versions ``chain`` (oldest first) to ``view``."""
         from safetensors.torch import load as load_bytes
 
         from swarm.codec import apply_patch
 
-        view = base
         try:
-            chain = self.store.replay_chain(version, self.cfg.base_version)
             for v in chain:
                 m = self.store.manifest(v)
                 if m.kind == "full" and not self.store.complete(v):
@@ -310,6 +358,7 @@ class Publisher:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
+        self._saver.flush()
         if self._loop is not None and self._thread is not None and self._thread.is_alive():
             try:
                 self._remember_regions(self.regions())
@@ -469,10 +518,13 @@ class Publisher:
         )
         raw = sign_manifest(m, self.key)
         # The transaction of the module docstring; the active record is the commit point.
+        # Sealed versions (confidential mode) write the view first: without it a restart
+        # needs a recipient's key to rebuild the view from the sealed chain.
+        view_first = self.persist_view and encryption is not None
+        view_data = p.payload if p.kind == "full" else None
         try:
-            if self.persist_view:
-                self._save_view(version, p.served, p.payload if p.kind == "full" else None)
-            _crash_point("view")
+            if view_first:
+                self._write_view(version, p.served, view_data, drop=False)
             self.store.put_manifest(raw, m)
             _crash_point("manifest")
             for i, chunk in enumerate(split_payload(payload, self.cfg.chunk_size)):
@@ -486,12 +538,15 @@ class Publisher:
             self._roll_back(version)
             raise
         _crash_point("active")
-        self._view_path(parent).unlink(missing_ok=True)
-        (self.cfg.store_dir / PUBLISHED_VIEW).unlink(missing_ok=True)
         self.version, self.view, self._view_digests = version, p.served, p.digests
         published_at = time.time()
         if self._loop is not None:
             self.node.driver.feed_threadsafe(lambda now: ev.Publish(now, raw))
+        _crash_point("handed")
+        if view_first:
+            drop_views_below(self.cfg.store_dir, version)
+        elif self.persist_view:  # the whole view: after the hand-off (trainer.view_file)
+            self._saver.submit(version, p.served, view_data)
         result = PublishResult(version, parent, len(p.payload), m.chunk_count, p.changed,
                                p.elements, m.target_digest, p.encode_s, published_at,
                                kind=p.kind, lag_wait_s=lag_wait_s)
@@ -537,14 +592,25 @@ class Publisher:
         return encrypt_payload(patch, self.cfg.chunk_size, self._recipient_keys,
                                model=self.cfg.model, version=version)
 
-    def _save_view(self, version: int, served: dict[str, torch.Tensor],
-                   payload: bytes | None = None) -> None:
+    def _write_view(self, version: int, served: dict[str, torch.Tensor],
+                    payload: bytes | None = None, *, drop: bool = True) -> None:
+        """Write ``version``'s view file (fsync + rename; ``payload``: a full version's
+        safetensors bytes as they are), then (``drop``) delete the older ones."""
         from safetensors.torch import save_file
 
         from swarm.fsio import write_atomic
 
+        _crash_point("view_start")
         data = payload if payload is not None else (lambda tmp: save_file(served, tmp))
         write_atomic(self._view_path(version), data, "published view")
+        _crash_point("view")
+        if drop:
+            drop_views_below(self.cfg.store_dir, version)
+
+    def flush_view(self, timeout: float | None = None) -> bool:
+        """Wait until the newest published view is on disk (``close`` does); False on
+        timeout."""
+        return self._saver.flush(timeout)
 
     def _roll_back(self, version: int) -> None:
         """Undo a publish that failed before its commit point (disk full, ...)."""
@@ -692,7 +758,8 @@ def _ranges(vs: list[int]) -> str:
 
 def _crash_point(step: str) -> None:
     """Fault injection for tests only: ``PATCHSWARM_CRASH_AT=<step>`` SIGKILLs the
-    trainer at that publish step (view, manifest, chunk, chunks, active)."""
+    trainer at that publish step (manifest, chunk, chunks, active, handed; view_start
+    and view in the view file's thread)."""
     if os.environ.get("PATCHSWARM_CRASH_AT") == step:
         import signal
 
