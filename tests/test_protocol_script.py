@@ -656,6 +656,23 @@ def test_used_connections_are_preferred_only_where_a_fresh_one_measured_slow() -
     assert not role.fresh_slow and role._stay_used(used) is None
 
 
+def test_the_warm_push_time_is_the_fastest_of_a_window_of_recent_pushes() -> None:
+    """``warm_s`` forgets a fast push after ``WARM_PUSHES`` later ones: a path that got
+    slower (congestion, a reroute) closes the gate instead of keeping it open forever."""
+    from swarm.protocol.seeding import WARM_PUSHES
+
+    o = _core("origin", "home", role="origin", border_nodes=4, border_inflight=2)
+    role = o.role
+    role.cold_s = 1.5
+    role._push_timed(1, (1, 0), 0.1)
+    assert role.warm_s == 0.1 and role.fresh_slow
+    for k in range(WARM_PUSHES - 1):
+        role._push_timed(1, (1, k + 1), 0.6)
+    assert role.warm_s == 0.1 and role.fresh_slow  # still in the window
+    role._push_timed(1, (1, WARM_PUSHES), 0.6)
+    assert role.warm_s == 0.6 and not role.fresh_slow  # 2.5x: the gate shuts
+
+
 def test_used_borders_take_more_in_flight_where_fresh_connections_are_slow() -> None:
     """``_used_depth``: where a fresh connection costs k x a warm push, a chunk stacked
     up to k - 1 deep on a used border still lands first (at most 4 x border_inflight)."""

@@ -43,6 +43,10 @@ ORIGIN_SRC = -1
 # from the first relay (a cold one against a first push) the emulated WAN's first versions
 # most likely lost a path and sent a sixth of a copy more through the thin uplink
 MIN_PATH_SAMPLES = 3
+# warm pushes whose fastest is ``warm_s`` (``_push_timed``): about a version's worth of
+# pushes into a few regions, so the minimum survives a version's start (whose first pushes
+# queue) and still forgets a path that got slower
+WARM_PUSHES = 64
 
 
 class SeedMode(enum.Enum):
@@ -108,9 +112,11 @@ class OriginRole(Role):
         # each such connection is on: an unmeasured relay is guessed this slow
         # (``_direct_faster``)
         self.cold_s: float | None = None
-        # ... and the fastest push on a connection that had carried one; whether the
+        # ... and the fastest of the last WARM_PUSHES pushes on a connection that had
+        # carried one (a window: a path that got slower is seen as slower); whether the
         # first is cold_path_factor x the second (``_push_timed``, ``_stay_used``)
         self.warm_s: float | None = None
+        self.warm_recent: deque[float] = deque(maxlen=WARM_PUSHES)
         self.fresh_slow = False
         self.first_push: dict[int, tuple[int, int]] = {}  # border conn -> (version, index)
         self.pushed_to: set[int] = set()  # border conns that carried a push of ours
@@ -879,7 +885,8 @@ class OriginRole(Role):
             c = self.cold_s
             self.cold_s = dt if c is None else 0.7 * c + 0.3 * dt
         elif conn not in self.first_push:
-            self.warm_s = dt if self.warm_s is None else min(self.warm_s, dt)
+            self.warm_recent.append(dt)
+            self.warm_s = min(self.warm_recent)
         else:
             return
         f = self.cfg.cold_path_factor
