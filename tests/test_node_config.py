@@ -106,6 +106,7 @@ INF, NAN = float("inf"), float("nan")
     ("redial_s", NAN), ("ban_s", NAN), ("slow_factor", NAN), ("max_known_peers", -1),
     ("tracker_sample", -1), ("max_timeouts", -1), ("endgame_chunks", -1), ("heartbeat_s", 0),
     ("request_timeout_s", -INF), ("upload_slots", 0), ("peer_timeout_s", 0.5),
+    ("cold_path_factor", -1), ("cold_path_factor", NAN),
 ])
 def test_knob_ranges_name_the_knob(tmp_path: Path, knob: str, value: float) -> None:
     """The audit's list (issue #10): every one was accepted before."""
