@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -85,12 +86,14 @@ class ViewSaver:
                     self._running = False
                     self._cv.notify_all()
                     return
-            version = job[0]
+            version, t0 = job[0], time.monotonic()
             try:
                 self._save(*job)
             except Exception as exc:  # a full disk: the next start rebuilds from the store
                 log.warning("cannot write the view of version %d (%s); a restart rebuilds it "
                             "from the stored patches", version, exc)
             else:
+                log.debug("view file of version %d written in %.2f s", version,
+                          time.monotonic() - t0)
                 with self._cv:
                     self.saved = version
