@@ -17,6 +17,7 @@ from swarm.errors import ProtocolError
 from swarm.protocol import events as ev
 from swarm.protocol import handshake as hs
 from swarm.protocol import wire
+from swarm.protocol.coldpath import WARM_PUSHES, ColdPath
 from swarm.protocol.config import CoreConfig
 from swarm.protocol.core import NodeCore
 from swarm.protocol.testing import MODEL, SECRET, Script, Signer
@@ -621,56 +622,79 @@ def test_a_sender_goes_to_a_connection_it_has_sent_on_before_a_new_one() -> None
 
 
 def test_used_connections_are_preferred_only_where_a_fresh_one_measured_slow() -> None:
-    """``_push_timed`` / ``_stay_used``: a fresh connection's first push (``cold_s``, EWMA)
-    against the fastest push over a used one (``warm_s``). Where slow start costs little (a
-    network without it, a fat short path) the preference only piles transfers onto the
-    first borders used: the simulator's ``upload-bound`` lost 10 % on later versions with
-    it on everywhere (round 19). The switch is logged both ways."""
+    """``_push_timed`` / ``_stay_used``: a fresh connection's first push into a region
+    (``cold_s``, EWMA) against the fastest push over a used one into the same region
+    (``warm_s``). Where slow start costs little (a network without it, a fat short path)
+    the preference only piles transfers onto the first borders used: the simulator's
+    ``upload-bound`` lost 10 % on later versions with it on everywhere (round 19). The
+    switch is logged both ways, naming the region."""
     o = _core("origin", "home", role="origin", border_nodes=4, border_inflight=2)
     logs: list[tuple[str, dict]] = []
     o.log = lambda level, event, **kw: logs.append((event, kw))  # type: ignore[method-assign]
     role, used = o.role, {3}
-    assert role._stay_used(used) is None  # nothing measured
+    assert role._stay_used(used, "r1") is None  # nothing measured
     role.first_push[1] = (1, 0)
-    role._push_timed(1, (1, 0), 1.5)  # a first push: cold
-    assert role.cold_s == 1.5 and role.warm_s is None and 1 not in role.first_push
-    assert role._stay_used(used) is None  # no warm push measured
+    role._push_timed(1, "r1", (1, 0), 1.5)  # a first push: cold
+    cp = role.cold_paths["r1"]
+    assert cp.cold_s == 1.5 and cp.warm_s is None and 1 not in role.first_push
+    assert role.cold_s == 1.5  # the all-regions figure an unmeasured relay is guessed at
+    assert role._stay_used(used, "r1") is None  # no warm push measured
     role.first_push[2] = (1, 1)
-    role._push_timed(2, (1, 2), 5.0)  # stacked behind a first push: times nothing
-    assert role.warm_s is None and role.first_push[2] == (1, 1)
-    role._push_timed(1, (1, 3), 0.6)  # a used connection: 2.5x, under the factor (3)
-    assert role.warm_s == 0.6 and not role.fresh_slow and role._stay_used(used) is None
-    role._push_timed(1, (1, 4), 0.5)  # the fastest warm push: 3x
-    assert role.warm_s == 0.5 and role.fresh_slow and role._stay_used(used) is used
-    assert logs[-1] == ("fresh_connections_slow", {"cold_s": 1.5, "warm_s": 0.5})
-    assert role._stay_used(set()) is None and role._stay_used(None) is None
-    role._push_timed(1, (1, 5), 0.9)  # slower warm pushes do not move the fastest
-    assert role.warm_s == 0.5 and role.fresh_slow
+    role._push_timed(2, "r1", (1, 2), 5.0)  # stacked behind a first push: times nothing
+    assert cp.warm_s is None and role.first_push[2] == (1, 1)
+    role._push_timed(1, "r1", (1, 3), 0.6)  # a used connection: 2.5x, under the factor (3)
+    assert cp.warm_s == 0.6 and not cp.slow and role._stay_used(used, "r1") is None
+    role._push_timed(1, "r1", (1, 4), 0.5)  # the fastest warm push: 3x
+    assert cp.warm_s == 0.5 and cp.slow and role._stay_used(used, "r1") is used
+    assert logs[-1] == ("fresh_connections_slow", {"region": "r1", "cold_s": 1.5, "warm_s": 0.5})
+    assert role._stay_used(set(), "r1") is None and role._stay_used(None, "r1") is None
+    assert role._stay_used(used, "r2") is None  # another region: measured apart
+    role._push_timed(1, "r1", (1, 5), 0.9)  # slower warm pushes do not move the fastest
+    assert cp.warm_s == 0.5 and cp.slow
     role.first_push[4] = (2, 0)
-    role._push_timed(4, (2, 0), 0.2)  # fresh connections got fast: EWMA 1.11
-    assert abs(role.cold_s - 1.11) < 1e-9 and not role.fresh_slow
+    role._push_timed(4, "r1", (2, 0), 0.2)  # fresh connections got fast: EWMA 1.11
+    assert abs(cp.cold_s - 1.11) < 1e-9 and not cp.slow
     assert logs[-1][0] == "fresh_connections_ok"
     role.cfg = dataclasses.replace(role.cfg, cold_path_factor=0.0)  # off
     role.first_push[4] = (2, 1)
-    role._push_timed(4, (2, 1), 50.0)
-    assert not role.fresh_slow and role._stay_used(used) is None
+    role._push_timed(4, "r1", (2, 1), 50.0)
+    assert not cp.slow and role._stay_used(used, "r1") is None
+
+
+def test_a_fast_push_in_one_region_does_not_open_the_gate_for_another() -> None:
+    """Round 20's gate mixed regions: on the emulated WAN a push inside the origin's own
+    region (a LAN, 0.12 s) against first pushes across the thin site uplink (0.66 s)
+    read as slow start. Per region, each path is judged against itself."""
+    o = _core("origin", "home", role="origin", border_nodes=4, border_inflight=2)
+    role = o.role
+    role.first_push[1] = (1, 0)
+    role._push_timed(1, "r1", (1, 0), 0.66)  # a first push across the uplink
+    role._push_timed(2, "home", (1, 1), 0.12)  # a used connection in the origin's region
+    role._push_timed(1, "r1", (1, 2), 0.6)  # a used connection into r1: 1.1x
+    assert not role.cold_paths["r1"].slow and not role.cold_paths["home"].slow
+    assert role._stay_used({1}, "r1") is None and role._used_depth("r1") == 2
+    role.first_push[3] = (1, 3)
+    role._push_timed(3, "r2", (1, 3), 1.2)  # r2 is far: slow start is 5x there
+    role._push_timed(3, "r2", (1, 4), 0.24)
+    assert role.cold_paths["r2"].slow and role._stay_used({3}, "r2") == {3}
+    assert role._used_depth("r2") == 4 and role._used_depth("r1") == 2
 
 
 def test_the_warm_push_time_is_the_fastest_of_a_window_of_recent_pushes() -> None:
     """``warm_s`` forgets a fast push after ``WARM_PUSHES`` later ones: a path that got
     slower (congestion, a reroute) closes the gate instead of keeping it open forever."""
-    from swarm.protocol.seeding import WARM_PUSHES
-
     o = _core("origin", "home", role="origin", border_nodes=4, border_inflight=2)
     role = o.role
-    role.cold_s = 1.5
-    role._push_timed(1, (1, 0), 0.1)
-    assert role.warm_s == 0.1 and role.fresh_slow
+    role.first_push[1] = (1, 0)
+    role._push_timed(1, "r1", (1, 0), 1.5)
+    cp = role.cold_paths["r1"]
+    role._push_timed(1, "r1", (1, 1), 0.1)
+    assert cp.warm_s == 0.1 and cp.slow
     for k in range(WARM_PUSHES - 1):
-        role._push_timed(1, (1, k + 1), 0.6)
-    assert role.warm_s == 0.1 and role.fresh_slow  # still in the window
-    role._push_timed(1, (1, WARM_PUSHES), 0.6)
-    assert role.warm_s == 0.6 and not role.fresh_slow  # 2.5x: the gate shuts
+        role._push_timed(1, "r1", (1, k + 2), 0.6)
+    assert cp.warm_s == 0.1 and cp.slow  # still in the window
+    role._push_timed(1, "r1", (1, WARM_PUSHES + 1), 0.6)
+    assert cp.warm_s == 0.6 and not cp.slow  # 2.5x: the gate shuts
 
 
 def test_used_borders_take_more_in_flight_where_fresh_connections_are_slow() -> None:
@@ -681,20 +705,23 @@ def test_used_borders_take_more_in_flight_where_fresh_connections_are_slow() -> 
         Script(o, k + 1, node_id=f"a{k}", region="r1").handshake()
     role = o.role
     peers = [o.peers[k + 1] for k in range(4)]
-    assert role._used_depth() == 2  # nothing measured: border_inflight
-    role.cold_s, role.warm_s = 1.2, 0.25
-    assert role._used_depth() == 2  # measured, but the gate is shut
-    role.fresh_slow = True
-    assert role._used_depth() == 3  # 4.8x: three in flight land before a fresh one would
+    assert role._used_depth("r1") == 2  # nothing measured: border_inflight
+    cp = role.cold_paths["r1"] = ColdPath()
+    cp.cold_s, cp.warm_s = 1.2, 0.25
+    assert role._used_depth("r1") == 2  # measured, but the gate is shut
+    cp.slow = True
+    assert role._used_depth("r1") == 3  # 4.8x: three in flight land before a fresh one would
     load = {1: 2, 3: 2}
-    assert role._target(peers, load, warm=1, used={3}).conn == 3  # a third on used a2
-    assert role._target(peers, {1: 2, 3: 3}, warm=1, used={3}).conn == 2  # full: fresh
-    assert role._target(peers, load, warm=1).conn == 2  # no used set: border_inflight
-    assert role._target(peers, {1: 3}, warm=1, used={1}).conn == 2  # warm a0 counts as used: full at 3
-    role.warm_s = 0.01
-    assert role._used_depth() == 8  # 120x, capped at 4 x border_inflight
-    role.warm_s = 0.6
-    assert role._used_depth() == 2  # 2x: never under border_inflight
+    d = role._used_depth("r1")
+    assert role._target(peers, load, warm=1, used={3}, depth=d).conn == 3  # a third on used a2
+    assert role._target(peers, {1: 2, 3: 3}, warm=1, used={3}, depth=d).conn == 2  # full: fresh
+    assert role._target(peers, load, warm=1, depth=d).conn == 2  # no used set: border_inflight
+    assert role._target(peers, {1: 3}, warm=1, used={1}, depth=d).conn == 2  # warm a0 counts as used: full at 3
+    assert role._target(peers, load, warm=1, used={3}).conn == 2  # no depth given: border_inflight
+    cp.warm_s = 0.01
+    assert role._used_depth("r1") == 8  # 120x, capped at 4 x border_inflight
+    cp.warm_s = 0.6
+    assert role._used_depth("r1") == 2  # 2x: never under border_inflight
 
 
 def test_relay_targets_are_remembered_per_border_and_forgotten_with_it() -> None:
@@ -998,21 +1025,22 @@ def test_after_start_up_a_push_goes_to_an_idle_border_already_pushed_to() -> Non
     peers = [o.peers[k + 1] for k in range(3)]
     role.pushed_to.update({1, 2})
     assert role.window.startup
-    assert role._push_target(peers, {1: 1}, 1).conn == 1  # start-up: behind the first
+    assert role._push_target(peers, {1: 1}, 1, "r1").conn == 1  # start-up: behind the first
     role.window.startup = False  # as if the window's start-up had ended
-    assert role._push_target(peers, {1: 1}, 1).conn == 2
-    assert role._push_target(peers, {}, 1).conn == 1  # the warm border while it idles
-    assert role._push_target(peers, {1: 1, 2: 1}, 1).conn == 1  # none idle: stack, not a2
+    assert role._push_target(peers, {1: 1}, 1, "r1").conn == 2
+    assert role._push_target(peers, {}, 1, "r1").conn == 1  # the warm border while it idles
+    assert role._push_target(peers, {1: 1, 2: 1}, 1, "r1").conn == 1  # none idle: stack, not a2
     # the warm border full: the least loaded, as in start-up (``_target``) ...
-    assert role._push_target(peers, {1: 2, 2: 1}, 1).conn == 3
+    assert role._push_target(peers, {1: 2, 2: 1}, 1, "r1").conn == 3
     # ... but where a fresh connection was measured slow (``_stay_used``), the least
     # loaded border already pushed to before a cold one
-    role.fresh_slow = True
-    assert role._push_target(peers, {1: 2, 2: 1}, 1).conn == 2
-    assert role._push_target(peers, {1: 2, 2: 2}, 1).conn == 3  # those full: a cold one
-    role.fresh_slow = False
+    role.cold_paths["r1"] = ColdPath()
+    role.cold_paths["r1"].slow = True
+    assert role._push_target(peers, {1: 2, 2: 1}, 1, "r1").conn == 2
+    assert role._push_target(peers, {1: 2, 2: 2}, 1, "r1").conn == 3  # those full: a cold one
+    role.cold_paths["r1"].slow = False
     role.pushed_to.discard(2)
-    assert role._push_target(peers, {1: 1}, 1).conn == 1
+    assert role._push_target(peers, {1: 1}, 1, "r1").conn == 1
     role.pushed_to.add(2)
     role.cfg = dataclasses.replace(role.cfg, spread_pushes=False)  # the shipped default
-    assert role._push_target(peers, {1: 1}, 1).conn == 1
+    assert role._push_target(peers, {1: 1}, 1, "r1").conn == 1

@@ -32,6 +32,7 @@ import enum
 from collections import deque
 
 from swarm.protocol import wire
+from swarm.protocol.coldpath import ColdPath
 from swarm.protocol.fleet import FleetEntry, FleetTable
 from swarm.protocol.peer import Peer
 from swarm.protocol.picker import iter_bits, lowest, popcount
@@ -43,10 +44,6 @@ ORIGIN_SRC = -1
 # from the first relay (a cold one against a first push) the emulated WAN's first versions
 # most likely lost a path and sent a sixth of a copy more through the thin uplink
 MIN_PATH_SAMPLES = 3
-# warm pushes whose fastest is ``warm_s`` (``_push_timed``): about a version's worth of
-# pushes into a few regions, so the minimum survives a version's start (whose first pushes
-# queue) and still forgets a path that got slower
-WARM_PUSHES = 64
 
 
 class SeedMode(enum.Enum):
@@ -108,16 +105,14 @@ class OriginRole(Role):
         self.path_s: dict[tuple[str, str], float] = {}
         self.path_n: dict[tuple[str, str], int] = {}  # relays measured on each path
         # measured delivery time of a first push on a border connection (one that had
-        # carried no chunk of ours: TCP's window still at its start; EWMA), and the push
-        # each such connection is on: an unmeasured relay is guessed this slow
-        # (``_direct_faster``)
+        # carried no chunk of ours: TCP's window still at its start; EWMA, all regions),
+        # and the push each such connection is on: an unmeasured relay is guessed this
+        # slow (``_direct_faster``)
         self.cold_s: float | None = None
-        # ... and the fastest of the last WARM_PUSHES pushes on a connection that had
-        # carried one (a window: a path that got slower is seen as slower); whether the
-        # first is cold_path_factor x the second (``_push_timed``, ``_stay_used``)
-        self.warm_s: float | None = None
-        self.warm_recent: deque[float] = deque(maxlen=WARM_PUSHES)
-        self.fresh_slow = False
+        # per region: first pushes against the fastest recent pushes over used
+        # connections, and whether the first are cold_path_factor x the second
+        # (``_push_timed``, ``_stay_used``, ``_used_depth``)
+        self.cold_paths: dict[str, ColdPath] = {}
         self.first_push: dict[int, tuple[int, int]] = {}  # border conn -> (version, index)
         self.pushed_to: set[int] = set()  # border conns that carried a push of ours
         self.uplink_pushes = 0  # pushes into remote regions not yet confirmed by a HAVE
@@ -395,7 +390,7 @@ class OriginRole(Role):
                         if s is not None:
                             self._path_sample((s.region, p.region), now - t0)
                         if src == ORIGIN_SRC:
-                            self._push_timed(p.conn, (v, i), now - t0)
+                            self._push_timed(p.conn, p.region, (v, i), now - t0)
                     if src != ORIGIN_SRC:
                         plan.relayed_at = now
                     self._drop_inflight(plan, i)
@@ -848,11 +843,11 @@ class OriginRole(Role):
 
     def _target(self, bs: list[Peer], load: dict[int, int],
                 allowed: set[str] | None = None, warm: int | None = None,
-                used: set[int] | None = None) -> Peer | None:
+                used: set[int] | None = None, depth: int = 0) -> Peer | None:
         """The border of ``bs`` with a free inbound slot to send to: ``warm`` (the
         connection the sender used last into this region) if it has one, else the least
-        loaded of those the sender has sent a chunk to before (``used``, up to
-        ``_used_depth`` each), else the least loaded. A connection that has carried
+        loaded of those the sender has sent a chunk to before (``used``, up to ``depth``
+        each: ``_used_depth``), else the least loaded. A connection that has carried
         chunks has its TCP window open, and BBR (what nodes ask for) keeps it across
         idle; a new one starts from the initial window: at 150 ms a 4 MiB chunk takes
         ~1.2 s over it against ~0.1 s over a warm one (`lossy-long-bbr`,
@@ -861,7 +856,7 @@ class OriginRole(Role):
         pays there."""
         best = best_used = None
         best_n = self.cfg.border_inflight
-        best_used_n = self._used_depth() if used else 0
+        best_used_n = max(depth, self.cfg.border_inflight) if used else 0
         for b in bs:
             if allowed is not None and b.node_id not in allowed:
                 continue
@@ -876,51 +871,54 @@ class OriginRole(Role):
                 best_used_n = n
         return best_used if best_used is not None else best
 
-    def _push_timed(self, conn: int, chunk: tuple[int, int], dt: float) -> None:
-        """A full push over border connection ``conn`` took ``dt`` from order to HAVE:
-        the first on that connection updates ``cold_s``, a later one ``warm_s`` (a second
-        push stacked behind the first is neither: it waited for the first's slow start)."""
+    def _push_timed(self, conn: int, region: str, chunk: tuple[int, int], dt: float) -> None:
+        """A full push over border connection ``conn`` into ``region`` took ``dt`` from
+        order to HAVE: the first on that connection updates ``cold_s`` and the region's
+        cold figure, a later one the region's warm one (a second push stacked behind the
+        first is neither: it waited for the first's slow start)."""
+        cp = self.cold_paths.get(region)
+        if cp is None:
+            cp = self.cold_paths[region] = ColdPath()
         if self.first_push.get(conn) == chunk:
             del self.first_push[conn]
             c = self.cold_s
             self.cold_s = dt if c is None else 0.7 * c + 0.3 * dt
+            cp.cold(dt)
         elif conn not in self.first_push:
-            self.warm_recent.append(dt)
-            self.warm_s = min(self.warm_recent)
+            cp.warm(dt)
         else:
             return
-        f = self.cfg.cold_path_factor
-        slow = (f > 0 and self.cold_s is not None and self.warm_s is not None
-                and self.cold_s >= f * self.warm_s)
-        if slow != self.fresh_slow:
-            self.fresh_slow = slow
-            self.host.log("info", "fresh_connections_slow" if slow else "fresh_connections_ok",
-                          cold_s=round(self.cold_s or 0.0, 3), warm_s=round(self.warm_s or 0.0, 3))
+        if cp.judge(self.cfg.cold_path_factor):
+            self.host.log("info", "fresh_connections_slow" if cp.slow else "fresh_connections_ok",
+                          region=region, cold_s=round(cp.cold_s or 0.0, 3),
+                          warm_s=round(cp.warm_s or 0.0, 3))
 
-    def _used_depth(self) -> int:
-        """Transfers a used border may hold at once (``_target``): ``border_inflight``,
-        or, where a fresh connection is measured slow, as many as still land before a
-        chunk over a fresh one would (``cold_s`` / ``warm_s`` - 1, at most 4 x
-        ``border_inflight``): a chunk stacked n deep on a warm connection lands after
-        about (n + 1) x ``warm_s``. (`lossy-long-bbr`: versions 1-4 -4 / -36 / +8 / +2 %
-        against staying at ``border_inflight``; docs/simulation.md round 20.)"""
-        bi = self.cfg.border_inflight
-        if not self.fresh_slow or not self.cold_s or not self.warm_s:
-            return bi
-        return max(bi, min(4 * bi, int(self.cold_s / self.warm_s) - 1))
+    def _used_depth(self, region: str) -> int:
+        """Transfers a used border of ``region`` may hold at once (``_target``):
+        ``border_inflight``, or, where a fresh connection into it is measured slow, as
+        many as still land before a chunk over a fresh one would (``ColdPath.depth``).
+        (`lossy-long-bbr`: versions 1-4 -4 / -36 / +8 / +2 % against staying at
+        ``border_inflight``; docs/simulation.md round 20.)"""
+        cp = self.cold_paths.get(region)
+        return self.cfg.border_inflight if cp is None else cp.depth(self.cfg.border_inflight)
 
-    def _stay_used(self, used: set[int] | None) -> set[int] | None:
+    def _stay_used(self, used: set[int] | None, region: str) -> set[int] | None:
         """``used`` (connections the sender has sent chunks on) where a fresh connection
-        is measured to cost more than queueing on a used one, else None: ``_target`` then
-        takes the least loaded border. The measure (``_push_timed``): first pushes over
-        fresh border connections (``cold_s``, EWMA) took ``cold_path_factor`` x the fastest
-        push over a used one or more. On a long round trip slow start makes a fresh
-        connection slow (150 ms: ~1.2 s for 4 MiB against ~0.1 s warm); where it costs
-        little (a short fat path, a network without slow start) staying would only pile
-        transfers onto the first borders used (docs/simulation.md round 20)."""
-        return used if used and self.fresh_slow else None
+        into ``region`` is measured to cost more than queueing on a used one, else None:
+        ``_target`` then takes the least loaded border. The measure (``_push_timed``,
+        per region): first pushes over fresh border connections into it took
+        ``cold_path_factor`` x the fastest push over a used one or more. On a long round
+        trip slow start makes a fresh connection slow (150 ms: ~1.2 s for 4 MiB against
+        ~0.1 s warm); where it costs little (a short fat path, a network without slow
+        start) staying would only pile transfers onto the first borders used
+        (docs/simulation.md round 20). Per region: the origin's own region is a LAN, and
+        a push there against first pushes across a thin uplink is bandwidth, not slow
+        start (round 21)."""
+        cp = self.cold_paths.get(region)
+        return used if used and cp is not None and cp.slow else None
 
-    def _push_target(self, bs: list[Peer], load: dict[int, int], warm: int | None) -> Peer | None:
+    def _push_target(self, bs: list[Peer], load: dict[int, int], warm: int | None,
+                     region: str) -> Peer | None:
         """The border of ``bs`` a push goes to: ``_target`` (the warm connection, stacked
         up to ``border_inflight``), except with ``spread_pushes`` (off by default: on a
         thin uplink the window's probe then becomes a parallel flow, docs/simulation.md
@@ -936,14 +934,16 @@ class OriginRole(Role):
         this (its connection would start from slow start). Start-up keeps stacking: its
         doubled rounds on a thin uplink would otherwise put every push on the wire at once."""
         if self.window.startup or not self.cfg.spread_pushes:
-            return self._target(bs, load, warm=warm, used=self._stay_used(self.pushed_to))
+            return self._target(bs, load, warm=warm, used=self._stay_used(self.pushed_to, region),
+                            depth=self._used_depth(region))
         for b in bs:
             if b.conn == warm and not load.get(b.conn, 0):
                 return b
         for b in bs:
             if b.conn in self.pushed_to and not load.get(b.conn, 0):
                 return b
-        return self._target(bs, load, warm=warm, used=self._stay_used(self.pushed_to))
+        return self._target(bs, load, warm=warm, used=self._stay_used(self.pushed_to, region),
+                            depth=self._used_depth(region))
 
     def _relay_one(self, v: int, r: str, bs: list[Peer], plan: RegionPlan, load: dict[int, int],
                    missing: int, now: float, union: int, home_ok: bool,
@@ -980,7 +980,8 @@ class OriginRole(Role):
                 if not cand:
                     continue
                 t = self._target(bs, load, b.links, self.warm.get((b.conn, r)),
-                                 self._stay_used(self.relayed_to.get(b.conn)))
+                                 self._stay_used(self.relayed_to.get(b.conn), r),
+                                 self._used_depth(r))
                 if t is None:
                     continue
                 self.warm[(b.conn, r)] = t.conn
@@ -1036,7 +1037,7 @@ class OriginRole(Role):
             return -1
         if plan.remote and (not self._uplink_free(r, plan) or self._push_capped(r)):
             return -1
-        t = self._push_target(bs, load, self.warm.get((ORIGIN_SRC, r)))
+        t = self._push_target(bs, load, self.warm.get((ORIGIN_SRC, r)), r)
         if t is None:
             return -1
         self.warm[(ORIGIN_SRC, r)] = t.conn
