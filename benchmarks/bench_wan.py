@@ -284,6 +284,8 @@ def _fleet(lab: Any, args: argparse.Namespace, workdir: Path) -> Any:
     network = {} if args.unsent_limit_kib is None else {"unsent_limit_kib": args.unsent_limit_kib}
     if args.congestion is not None:
         network["congestion_control"] = args.congestion
+    if args.read_coalesce_ms is not None:
+        network["read_coalesce_ms"] = args.read_coalesce_ms
     node = {"warm_memory_mib": args.warm_mib}
     fleet = LoopbackFleet(lab.regions, lab.hosts_per_region, chunk_size=args.chunk_size,
                           lab=lab, tls=args.tls, workdir=workdir, swarm=knobs, network=network,
@@ -690,7 +692,7 @@ def inner(args: argparse.Namespace) -> int:
         "swarm_knobs": args.swarm or [], "host_sysctls": dict(args.sysctl),
         "warm_memory_mib": args.warm_mib, "loss": args.loss, "versions": args.versions,
         "congestion_control": args.congestion if args.congestion is not None else "bbr",
-        "cpus": os.cpu_count(), "runs": []}
+        "read_coalesce_ms": args.read_coalesce_ms, "cpus": os.cpu_count(), "runs": []}
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     for k in range(args.runs):
         for system in systems:
@@ -957,6 +959,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="[network] unsent_limit_kib of the trainer and every node: unsent "
                          "bytes the kernel may hold per peer socket (0: the kernel's default; "
                          "default: the shipped value)")
+    ap.add_argument("--read-coalesce-ms", type=float, default=None, metavar="MS",
+                    help="[network] read_coalesce_ms of the trainer and every node: the "
+                         "longest a peer link holds its socket to read a batch (2: round 12's "
+                         "fixed hold; default: the shipped value)")
     ap.add_argument("--versions", type=int, default=1, metavar="N",
                     help="patchswarm: the long-running origin publishes N dense versions in a "
                          "row per run (RL's steady state: it keeps what it measured); the "

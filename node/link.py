@@ -8,12 +8,13 @@ keeps aiohttp). Two reasons, both measured (docs/benchmarks.md, "round 12"):
   loop: a read, a TLS read attempt that fails until its record is whole, and the
   Python around them. A receiver spent 21-22 CPU-s per GB at 100 Mbit, ~3x what the
   same bytes cost at 1 Gbit (``benchmarks/bench_link_rx.py``). After a read that drained the
-  socket and was not large, a link stops reading for ``read_coalesce_s`` (2 ms): the
-  kernel gathers the segments meanwhile and the next read takes them at once (with
-  TLS the socket itself is paused: the TLS layer's read limit drops to one byte while
-  the link holds). The first read after a quiet spell is handled at once: a lone
-  control frame is never held; one that arrives in the middle of a stream waits at
-  most ``read_coalesce_s``.
+  socket and was not large, a link stops reading for as long as ``READ_BATCH`` (192
+  KiB) takes to come in at the rate it has been delivering, 2 ms at least and
+  ``read_coalesce_s`` (16 ms) at most: the kernel gathers the segments meanwhile and
+  the next read takes them at once (with TLS the socket itself is paused: the TLS
+  layer's read limit drops to one byte while the link holds). The first read after a
+  quiet spell is handled at once: a lone control frame is never held; one that arrives
+  in the middle of a stream waits at most the hold.
 - **No websocket layer.** RFC 6455 makes a client mask (copy and XOR) every frame it
   sends, aiohttp reassembles every message into new bytes, and each message costs
   Python on both sides. Here a message is a 4-byte length and its bytes; a large one
@@ -47,7 +48,10 @@ PREFACE = b"PSL1"
 HEADER = struct.Struct(">I")
 CLOSE_BIT = 0x8000_0000
 MAX_REASON = 1024
-READ_COALESCE_S = 0.002  # shipped default of [network] read_coalesce_ms
+READ_COALESCE_S = 0.016  # shipped default of [network] read_coalesce_ms: the longest hold
+READ_BATCH = 192 * 1024  # bytes a hold lets gather at the link's measured rate
+FIRST_HOLD_S = 0.002  # a hold before the rate is measured (and at most at 1 Gbit/s and up)
+STREAM_GAP_S = 0.2  # holds further apart than this: a new stream, its rate unknown
 LARGE_READ = 64 * 1024  # a read this large found a backlog: read again at once
 SMALL_MESSAGE = 16 * 1024  # assembled in the scratch buffer; larger ones get their own
 SCRATCH_BYTES = 64 * 1024
@@ -118,6 +122,9 @@ class LinkProtocol(asyncio.BufferedProtocol):
         self.queued_bytes = 0
         self.held_full = False  # reading paused: the receive queue is full
         self.held_batch: asyncio.TimerHandle | None = None  # reading paused to gather a batch
+        self.rx_bytes = 0  # bytes read since the last hold began
+        self.hold_at: float | None = None  # when the last hold began
+        self.rx_rate: float | None = None  # bytes/s the link delivers while streaming (EWMA)
         self.reading = True
         self.waiter: asyncio.Future | None = None
         self.write_paused = False
@@ -163,6 +170,7 @@ class LinkProtocol(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         if self.closed:
             return
+        self.rx_bytes += nbytes
         if self.body is not None:
             self.bpos += nbytes
             if self.bpos == len(self.body):
@@ -180,8 +188,28 @@ class LinkProtocol(asyncio.BufferedProtocol):
         # socket for coalesce_s so the next read takes what gathered meanwhile at once.
         if (self.coalesce_s > 0 and nbytes < self.offered and nbytes < LARGE_READ
                 and self.held_batch is None and not self.closed):
-            self.held_batch = self.loop.call_later(self.coalesce_s, self._batch_done)
+            self.held_batch = self.loop.call_later(self._hold_s(), self._batch_done)
             self._update_reading()
+
+    def _hold_s(self) -> float:
+        """How long this hold lasts: as long as ``READ_BATCH`` bytes take to come in at
+        the rate the link has been delivering (bytes read between the starts of holds),
+        at most ``coalesce_s``. A fixed hold was either short on a thin link (2 ms at 100
+        Mbit/s: ~17 wake-ups per 256 KiB block) or, long, held a fast one back (5 ms at
+        1 Gbit/s: 62-89 MB/s against 98; ``bench_link_rx.py``, docs/benchmarks.md round 21).
+        Bounded in bytes, a hold never asks the kernel to buffer more than a 2 ms hold at
+        1 Gbit/s did (250 KB); fast links keep the 2 ms floor, 100 Mbit/s gets 16 ms."""
+        now = self.loop.time()
+        last, self.hold_at = self.hold_at, now
+        n, self.rx_bytes = self.rx_bytes, 0
+        if last is None or now - last > STREAM_GAP_S:
+            self.rx_rate = None  # a new stream: its rate is not known yet
+        elif now > last:
+            r = n / (now - last)
+            self.rx_rate = r if self.rx_rate is None else 0.5 * self.rx_rate + 0.5 * r
+        if not self.rx_rate:
+            return min(self.coalesce_s, FIRST_HOLD_S)
+        return min(self.coalesce_s, max(FIRST_HOLD_S, READ_BATCH / self.rx_rate))
 
     def _batch_done(self) -> None:
         self.held_batch = None

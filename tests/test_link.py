@@ -16,9 +16,12 @@ from hypothesis import strategies as st
 
 from node.guard import ConnectionGuard
 from node.link import (
+    FIRST_HOLD_S,
     HEADER,
     PREFACE,
+    READ_BATCH,
     SMALL_MESSAGE,
+    STREAM_GAP_S,
     Link,
     LinkClosed,
     LinkProtocol,
@@ -186,6 +189,41 @@ def test_a_small_read_that_drained_the_socket_holds_reading_for_a_batch() -> Non
         buf[:] = (_frame(b"y" * 100_000) * 2)[:len(buf)]
         p.buffer_updated(len(buf))
         assert not t.paused
+
+    asyncio.run(run())
+
+
+def test_a_hold_lasts_as_long_as_a_batch_takes_at_the_links_measured_rate() -> None:
+    """``LinkProtocol._hold_s``: 192 KiB at the rate measured between holds, 2 ms at least
+    and ``coalesce_s`` at most; a stream's first hold, and one after a quiet spell, is
+    2 ms (round 21: a fixed 2 ms woke a 100 Mbit/s receiver ~17 times per 256 KiB block,
+    a fixed 5 ms held a 1 Gbit/s one back)."""
+    async def run() -> None:
+        p = LinkProtocol(MAX, tls=True, coalesce_s=0.016)
+        clock = [100.0]
+        p.loop = type("L", (), {"time": lambda _self: clock[0]})()  # type: ignore[assignment]
+
+        def hold_after(dt: float, nbytes: int) -> float:
+            clock[0] += dt
+            p.rx_bytes += nbytes
+            return p._hold_s()
+
+        assert hold_after(0.0, 0) == FIRST_HOLD_S  # rate unknown
+        # 12.5 MB/s (100 Mbit/s): 192 KiB takes 15.7 ms
+        assert hold_after(0.02, 250_000) == pytest.approx(READ_BATCH / 12.5e6)
+        # then 125 MB/s (1 Gbit/s): the EWMA (68.75 MB/s) first, 2.9 ms ...
+        assert hold_after(0.002, 250_000) == pytest.approx(READ_BATCH / 68.75e6)
+        for _ in range(4):
+            h = hold_after(0.002, 250_000)
+        assert h == FIRST_HOLD_S  # ... then 1.6 ms, held for the 2 ms floor
+        # 2 MB/s: 98 ms, capped at coalesce_s
+        for _ in range(6):
+            h = hold_after(0.05, 100_000)
+        assert h == 0.016
+        assert hold_after(STREAM_GAP_S + 0.01, 10) == FIRST_HOLD_S  # a quiet spell: unknown
+        assert p.rx_rate is None
+        q = LinkProtocol(MAX, tls=True, coalesce_s=0.001)  # a cap under the floor wins
+        assert q._hold_s() == 0.001
 
     asyncio.run(run())
 
