@@ -9,10 +9,10 @@ a sender process in the other, over TLS 1.3, with uvloop, for each arm:
 - ``ws``: aiohttp websockets over TLS, the server receiving (the transport before
   round 12);
 - ``link``: ``node.link`` with ``read_coalesce_s = 0`` (a read per wake-up);
-- ``link-2ms``: ``node.link`` with round 12's fixed 2 ms hold (``read_coalesce_s =
-  0.002``, which the hold's 2 ms floor makes fixed);
-- ``link-batched``: ``node.link`` as shipped (``READ_COALESCE_S``: each hold as long as
-  192 KiB take at the link's measured rate, 2-16 ms; round 21).
+- ``link-batched``: ``node.link`` as shipped (``read_coalesce_s = 0.002``: the hold's
+  2 ms floor and cap, round 12's fixed hold);
+- ``link-cap16``: ``read_coalesce_s = 0.016``: each hold as long as 192 KiB take at the
+  link's measured rate, 2-16 ms (round 21).
 
 The table gives the receiver process's CPU seconds per GB (utime + stime,
 ``getrusage``), its voluntary context switches per message (how often its loop
@@ -38,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = 256 * 1024
 PORT = 9917
-ARMS = {"ws": None, "link": 0.0, "link-2ms": 0.002, "link-batched": 0.016}
+ARMS = {"ws": None, "link": 0.0, "link-batched": 0.002, "link-cap16": 0.016}
 
 
 def _usage() -> tuple[float, int]:

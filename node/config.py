@@ -118,7 +118,7 @@ class NodeConfig:
     unsent_limit_kib: int = 128
     # the longest a peer link holds its socket while data streams in, to read a batch at
     # once (0: a read per wake-up; node.link: 192 KiB at the link's rate, 2 ms at least)
-    read_coalesce_ms: float = 16.0
+    read_coalesce_ms: float = 2.0
     # TCP congestion control of peer sockets ("": the system's; node.driver.set_congestion)
     congestion_control: str = "bbr"
     gateway: GatewayConfig | None = None  # the version-pinned request gateway (None: off)
@@ -455,7 +455,7 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = Non
     upgrade = _get(net, "network", "upgrade_timeout_s", (int, float), 10.0)
     if isinstance(upgrade, bool) or not 0.1 <= upgrade <= 600:
         raise ConfigError(f"network.upgrade_timeout_s: must be a number in 0.1..600, got {upgrade!r}")
-    coalesce = _get(net, "network", "read_coalesce_ms", (int, float), 16.0)
+    coalesce = _get(net, "network", "read_coalesce_ms", (int, float), 2.0)
     if isinstance(coalesce, bool) or not 0 <= coalesce <= 50:
         raise ConfigError(f"network.read_coalesce_ms: must be a number in 0..50, got {coalesce!r}")
     congestion = _get(net, "network", "congestion_control", str, "bbr")

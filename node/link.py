@@ -10,7 +10,8 @@ keeps aiohttp). Two reasons, both measured (docs/benchmarks.md, "round 12"):
   same bytes cost at 1 Gbit (``benchmarks/bench_link_rx.py``). After a read that drained the
   socket and was not large, a link stops reading for as long as ``READ_BATCH`` (192
   KiB) takes to come in at the rate it has been delivering, 2 ms at least and
-  ``read_coalesce_s`` (16 ms) at most: the kernel gathers the segments meanwhile and
+  ``read_coalesce_s`` at most (shipped: 2 ms, so a fixed 2 ms hold; round 21 measured
+  16 ms on the emulated WAN: -10 % node CPU, +7 % time to all): the kernel gathers the segments meanwhile and
   the next read takes them at once (with TLS the socket itself is paused: the TLS
   layer's read limit drops to one byte while the link holds). The first read after a
   quiet spell is handled at once: a lone control frame is never held; one that arrives
@@ -48,7 +49,7 @@ PREFACE = b"PSL1"
 HEADER = struct.Struct(">I")
 CLOSE_BIT = 0x8000_0000
 MAX_REASON = 1024
-READ_COALESCE_S = 0.016  # shipped default of [network] read_coalesce_ms: the longest hold
+READ_COALESCE_S = 0.002  # shipped default of [network] read_coalesce_ms: the longest hold
 READ_BATCH = 192 * 1024  # bytes a hold lets gather at the link's measured rate
 FIRST_HOLD_S = 0.002  # a hold before the rate is measured (and at most at 1 Gbit/s and up)
 STREAM_GAP_S = 0.2  # holds further apart than this: a new stream, its rate unknown
@@ -198,7 +199,8 @@ class LinkProtocol(asyncio.BufferedProtocol):
         Mbit/s: ~17 wake-ups per 256 KiB block) or, long, held a fast one back (5 ms at
         1 Gbit/s: 62-89 MB/s against 98; ``bench_link_rx.py``, docs/benchmarks.md round 21).
         Bounded in bytes, a hold never asks the kernel to buffer more than a 2 ms hold at
-        1 Gbit/s did (250 KB); fast links keep the 2 ms floor, 100 Mbit/s gets 16 ms."""
+        1 Gbit/s did (250 KB): a cap above 2 ms lets a thin link batch and keeps a fast
+        one at its 2 ms floor (100 Mbit/s: 16 ms with a cap of 16)."""
         now = self.loop.time()
         last, self.hold_at = self.hold_at, now
         n, self.rx_bytes = self.rx_bytes, 0

@@ -40,7 +40,7 @@ def test_valid_config_resolves_paths_and_core_knobs(tmp_path: Path) -> None:
     assert parse_config(_doc(network={"unsent_limit_kib": 0}), tmp_path).unsent_limit_kib == 0
     assert cfg.warm_memory_mib == 256
     assert parse_config(_doc(node={"warm_memory_mib": 0}), tmp_path).warm_memory_mib == 0
-    assert cfg.read_coalesce_ms == 16.0
+    assert cfg.read_coalesce_ms == 2.0
     assert cfg.congestion_control == "bbr"
     assert parse_config(_doc(network={"congestion_control": ""}), tmp_path).congestion_control == ""
     assert parse_config(_doc(network={"read_coalesce_ms": 0}), tmp_path).read_coalesce_ms == 0
