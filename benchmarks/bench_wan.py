@@ -60,6 +60,7 @@ sys.path.insert(0, str(ROOT))
 
 from node.config import DEFAULT_WARM_MEMORY_MIB  # noqa: E402
 from node.logs import TextFormatter  # noqa: E402
+from swarm.errors import PatchswarmError  # noqa: E402
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 SYSTEMS = ("patchswarm", "oneshot", "libtorrent")
@@ -256,6 +257,42 @@ class UplinkTrace:
         return rows
 
 
+class TcpTrace:
+    """Samples every host's TCP connections (``ss -tinH`` in each host namespace: window,
+    BBR's bandwidth estimate, pacing rate, round trip, retransmissions) every ``period``
+    seconds in a thread, into a text file ``benchmarks/wan_tcp.py`` reads: a line
+    ``@ <epoch s> <namespace>`` before each namespace's sockets (``--tcp-trace``). It is
+    how round 22 found the slow relays' cause (docs/benchmarks.md); ~0.1 core while on."""
+
+    def __init__(self, lab: Any, path: Path, period: float = 0.25) -> None:
+        self.lab, self.path, self.period = lab, path, period
+        self.hosts = [lab.ns_host(r, h) for r in range(lab.regions)
+                      for h in range(lab.hosts_per_region)]
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        def loop() -> None:
+            with self.path.open("a") as f:
+                while not self._stop.is_set():
+                    t = time.time()
+                    for ns in self.hosts:
+                        try:
+                            text = self.lab._run("ss", "-tinH", "state", "established", ns=ns)
+                        except (PatchswarmError, OSError, subprocess.SubprocessError):
+                            continue  # a lost sample (LabError), not a failed run
+                        f.write(f"@ {t:.3f} {ns}\n{text}")
+                    self._stop.wait(self.period)
+
+        self._thread = threading.Thread(target=loop, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+
+
 def verify_delay(lab: Any, args: argparse.Namespace) -> dict[str, float]:
     """TCP connect round trips across regions and inside one, against the configuration."""
     cross = lab.tcp_rtt_ms(lab.ns_trainer, lab.ip_host(1, 0))
@@ -286,6 +323,8 @@ def _fleet(lab: Any, args: argparse.Namespace, workdir: Path) -> Any:
         network["congestion_control"] = args.congestion
     if args.read_coalesce_ms is not None:
         network["read_coalesce_ms"] = args.read_coalesce_ms
+    if args.congestion_restart_s is not None:
+        network["congestion_restart_s"] = args.congestion_restart_s
     node = {"warm_memory_mib": args.warm_mib}
     fleet = LoopbackFleet(lab.regions, lab.hosts_per_region, chunk_size=args.chunk_size,
                           lab=lab, tls=args.tls, workdir=workdir, swarm=knobs, network=network,
@@ -346,6 +385,7 @@ def run_patchswarm(lab: Any, args: argparse.Namespace, meter: Meter, oneshot: bo
     fleet = _fleet(lab, args, workdir)
     pub = None
     origin_log: logging.Handler | None = None
+    tcp_trace: TcpTrace | None = None
     perf = None
     try:
         with fleet:
@@ -396,6 +436,9 @@ def run_patchswarm(lab: Any, args: argparse.Namespace, meter: Meter, oneshot: bo
                     ps_log.setLevel(logging.DEBUG)
                 pub = Publisher(cfg, base=base, persist_view=False)
                 pub.start()
+                if args.tcp_trace:
+                    tcp_trace = TcpTrace(lab, workdir / "tcp-trace.txt")
+                    tcp_trace.start()
                 deadline = time.monotonic() + 60
                 while len(pub.regions()) < lab.regions and time.monotonic() < deadline:
                     time.sleep(0.2)
@@ -451,6 +494,8 @@ def run_patchswarm(lab: Any, args: argparse.Namespace, meter: Meter, oneshot: bo
         if perf is not None and perf.poll() is None:  # the run failed with perf attached
             perf.kill()
             perf.wait()
+        if tcp_trace is not None:
+            tcp_trace.stop()
         if pub is not None:
             pub.close()
         if origin_log is not None:
@@ -461,7 +506,7 @@ def run_patchswarm(lab: Any, args: argparse.Namespace, meter: Meter, oneshot: bo
         if args.keep_logs:
             dest = Path(args.keep_logs) / f"run{seed}-{'oneshot' if oneshot else 'patchswarm'}"
             dest.mkdir(parents=True, exist_ok=True)
-            for f in workdir.glob("*.log"):
+            for f in [*workdir.glob("*.log"), *workdir.glob("tcp-trace.txt")]:
                 shutil.copy(f, dest / f.name)
         shutil.rmtree(workdir, ignore_errors=True)
     if perf_shares is not None:
@@ -497,6 +542,9 @@ def _figures(fleet: Any, meter: Meter, sts: dict[str, dict[str, Any]],
                             "cpu_s": round(cpu, 2),
                             "cpu_s_per_gb": round(cpu / (recv / 1e9), 2) if recv else None,
                             "apply": (st.get("apply_split") or {}).get(str(version)),
+                            # BBR restarts on its links since the node started (cumulative)
+                            "congestion_restarts": (st.get("transport") or {}).get(
+                                "congestion_restarts"),
                             "proc": {k: io1[n.name].get(k, 0) - io0[n.name].get(k, 0)
                                      for k in io1[n.name]}}
         regions[r] = max(regions.get(r, 0.0), t_act - t0)
@@ -692,7 +740,8 @@ def inner(args: argparse.Namespace) -> int:
         "swarm_knobs": args.swarm or [], "host_sysctls": dict(args.sysctl),
         "warm_memory_mib": args.warm_mib, "loss": args.loss, "versions": args.versions,
         "congestion_control": args.congestion if args.congestion is not None else "bbr",
-        "read_coalesce_ms": args.read_coalesce_ms, "cpus": os.cpu_count(), "runs": []}
+        "read_coalesce_ms": args.read_coalesce_ms,
+        "congestion_restart_s": args.congestion_restart_s, "cpus": os.cpu_count(), "runs": []}
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     for k in range(args.runs):
         for system in systems:
@@ -959,6 +1008,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="[network] unsent_limit_kib of the trainer and every node: unsent "
                          "bytes the kernel may hold per peer socket (0: the kernel's default; "
                          "default: the shipped value)")
+    ap.add_argument("--tcp-trace", action="store_true",
+                    help="with --keep-logs: sample every host's TCP connections (ss -tin) "
+                         "4 times a second into DIR/run<k>-patchswarm/tcp-trace.txt "
+                         "(benchmarks/wan_tcp.py reads it)")
+    ap.add_argument("--congestion-restart-s", type=float, default=None, metavar="S",
+                    help="[network] congestion_restart_s of the trainer and every node: BBR "
+                         "starts over on a link whose chunk runs S seconds or starts after "
+                         "idle (0: never; default: the shipped 1.0)")
     ap.add_argument("--read-coalesce-ms", type=float, default=None, metavar="MS",
                     help="[network] read_coalesce_ms of the trainer and every node: the "
                          "longest a peer link holds its socket to read a batch (2: round 12's "
@@ -989,6 +1046,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--systems: unknown {bad}; choose from {', '.join(SYSTEMS)}")
     if args.regions < 2 or args.hosts_per_region < 2:
         ap.error("need at least 2 regions and 2 hosts per region")
+    if args.tcp_trace and not args.keep_logs:
+        ap.error("--tcp-trace writes into the kept logs: give --keep-logs DIR too")
     try:
         return inner(args) if args.inner else outer(args, argv)
     except KeyboardInterrupt:  # everything started was closed on the way out

@@ -103,6 +103,8 @@ def status_dict(driver: Driver, model: str) -> dict[str, Any]:
             "congestion_refused": driver.congestion_refused,
             # loss-based algorithm only: Linux restarts an idle link's window (None: n/a)
             "slow_start_after_idle": driver.slow_start_after_idle,
+            # BBR started over on a link ([network] congestion_restart_s, node.tcp)
+            "congestion_restarts": driver.congestion_restarts,
             "connections": driver.guard.stats.open,
             "refused": driver.guard.stats.refused,
             "timed_out": driver.guard.stats.timed_out,
@@ -332,7 +334,10 @@ class _Collector:
                 ("patchswarm_connections_timed_out", "timed_out",
                  "Connections cut off before their link preface"),
                 ("patchswarm_local_store_faults", "local_faults",
-                 "Chunks not kept for a local reason (disk full, ...)")):
+                 "Chunks not kept for a local reason (disk full, ...)"),
+                ("patchswarm_congestion_restarts", "congestion_restarts",
+                 "Times BBR was started over on a peer link whose chunk started after idle "
+                 "or ran long ([network] congestion_restart_s)")):
             c = CounterMetricFamily(name, help_text, labels=labels)
             c.add_metric(who, float(tr[key]))
             yield c

@@ -45,7 +45,7 @@ _SECTIONS = {
     "network": {"listen", "advertise", "bootstrap", "swarm_secret", "swarm_secret_file",
                 "max_connections", "max_connections_per_ip", "upgrade_timeout_s",
                 "allow_plaintext", "unsent_limit_kib", "read_coalesce_ms",
-                "congestion_control"},
+                "congestion_control", "congestion_restart_s"},
     "trust": {"trainer_keys", "node_key"},
     "store": {"dir", "quota_bytes", "keep_versions", "fsync"},
     "weights": {"base", "base_version", "device"},
@@ -121,6 +121,9 @@ class NodeConfig:
     read_coalesce_ms: float = 2.0
     # TCP congestion control of peer sockets ("": the system's; node.driver.set_congestion)
     congestion_control: str = "bbr"
+    # BBR started over on a link whose chunk runs this long, or starts after idle (0: never;
+    # node.tcp.CongestionRestart)
+    congestion_restart_s: float = 1.0
     gateway: GatewayConfig | None = None  # the version-pinned request gateway (None: off)
     warm_memory_mib: int = DEFAULT_WARM_MEMORY_MIB  # heap touched once at start (node.daemon.warm_heap)
 
@@ -462,6 +465,10 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = Non
     if not re.fullmatch(r"[a-z0-9_]{0,15}", congestion):
         raise ConfigError("network.congestion_control: a Linux congestion control name "
                           f"(bbr, cubic, ...: [a-z0-9_], at most 15) or \"\", got {congestion!r}")
+    restart = _get(net, "network", "congestion_restart_s", (int, float), 1.0)
+    if isinstance(restart, bool) or not (restart == 0 or 0.05 <= restart <= 60):
+        raise ConfigError("network.congestion_restart_s: 0 (never) or seconds in 0.05..60, "
+                          f"got {restart!r}")
     tls = _tls(data.get("tls"), base_dir, node_id, region, role)
     plaintext = _get(net, "network", "allow_plaintext", bool, False)
     if tls is None and not plaintext and not _loopback(host):
@@ -475,7 +482,8 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = Non
         raise ConfigError("gateway: only a rollout node (node.role = \"node\") serves requests")
     cfg = NodeConfig(
         tls=tls, api_listen=api_listen, api_token=api_token, upgrade_timeout_s=float(upgrade),
-        read_coalesce_ms=float(coalesce), congestion_control=congestion, gateway=gateway,
+        read_coalesce_ms=float(coalesce), congestion_control=congestion,
+        congestion_restart_s=float(restart), gateway=gateway,
         warm_memory_mib=warm,
         **conn_caps,
         node_id=node_id, region=region, model=model, role=role, listen_host=host,

@@ -151,6 +151,7 @@ def build_node(cfg: NodeConfig, *, weights: InProcessWeights | None = None,
                     unsent_limit=cfg.unsent_limit_kib * 1024,
                     read_coalesce_s=cfg.read_coalesce_ms / 1000,
                     congestion=cfg.congestion_control,
+                    congestion_restart_s=cfg.congestion_restart_s,
                     guard=ConnectionGuard(max_total=cfg.max_connections,
                                           max_per_ip=cfg.max_connections_per_ip,
                                           upgrade_timeout_s=cfg.upgrade_timeout_s))

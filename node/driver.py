@@ -45,7 +45,6 @@ import contextlib
 import itertools
 import logging
 import os
-import socket
 import ssl
 import sys
 import threading
@@ -67,6 +66,18 @@ from node.guard import ConnectionGuard
 from node.link import READ_COALESCE_S, Link, LinkServer, Placed, dial
 from node.ports import StorePort, TrustPort
 from node.store import aligned_buffer
+from node.tcp import (
+    CONGESTION_CONTROL,
+    CONGESTION_RESTART_S,
+    UNSENT_LIMIT,
+    CongestionRestart,
+    congestion_of,
+    keeps_window_across_idle,
+    limit_unsent,
+    restart_congestion,
+    set_congestion,
+    slow_start_after_idle,
+)
 from swarm.errors import ChunkError, PatchswarmError, ProtocolError, StoreError
 from swarm.protocol import events as ev
 from swarm.protocol import wire
@@ -80,13 +91,6 @@ MAX_LINK_MESSAGE = wire.CHUNK_HEADER_LEN + wire.MAX_CHUNK_BYTES
 SEND_QUEUE_LIMIT = 4096  # frames queued per peer before it is dropped as too slow
 CONNECT_TIMEOUT_S = 5.0
 AHEAD_GRACE_TRIES = 3  # probes an engine ahead of a restarted node is given before a rebuild
-# Unsent bytes the kernel may hold per peer socket by default (``[network]
-# unsent_limit_kib``; TCP_NOTSENT_LOWAT, Linux and macOS): the rest waits in our own send
-# queue, where a control frame (RELAY order, HAVE, heartbeat) overtakes chunk blocks.
-# Without it the kernel queues as much as its autotuned send buffer allows, up to ~1 s of
-# a shared 100 Mbit uplink, and on the emulated WAN a RELAY order reached its border
-# 0.25-1 s late, queued behind the origin's push to that border (docs/benchmarks.md).
-UNSENT_LIMIT = 128 * 1024
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
            "error": logging.ERROR}
 
@@ -176,6 +180,8 @@ class Conn:
     heard_at: float = 0.0  # last Progress fed to the core (rate-limited)
     writer: asyncio.Task | None = None
     closing: bool = False
+    sock: Any = None  # the TCP socket under the link (options, BBR restarts), if known
+    restart: CongestionRestart = field(default_factory=CongestionRestart)
 
     def queued(self) -> int:
         return len(self.ctrl) + len(self.data)
@@ -186,78 +192,6 @@ PRESTAGE_NICE = 10  # niceness of the prestage thread (Linux: per thread)
 # apply waits: the apply waits for one slice's decode at most, which on a loaded host (the
 # thread is niced) can be much longer than on an idle one
 PRESTAGE_SLICE = 1 << 20
-
-
-def limit_unsent(sock: Any, limit: int) -> bool:
-    """Bound the unsent bytes the kernel holds for a peer socket to ``limit`` (0: leave
-    the kernel's default); False where the platform has no ``TCP_NOTSENT_LOWAT``."""
-    opt = getattr(socket, "TCP_NOTSENT_LOWAT", None)
-    if sock is None or opt is None or limit <= 0:
-        return False
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, opt, limit)
-    except OSError:
-        return False
-    return True
-
-
-# TCP congestion control asked for on every peer socket (``[network] congestion_control``).
-# A loss-based algorithm (CUBIC, Reno: most distributions' default) caps one flow near
-# MSS / RTT x 1.22 / sqrt(loss), 3-6 Mbit/s at 150 ms and 0.1 % loss, however fat the path;
-# BBR paces at the measured bottleneck rate and does not back off on random loss
-# (docs/benchmarks.md, "Long lossy links").
-CONGESTION_CONTROL = "bbr"
-
-
-def set_congestion(sock: Any, name: str) -> str | None:
-    """Use TCP congestion control ``name`` on a peer socket (Linux ``TCP_CONGESTION``;
-    ``""`` leaves the system's). Returns why the kernel refused it (the socket then keeps
-    the system's algorithm), else None."""
-    if not name or sock is None:
-        return None
-    opt = getattr(socket, "TCP_CONGESTION", None)
-    if opt is None:
-        return "this platform has no TCP_CONGESTION"
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, opt, name.encode())
-    except OSError as exc:
-        return exc.strerror or str(exc)
-    return None
-
-
-SLOW_START_AFTER_IDLE = "/proc/sys/net/ipv4/tcp_slow_start_after_idle"
-
-
-def slow_start_after_idle(path: str = SLOW_START_AFTER_IDLE) -> bool | None:
-    """Whether Linux restarts an idle connection's congestion window (this network
-    namespace's ``net.ipv4.tcp_slow_start_after_idle``); None where it cannot be read.
-    It applies to loss-based algorithms only: Linux skips it for one with its own
-    ``cong_control`` (BBR), see ``keeps_window_across_idle``."""
-    try:
-        with open(path, encoding="ascii") as f:
-            text = f.read(16).strip()
-    except (OSError, UnicodeDecodeError):
-        return None
-    return {"0": False, "1": True}.get(text)
-
-
-def keeps_window_across_idle(algorithm: str) -> bool:
-    """BBR (and its successors) has its own ``cong_control``: Linux neither restarts its
-    window after idle nor decays a window left unused (``tcp_slow_start_after_idle_check``,
-    ``tcp_cwnd_validate``); it paces the first flight after idle at its estimate."""
-    return algorithm.startswith("bbr")
-
-
-def congestion_of(sock: Any) -> str | None:
-    """The congestion control a TCP socket uses, or None where it cannot be read."""
-    opt = getattr(socket, "TCP_CONGESTION", None)
-    if sock is None or opt is None:
-        return None
-    try:
-        raw = sock.getsockopt(socket.IPPROTO_TCP, opt, 16)
-    except OSError:
-        return None
-    return raw.split(b"\0", 1)[0].decode("ascii", "replace") or None
 
 
 def lower_thread_priority() -> None:
@@ -286,11 +220,15 @@ class Driver:
                  guard: ConnectionGuard | None = None,
                  unsent_limit: int = UNSENT_LIMIT,
                  read_coalesce_s: float = READ_COALESCE_S,
-                 congestion: str = CONGESTION_CONTROL) -> None:
+                 congestion: str = CONGESTION_CONTROL,
+                 congestion_restart_s: float = CONGESTION_RESTART_S) -> None:
         self.core = core
         self.read_coalesce_s = read_coalesce_s
         self.unsent_limit = unsent_limit
         self.congestion = congestion
+        # BBR started over on a link whose chunk starts after idle or runs long (node.tcp)
+        self.congestion_restart_s = congestion_restart_s
+        self.congestion_restarts = 0
         # what the last peer socket ended up with (``/status``), and whether the kernel
         # refused ``congestion`` (logged once: every socket would say the same)
         self.congestion_in_use: str | None = None
@@ -539,7 +477,8 @@ class Driver:
                   identity: tuple[str, str, str] | None = None, sock: Any = None) -> Conn:
         limit_unsent(sock, self.unsent_limit)
         self._congestion(sock)
-        c = Conn(next(self._ids), link, outbound, addr)
+        c = Conn(next(self._ids), link, outbound, addr, sock=sock,
+                 restart=CongestionRestart(self.congestion_restart_s))
         # chunk blocks are decrypted straight into their chunk's buffer (_place)
         link.place_with(lambda header, n: self._place(c, header, n), wire.BLOCK_HEADER_LEN)
         self.conns[c.id] = c
@@ -704,6 +643,7 @@ class Driver:
                         # the chunk did not arrive whole and verified: withdraw what we sent
                         stream.watchers.remove(c)
                         sending, stream = None, None
+                        c.restart.chunk_ended(self.now())
                         # also before any block: a requester waits
                         self.wire_bytes["sent"] += await c.link.send(wire.pack_withdraw(v, i))
                         self.feed(ev.ChunkSent(self.now(), c.id, v, i, withdrawn=True))
@@ -713,6 +653,11 @@ class Driver:
                         c.wake.clear()
                         await c.wake.wait()
                         continue
+                if self.congestion_restart_s > 0:
+                    now = self.now()
+                    if (c.restart.chunk_started(now) if offset == 0
+                            else stream is None and c.restart.block(now)):
+                        self._restart_congestion(c)
                 block: bytes | memoryview = payload[offset:end]
                 if stream is not None and offset == 0 and self.faults.corrupt_chunks:
                     block = bytes([block[0] ^ 0xFF]) + bytes(block[1:])
@@ -728,6 +673,7 @@ class Driver:
                     if stream is not None:
                         stream.watchers.remove(c)
                     sending, stream = None, None
+                    c.restart.chunk_ended(self.now())
                     self._note_sent(c, v, i)
                     self.feed(ev.ChunkSent(self.now(), c.id, v, i))
         except (ConnectionError, RuntimeError):
@@ -735,6 +681,15 @@ class Driver:
         finally:
             if stream is not None and c in stream.watchers:
                 stream.watchers.remove(c)
+
+    def _restart_congestion(self, c: Conn) -> None:
+        """Start BBR over on ``c``'s socket (``node.tcp.CongestionRestart`` says when);
+        nothing where the link does not run BBR."""
+        in_use = self.congestion_in_use
+        if c.sock is None or in_use is None or not keeps_window_across_idle(in_use):
+            return
+        if restart_congestion(c.sock, in_use):
+            self.congestion_restarts += 1
 
     async def _chunk_bytes(self, v: int, i: int) -> memoryview | None:
         try:

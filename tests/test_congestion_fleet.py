@@ -5,7 +5,7 @@ loopback log one warning naming the reason, keep the system's algorithm, say so 
 from __future__ import annotations
 
 from lab.fleet import LoopbackFleet
-from node.driver import keeps_window_across_idle, slow_start_after_idle
+from node.tcp import keeps_window_across_idle, slow_start_after_idle
 
 
 def test_a_refused_congestion_control_is_reported_and_nothing_else_changes() -> None:
@@ -38,6 +38,7 @@ def test_a_loss_based_congestion_control_reports_the_restart_after_idle() -> Non
             tr = st["transport"]
             assert tr["congestion_control"] == "cubic" and not tr["congestion_refused"], tr
             assert tr["slow_start_after_idle"] is ssai, tr
+            assert tr["congestion_restarts"] == 0, tr  # BBR's start-up only: not for CUBIC
         for n in fleet.nodes:
             text = n.log.read_text(errors="replace")
             assert text.count("tcp_slow_start_after_idle=1") == (1 if ssai else 0), text[-2000:]

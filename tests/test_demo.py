@@ -93,6 +93,14 @@ def test_fleet_converges_bitwise_with_one_copy_per_region() -> None:
         carried = sum(st["relays"]["at_once"] + st["relays"]["on_arrival"]
                       + st["relays"]["cut_through"] for st in statuses.values())
         assert carried >= relayed_in and (carried > 0) == (relayed_in > 0)
+        # BBR on the peer links: a link whose chunk starts after idle starts BBR over
+        # (node.tcp.CongestionRestart); a node that sent chunks says how often
+        for st in statuses.values():
+            tr = st["transport"]
+            if tr["congestion_control"] != "bbr":
+                assert tr["congestion_restarts"] == 0, tr
+        if all(st["transport"]["congestion_control"] == "bbr" for st in statuses.values()):
+            assert sum(st["transport"]["congestion_restarts"] for st in statuses.values()) > 0
         # each node says where its apply's time went, its CPU included (/status)
         for st in statuses.values():
             split = st["apply_split"][str(pub["version"])]
@@ -110,6 +118,7 @@ def test_fleet_converges_bitwise_with_one_copy_per_region() -> None:
         assert 'patchswarm_relays_total{' in metrics and 'outcome="on_arrival"' in metrics
         # the peer sockets' TCP congestion control ([network] congestion_control)
         assert 'patchswarm_peer_congestion_control{' in metrics and 'algorithm="' in metrics
+        assert "patchswarm_congestion_restarts_total{" in metrics
         # an outsider claiming to be the trainer is cut off before any chunk is read,
         # and bans nobody: every node still takes the next version from the trainer
         for n in fleet.nodes:

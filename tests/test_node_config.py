@@ -44,6 +44,9 @@ def test_valid_config_resolves_paths_and_core_knobs(tmp_path: Path) -> None:
     assert cfg.congestion_control == "bbr"
     assert parse_config(_doc(network={"congestion_control": ""}), tmp_path).congestion_control == ""
     assert parse_config(_doc(network={"read_coalesce_ms": 0}), tmp_path).read_coalesce_ms == 0
+    assert cfg.congestion_restart_s == 1.0
+    assert parse_config(_doc(network={"congestion_restart_s": 0}),
+                        tmp_path).congestion_restart_s == 0
 
 
 @pytest.mark.parametrize(("over", "key"), [
@@ -62,6 +65,10 @@ def test_valid_config_resolves_paths_and_core_knobs(tmp_path: Path) -> None:
     ({"network": {"read_coalesce_ms": -1}}, "network.read_coalesce_ms"),
     ({"network": {"read_coalesce_ms": 51}}, "network.read_coalesce_ms"),
     ({"network": {"read_coalesce_ms": True}}, "network.read_coalesce_ms"),
+    ({"network": {"congestion_restart_s": 0.01}}, "network.congestion_restart_s"),
+    ({"network": {"congestion_restart_s": -1}}, "network.congestion_restart_s"),
+    ({"network": {"congestion_restart_s": False}}, "network.congestion_restart_s"),
+    ({"network": {"congestion_restart_s": "1"}}, "network.congestion_restart_s"),
     ({"store": {"fsync": "yes"}}, "store.fsync"),
     ({"node": {"warm_memory_mib": -1}}, "node.warm_memory_mib"),
     ({"node": {"warm_memory_mib": 4096}}, "node.warm_memory_mib"),

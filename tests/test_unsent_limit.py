@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from node.driver import UNSENT_LIMIT, congestion_of, limit_unsent, set_congestion
+from node.tcp import UNSENT_LIMIT, congestion_of, limit_unsent, set_congestion
 
 needs_opt = pytest.mark.skipif(not hasattr(socket, "TCP_NOTSENT_LOWAT"),
                                reason="no TCP_NOTSENT_LOWAT on this platform")

@@ -1,0 +1,189 @@
+"""TCP options of peer sockets: unsent-byte limit, congestion control, BBR restarts.
+
+What a node asks of the kernel for every peer link (``[network]`` in the node's
+TOML, docs/operations.md), and ``CongestionRestart``: when a link starts or keeps
+on sending a chunk, put BBR back into its start-up where its bandwidth estimate
+has gone stale (docs/benchmarks.md, "round 22").
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from typing import Any
+
+# Unsent bytes the kernel may hold per peer socket by default (``[network]
+# unsent_limit_kib``; TCP_NOTSENT_LOWAT, Linux and macOS): the rest waits in our own send
+# queue, where a control frame (RELAY order, HAVE, heartbeat) overtakes chunk blocks.
+# Without it the kernel queues as much as its autotuned send buffer allows, up to ~1 s of
+# a shared 100 Mbit uplink, and on the emulated WAN a RELAY order reached its border
+# 0.25-1 s late, queued behind the origin's push to that border (docs/benchmarks.md).
+UNSENT_LIMIT = 128 * 1024
+
+
+def limit_unsent(sock: Any, limit: int) -> bool:
+    """Bound the unsent bytes the kernel holds for a peer socket to ``limit`` (0: leave
+    the kernel's default); False where the platform has no ``TCP_NOTSENT_LOWAT``."""
+    opt = getattr(socket, "TCP_NOTSENT_LOWAT", None)
+    if sock is None or opt is None or limit <= 0:
+        return False
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, opt, limit)
+    except OSError:
+        return False
+    return True
+
+
+# TCP congestion control asked for on every peer socket (``[network] congestion_control``).
+# A loss-based algorithm (CUBIC, Reno: most distributions' default) caps one flow near
+# MSS / RTT x 1.22 / sqrt(loss), 3-6 Mbit/s at 150 ms and 0.1 % loss, however fat the path;
+# BBR paces at the measured bottleneck rate and does not back off on random loss
+# (docs/benchmarks.md, "Long lossy links").
+CONGESTION_CONTROL = "bbr"
+
+
+def set_congestion(sock: Any, name: str) -> str | None:
+    """Use TCP congestion control ``name`` on a peer socket (Linux ``TCP_CONGESTION``;
+    ``""`` leaves the system's). Returns why the kernel refused it (the socket then keeps
+    the system's algorithm), else None."""
+    if not name or sock is None:
+        return None
+    opt = getattr(socket, "TCP_CONGESTION", None)
+    if opt is None:
+        return "this platform has no TCP_CONGESTION"
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, opt, name.encode())
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
+SLOW_START_AFTER_IDLE = "/proc/sys/net/ipv4/tcp_slow_start_after_idle"
+
+
+def slow_start_after_idle(path: str = SLOW_START_AFTER_IDLE) -> bool | None:
+    """Whether Linux restarts an idle connection's congestion window (this network
+    namespace's ``net.ipv4.tcp_slow_start_after_idle``); None where it cannot be read.
+    It applies to loss-based algorithms only: Linux skips it for one with its own
+    ``cong_control`` (BBR), see ``keeps_window_across_idle``."""
+    try:
+        with open(path, encoding="ascii") as f:
+            text = f.read(16).strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return {"0": False, "1": True}.get(text)
+
+
+def keeps_window_across_idle(algorithm: str) -> bool:
+    """BBR (and its successors) has its own ``cong_control``: Linux neither restarts its
+    window after idle nor decays a window left unused (``tcp_slow_start_after_idle_check``,
+    ``tcp_cwnd_validate``); it paces the first flight after idle at its estimate."""
+    return algorithm.startswith("bbr")
+
+
+def congestion_of(sock: Any) -> str | None:
+    """The congestion control a TCP socket uses, or None where it cannot be read."""
+    opt = getattr(socket, "TCP_CONGESTION", None)
+    if sock is None or opt is None:
+        return None
+    try:
+        raw = sock.getsockopt(socket.IPPROTO_TCP, opt, 16)
+    except OSError:
+        return None
+    return raw.split(b"\0", 1)[0].decode("ascii", "replace") or None
+
+
+
+
+# ----------------------------------------------------------------- BBR restarts
+
+# BBR keeps one bottleneck-rate estimate per connection and, once out of its start-up,
+# raises it by at most a quarter per probe cycle (8 round trips). A connection that
+# began a chunk while its path was full (its start-up ended at a small share), or one
+# that had carried only control frames, keeps a low estimate after the competition is
+# gone: on the emulated WAN such relays crawled at 5-25 Mbit/s for 2-5 s through an
+# otherwise idle 100 Mbit/s inlet (TCP_INFO samples, docs/benchmarks.md round 22).
+# Linux re-initialises a socket's congestion control when it is changed (asking for
+# the one in use changes nothing), so switching to Reno (always allowed) and back
+# starts BBR over: start-up, doubling per round trip from the connection's current
+# window, the round-trip floor it measured kept.
+CONGESTION_RESTART_S = 1.0  # shipped [network] congestion_restart_s (0: never)
+RESTART_IDLE_S = 0.2  # a chunk after this long without one on the link starts afresh
+TCP_CC_INFO = 26  # linux/tcp.h; struct tcp_bbr_info for BBR
+BBR_INFO = struct.Struct("=IIIII")  # bw_lo, bw_hi (bytes/s), min_rtt (us), pacing, cwnd gain
+
+
+def restart_congestion(sock: Any, name: str) -> bool:
+    """Start congestion control ``name`` over on ``sock`` (Reno, then ``name``): False
+    where the platform or the kernel refuses (the socket keeps what it had)."""
+    opt = getattr(socket, "TCP_CONGESTION", None)
+    if sock is None or opt is None or not name or name == "reno":
+        return False
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, opt, b"reno")
+    except OSError:
+        return False
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, opt, name.encode())
+    except OSError:
+        return False  # left on Reno; set_congestion's own refusal would have said so
+    return True
+
+
+def bbr_bandwidth(sock: Any) -> float | None:
+    """BBR's bottleneck-rate estimate of ``sock`` in bytes/s (``TCP_CC_INFO``), or None
+    where the socket does not run BBR or the platform cannot say."""
+    try:
+        raw = sock.getsockopt(socket.IPPROTO_TCP, TCP_CC_INFO, BBR_INFO.size)
+    except (OSError, AttributeError):
+        return None
+    if len(raw) < BBR_INFO.size:
+        return None
+    lo, hi, _rtt, _pg, _cg = BBR_INFO.unpack(raw[:BBR_INFO.size])
+    return float((hi << 32) | lo)
+
+
+class CongestionRestart:
+    """When one link's sender restarts BBR (``restart_congestion``), by time alone.
+
+    A chunk that starts after ``idle_s`` without one on the link starts BBR afresh (a
+    link that carried only control frames, or whose last chunk shared a full path,
+    holds an estimate that says nothing of now), and so does a chunk still sending
+    ``every_s`` after its start or the last restart. A chunk that flows at its path's
+    rate ends first (4 MiB: 0.34 s at 100 Mbit/s), so on a link that keeps up nothing
+    restarts mid-chunk. ``every_s`` = 0 turns it off. Time comes in as arguments."""
+
+    __slots__ = ("every_s", "idle_s", "last_end", "last_restart", "restarts", "started")
+
+    def __init__(self, every_s: float = CONGESTION_RESTART_S,
+                 idle_s: float = RESTART_IDLE_S) -> None:
+        self.every_s, self.idle_s = every_s, idle_s
+        self.last_end: float | None = None  # when the link's last chunk was all sent
+        self.last_restart = float("-inf")
+        self.started: float | None = None  # the chunk being sent: when it began
+        self.restarts = 0
+
+    def chunk_started(self, now: float) -> bool:
+        """A chunk begins on the link: True if BBR is to start over now."""
+        self.started = now
+        if self.every_s <= 0:
+            return False
+        if self.last_end is None or now - self.last_end >= self.idle_s:
+            return self._restart(now)
+        return False
+
+    def block(self, now: float) -> bool:
+        """Before each block of the chunk: True if BBR is to start over now."""
+        if self.every_s <= 0 or self.started is None:
+            return False
+        if now - max(self.started, self.last_restart) >= self.every_s:
+            return self._restart(now)
+        return False
+
+    def chunk_ended(self, now: float) -> None:
+        self.started, self.last_end = None, now
+
+    def _restart(self, now: float) -> bool:
+        self.last_restart = now
+        self.restarts += 1
+        return True

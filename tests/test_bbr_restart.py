@@ -1,0 +1,161 @@
+"""BBR started over on a peer link (``node.tcp``): the kernel really resets the estimate
+when the algorithm is switched away and back, and ``CongestionRestart`` decides when, as a
+plain model of its rule says, over any sequence of chunk starts, blocks and ends."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from node.tcp import (
+    CongestionRestart,
+    bbr_bandwidth,
+    congestion_of,
+    restart_congestion,
+    set_congestion,
+)
+
+
+def _allowed() -> list[str]:
+    try:
+        with open("/proc/sys/net/ipv4/tcp_allowed_congestion_control") as f:
+            return f.read().split()
+    except OSError:
+        return []
+
+
+needs_bbr = pytest.mark.skipif(
+    not hasattr(socket, "TCP_CONGESTION") or "bbr" not in _allowed(),
+    reason="BBR is not allowed on this host (net.ipv4.tcp_allowed_congestion_control)")
+
+
+def _pair() -> tuple[socket.socket, socket.socket, socket.socket]:
+    srv = socket.create_server(("127.0.0.1", 0))
+    cli = socket.create_connection(srv.getsockname())
+    acc, _ = srv.accept()
+    return srv, cli, acc
+
+
+@needs_bbr
+def test_a_restart_resets_bbrs_estimate_on_a_live_connection() -> None:
+    srv, cli, acc = _pair()
+    done = threading.Event()
+
+    def drain() -> None:
+        while acc.recv(1 << 20):
+            pass
+        done.set()
+
+    t = threading.Thread(target=drain, daemon=True)
+    t.start()
+    try:
+        assert set_congestion(cli, "bbr") is None
+        block = b"\0" * (1 << 20)
+        for _ in range(64):  # 64 MiB: BBR measures loopback's rate
+            cli.sendall(block)
+        before = bbr_bandwidth(cli)
+        assert before is not None and before > 1e6, before
+        assert restart_congestion(cli, "bbr")
+        assert congestion_of(cli) == "bbr"
+        assert bbr_bandwidth(cli) == 0.0  # start-up: nothing measured yet
+        for _ in range(16):  # and the connection carries on
+            cli.sendall(block)
+        assert (bbr_bandwidth(cli) or 0.0) > 0.0
+    finally:
+        cli.close()
+        done.wait(5)
+        for s in (acc, srv):
+            s.close()
+
+
+def test_no_restart_without_a_socket_an_algorithm_or_with_reno() -> None:
+    srv, cli, acc = _pair()
+    try:
+        assert restart_congestion(None, "bbr") is False
+        assert restart_congestion(cli, "") is False
+        assert restart_congestion(cli, "reno") is False
+        cli.sendall(b"ok")
+        assert acc.recv(2) == b"ok"
+        assert bbr_bandwidth(None) is None
+    finally:
+        for s in (cli, acc, srv):
+            s.close()
+
+
+# ---- when: CongestionRestart against a plain model of its rule
+
+EVERY, IDLE = 1.0, 0.2
+steps = st.lists(st.tuples(st.sampled_from(["start", "block", "end"]),
+                           st.floats(min_value=0.0, max_value=0.7)), max_size=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(steps)
+def test_restart_decisions_match_the_rule(seq: list[tuple[str, float]]) -> None:
+    r = CongestionRestart(EVERY, IDLE)
+    now, started, last_end, last_restart, restarts = 0.0, None, None, None, 0
+    for kind, dt in seq:
+        now += dt
+        if kind == "start":
+            want = last_end is None or now - last_end >= IDLE
+            started = now
+            assert r.chunk_started(now) is want
+        elif kind == "block":
+            ref = started if last_restart is None else max(started or 0.0, last_restart)
+            want = started is not None and now - ref >= EVERY
+            assert r.block(now) is want
+        else:
+            r.chunk_ended(now)
+            started, last_end, want = None, now, False
+        if want:
+            last_restart = now
+            restarts += 1
+    assert r.restarts == restarts
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps)
+def test_within_a_chunk_restarts_are_at_least_the_period_apart(seq) -> None:
+    r = CongestionRestart(EVERY, IDLE)
+    now, last = 0.0, None
+    for kind, dt in seq:
+        now += dt
+        if kind == "start":
+            r.chunk_started(now)
+            last = None  # a new chunk may start with one
+        elif kind == "block":
+            if r.block(now):
+                assert last is None or now - last >= EVERY - 1e-9
+                last = now
+        else:
+            r.chunk_ended(now)
+
+
+def test_off_means_never() -> None:
+    r = CongestionRestart(0.0)
+    for t in range(100):
+        assert not r.chunk_started(t * 10.0)
+        assert not r.block(t * 10.0 + 5)
+        r.chunk_ended(t * 10.0 + 6)
+    assert r.restarts == 0
+
+
+def test_a_link_that_keeps_up_restarts_only_after_idle() -> None:
+    """Back-to-back chunks of 0.34 s each (4 MiB at 100 Mbit/s): one restart, at the first."""
+    r = CongestionRestart()
+    t, n = 0.0, 0
+    for _ in range(20):
+        n += r.chunk_started(t)
+        for k in range(16):
+            n += r.block(t + k * 0.34 / 16)
+        t += 0.34
+        r.chunk_ended(t)
+    assert n == 1
+    # a chunk 0.5 s after the last: restarts; a crawling one restarts every second
+    assert r.chunk_started(t + 0.5)
+    assert [r.block(t + 0.5 + x) for x in (0.5, 1.25, 1.5, 2.0, 2.3, 3.5)] == [
+        False, True, False, False, True, True]
