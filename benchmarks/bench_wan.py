@@ -60,7 +60,6 @@ sys.path.insert(0, str(ROOT))
 
 from node.config import DEFAULT_WARM_MEMORY_MIB  # noqa: E402
 from node.logs import TextFormatter  # noqa: E402
-from swarm.errors import PatchswarmError  # noqa: E402
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 SYSTEMS = ("patchswarm", "oneshot", "libtorrent")
@@ -139,6 +138,19 @@ def dense_next(prev: dict, seed: int) -> dict:
         nb = torch.where(same, (flat.float() * 2 + 1).to(torch.bfloat16), bits.view(torch.bfloat16))
         out[name] = nb.reshape(b.shape)
     return out
+
+
+# [network] knobs the bench can set on the trainer and every node: flag, key, type, metavar,
+# what it is (docs/operations.md); unset, each node keeps the shipped value
+NETWORK_KNOBS = (
+    ("--unsent-limit-kib", "unsent_limit_kib", int, "KIB",
+     "unsent bytes the kernel may hold per peer socket (0: the kernel's default)"),
+    ("--congestion-restart-s", "congestion_restart_s", float, "S",
+     "BBR starts over on a link whose chunk runs S seconds or starts after idle (0: never; "
+     "shipped 1.0)"),
+    ("--read-coalesce-ms", "read_coalesce_ms", float, "MS",
+     "the longest a peer link holds its socket to read a batch (2: round 12's fixed hold)"),
+)
 
 
 # ---------------------------------------------------------------- measurement helpers
@@ -260,9 +272,10 @@ class UplinkTrace:
 class TcpTrace:
     """Samples every host's TCP connections (``ss -tinH`` in each host namespace: window,
     BBR's bandwidth estimate, pacing rate, round trip, retransmissions) every ``period``
-    seconds in a thread, into a text file ``benchmarks/wan_tcp.py`` reads: a line
-    ``@ <epoch s> <namespace>`` before each namespace's sockets (``--tcp-trace``). It is
-    how round 22 found the slow relays' cause (docs/benchmarks.md); ~0.1 core while on."""
+    seconds in a thread (every host at once), into a text file ``benchmarks/wan_tcp.py``
+    reads: a line ``@ <epoch s> <namespace>`` before each namespace's sockets
+    (``--tcp-trace``). It is how round 22 found the slow relays' cause
+    (docs/benchmarks.md); it costs ~0.2 of a core while on, so A/Bs leave it off."""
 
     def __init__(self, lab: Any, path: Path, period: float = 0.25) -> None:
         self.lab, self.path, self.period = lab, path, period
@@ -276,13 +289,25 @@ class TcpTrace:
             with self.path.open("a") as f:
                 while not self._stop.is_set():
                     t = time.time()
+                    # all hosts at once: one after another, a sweep took ~0.6 s
+                    procs = []
                     for ns in self.hosts:
                         try:
-                            text = self.lab._run("ss", "-tinH", "state", "established", ns=ns)
-                        except (PatchswarmError, OSError, subprocess.SubprocessError):
-                            continue  # a lost sample (LabError), not a failed run
-                        f.write(f"@ {t:.3f} {ns}\n{text}")
-                    self._stop.wait(self.period)
+                            procs.append((ns, subprocess.Popen(
+                                [*self.lab.exec_prefix(ns), "ss", "-tinH", "state", "established"],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)))
+                        except OSError:
+                            continue  # a lost sample, not a failed run
+                    for ns, proc in procs:
+                        try:
+                            text, _ = proc.communicate(timeout=10)
+                        except subprocess.TimeoutExpired:
+                            proc.kill()
+                            proc.communicate()
+                            continue
+                        if proc.returncode == 0:
+                            f.write(f"@ {t:.3f} {ns}\n{text}")
+                    self._stop.wait(max(0.0, self.period - (time.time() - t)))
 
         self._thread = threading.Thread(target=loop, daemon=True)
         self._thread.start()
@@ -318,13 +343,10 @@ def _fleet(lab: Any, args: argparse.Namespace, workdir: Path) -> Any:
     for kv in args.swarm or []:
         k, _, v = kv.partition("=")
         knobs[k.strip()] = json.loads(v)
-    network = {} if args.unsent_limit_kib is None else {"unsent_limit_kib": args.unsent_limit_kib}
+    network = {key: getattr(args, key) for _f, key, *_ in NETWORK_KNOBS
+               if getattr(args, key) is not None}
     if args.congestion is not None:
         network["congestion_control"] = args.congestion
-    if args.read_coalesce_ms is not None:
-        network["read_coalesce_ms"] = args.read_coalesce_ms
-    if args.congestion_restart_s is not None:
-        network["congestion_restart_s"] = args.congestion_restart_s
     node = {"warm_memory_mib": args.warm_mib}
     fleet = LoopbackFleet(lab.regions, lab.hosts_per_region, chunk_size=args.chunk_size,
                           lab=lab, tls=args.tls, workdir=workdir, swarm=knobs, network=network,
@@ -740,8 +762,9 @@ def inner(args: argparse.Namespace) -> int:
         "swarm_knobs": args.swarm or [], "host_sysctls": dict(args.sysctl),
         "warm_memory_mib": args.warm_mib, "loss": args.loss, "versions": args.versions,
         "congestion_control": args.congestion if args.congestion is not None else "bbr",
-        "read_coalesce_ms": args.read_coalesce_ms,
-        "congestion_restart_s": args.congestion_restart_s, "cpus": os.cpu_count(), "runs": []}
+        # the [network] knobs set (None: the shipped value)
+        **{key: getattr(args, key) for _f, key, *_ in NETWORK_KNOBS},
+        "cpus": os.cpu_count(), "runs": []}
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     for k in range(args.runs):
         for system in systems:
@@ -1004,22 +1027,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="[network] congestion_control of the trainer and every node (default: "
                          "the shipped bbr; \"\" = the host's, see --sysctl "
                          "net.ipv4.tcp_congestion_control=cubic for a CUBIC-default host)")
-    ap.add_argument("--unsent-limit-kib", type=int, default=None, metavar="KIB",
-                    help="[network] unsent_limit_kib of the trainer and every node: unsent "
-                         "bytes the kernel may hold per peer socket (0: the kernel's default; "
-                         "default: the shipped value)")
     ap.add_argument("--tcp-trace", action="store_true",
                     help="with --keep-logs: sample every host's TCP connections (ss -tin) "
                          "4 times a second into DIR/run<k>-patchswarm/tcp-trace.txt "
                          "(benchmarks/wan_tcp.py reads it)")
-    ap.add_argument("--congestion-restart-s", type=float, default=None, metavar="S",
-                    help="[network] congestion_restart_s of the trainer and every node: BBR "
-                         "starts over on a link whose chunk runs S seconds or starts after "
-                         "idle (0: never; default: the shipped 1.0)")
-    ap.add_argument("--read-coalesce-ms", type=float, default=None, metavar="MS",
-                    help="[network] read_coalesce_ms of the trainer and every node: the "
-                         "longest a peer link holds its socket to read a batch (2: round 12's "
-                         "fixed hold; default: the shipped value)")
+    for flag, key, kind, metavar, what in NETWORK_KNOBS:
+        ap.add_argument(flag, type=kind, default=None, metavar=metavar,
+                        help=f"[network] {key} of the trainer and every node: {what}")
     ap.add_argument("--versions", type=int, default=1, metavar="N",
                     help="patchswarm: the long-running origin publishes N dense versions in a "
                          "row per run (RL's steady state: it keeps what it measured); the "

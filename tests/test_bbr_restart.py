@@ -18,31 +18,16 @@ from node.tcp import (
     restart_congestion,
     set_congestion,
 )
-
-
-def _allowed() -> list[str]:
-    try:
-        with open("/proc/sys/net/ipv4/tcp_allowed_congestion_control") as f:
-            return f.read().split()
-    except OSError:
-        return []
-
+from tests.tcp_pairs import allowed_congestion, tcp_pair
 
 needs_bbr = pytest.mark.skipif(
-    not hasattr(socket, "TCP_CONGESTION") or "bbr" not in _allowed(),
+    not hasattr(socket, "TCP_CONGESTION") or "bbr" not in allowed_congestion(),
     reason="BBR is not allowed on this host (net.ipv4.tcp_allowed_congestion_control)")
-
-
-def _pair() -> tuple[socket.socket, socket.socket, socket.socket]:
-    srv = socket.create_server(("127.0.0.1", 0))
-    cli = socket.create_connection(srv.getsockname())
-    acc, _ = srv.accept()
-    return srv, cli, acc
 
 
 @needs_bbr
 def test_a_restart_resets_bbrs_estimate_on_a_live_connection() -> None:
-    srv, cli, acc = _pair()
+    srv, cli, acc = tcp_pair()
     done = threading.Event()
 
     def drain() -> None:
@@ -73,7 +58,7 @@ def test_a_restart_resets_bbrs_estimate_on_a_live_connection() -> None:
 
 
 def test_no_restart_without_a_socket_an_algorithm_or_with_reno() -> None:
-    srv, cli, acc = _pair()
+    srv, cli, acc = tcp_pair()
     try:
         assert restart_congestion(None, "bbr") is False
         assert restart_congestion(cli, "") is False

@@ -9,21 +9,15 @@ import socket
 import pytest
 
 from node.tcp import UNSENT_LIMIT, congestion_of, limit_unsent, set_congestion
+from tests.tcp_pairs import allowed_congestion, tcp_pair
 
 needs_opt = pytest.mark.skipif(not hasattr(socket, "TCP_NOTSENT_LOWAT"),
                                reason="no TCP_NOTSENT_LOWAT on this platform")
 
 
-def _pair() -> tuple[socket.socket, socket.socket, socket.socket]:
-    srv = socket.create_server(("127.0.0.1", 0))
-    cli = socket.create_connection(srv.getsockname())
-    acc, _ = srv.accept()
-    return srv, cli, acc
-
-
 @needs_opt
 def test_the_limit_is_set_on_both_ends_of_a_real_connection() -> None:
-    srv, cli, acc = _pair()
+    srv, cli, acc = tcp_pair()
     try:
         before = cli.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT)
         assert limit_unsent(cli, UNSENT_LIMIT) and limit_unsent(acc, 64 * 1024)
@@ -42,7 +36,7 @@ def test_the_limit_bounds_what_the_kernel_takes_from_a_writer() -> None:
     (its autotuned send buffer, several MiB on loopback)."""
 
     def accepted(limit: int) -> int:
-        srv, cli, acc = _pair()
+        srv, cli, acc = tcp_pair()
         try:
             acc.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
             if limit:
@@ -64,7 +58,7 @@ def test_the_limit_bounds_what_the_kernel_takes_from_a_writer() -> None:
 
 
 def test_zero_or_no_socket_leaves_the_kernel_default() -> None:
-    srv, cli, acc = _pair()
+    srv, cli, acc = tcp_pair()
     try:
         assert limit_unsent(cli, 0) is False
         assert limit_unsent(None, UNSENT_LIMIT) is False
@@ -81,17 +75,9 @@ needs_cc = pytest.mark.skipif(not hasattr(socket, "TCP_CONGESTION"),
                               reason="no TCP_CONGESTION on this platform")
 
 
-def _allowed() -> list[str]:
-    try:
-        with open("/proc/sys/net/ipv4/tcp_allowed_congestion_control") as f:
-            return f.read().split()
-    except OSError:
-        return []
-
-
 @needs_cc
 def test_congestion_control_is_set_on_a_real_connection() -> None:
-    srv, cli, acc = _pair()
+    srv, cli, acc = tcp_pair()
     try:
         # reno is built into every Linux kernel and always allowed
         assert set_congestion(cli, "reno") is None and set_congestion(acc, "reno") is None
@@ -100,7 +86,7 @@ def test_congestion_control_is_set_on_a_real_connection() -> None:
         got = 0
         while got < 100_000:
             got += len(acc.recv(65536))
-        if "bbr" in _allowed():
+        if "bbr" in allowed_congestion():
             assert set_congestion(cli, "bbr") is None and congestion_of(cli) == "bbr"
     finally:
         for s in (cli, acc, srv):
@@ -109,7 +95,7 @@ def test_congestion_control_is_set_on_a_real_connection() -> None:
 
 @needs_cc
 def test_a_refused_algorithm_says_why_and_leaves_the_socket_working() -> None:
-    srv, cli, acc = _pair()
+    srv, cli, acc = tcp_pair()
     try:
         before = congestion_of(cli)
         why = set_congestion(cli, "nosuchcc")
