@@ -101,6 +101,9 @@ def main() -> None:
     ap.add_argument("--min-s", type=float, default=1.5,
                     help="transfers at least this long (default 1.5 s)")
     ap.add_argument("--origin", default="10.213.0.4", help="the origin's address (default: netlab's)")
+    ap.add_argument("--siblings", action="store_true",
+                    help="also show, per sample, the sender's other busy sockets into the same "
+                         "region (which flows shared the inlet, at what estimate)")
     ap.add_argument("--out", type=Path, default=None, help="write the transfers and samples as JSON")
     args = ap.parse_args()
     trace = args.logdir / "tcp-trace.txt"
@@ -111,16 +114,25 @@ def main() -> None:
     out = []
     for tr in slow:
         src, dst = ip_of(tr["from"], args.origin), ip_of(tr["to"], args.origin)
-        rows = [dict(s, t=round(s["t"] - base, 2)) for s in samples
+        rows = [dict(s, t=round(s["t"] - base, 2), at=s["t"]) for s in samples
                 if s["local"].rsplit(":", 1)[0] == src and s["peer"].rsplit(":", 1)[0] == dst
                 and tr["start"] - 0.5 <= s["t"] <= tr["end"] + 0.3]
         print(f"\n{tr['from']} -> {tr['to']}  chunk {tr['index']}  "
               f"{tr['start'] - base:.2f}-{tr['end'] - base:.2f} s ({tr['end'] - tr['start']:.2f} s)")
         print("     t  send_q   cwnd unacked  rtt_ms  bbr_bw  pacing  deliv  retrans  lost")
+        net = dst.rsplit(".", 1)[0] + "."
         for s in rows:
-            print(f"{s['t']:6.2f} {s['send_q']:7d} {s['cwnd'] or '-':>6} {s['unacked'] or '-':>7} "
-                  f"{s['rtt_ms'] or '-':>7} {s['bbr_bw_mbit'] or '-':>7} {s['pacing_mbit'] or '-':>7} "
-                  f"{s['delivery_mbit'] or '-':>6} {s['retrans'] or '-':>8} {s['lost'] or '-':>5}")
+            line = (f"{s['t']:6.2f} {s['send_q']:7d} {s['cwnd'] or '-':>6} {s['unacked'] or '-':>7} "
+                    f"{s['rtt_ms'] or '-':>7} {s['bbr_bw_mbit'] or '-':>7} {s['pacing_mbit'] or '-':>7} "
+                    f"{s['delivery_mbit'] or '-':>6} {s['retrans'] or '-':>8} {s['lost'] or '-':>5}")
+            if args.siblings:
+                near = [o for o in samples if o["t"] == s["at"]
+                        and o["local"].rsplit(":", 1)[0] == src and o["send_q"] > 0
+                        and o["peer"].startswith(net) and not o["peer"].startswith(dst + ":")]
+                line += "  | others: " + (", ".join(
+                    f"{wt.host_name(o['peer'], args.origin)} {o['delivery_mbit']}" for o in near)
+                    or "none")
+            print(line)
         out.append({**tr, "start": round(tr["start"] - base, 3), "end": round(tr["end"] - base, 3),
                     "samples": rows})
     if not slow:
