@@ -336,8 +336,8 @@ class _Collector:
                 ("patchswarm_local_store_faults", "local_faults",
                  "Chunks not kept for a local reason (disk full, ...)"),
                 ("patchswarm_congestion_restarts", "congestion_restarts",
-                 "Times BBR was started over on a peer link whose chunk started after idle "
-                 "or ran long ([network] congestion_restart_s)")):
+                 "Times BBR was started over on a peer link whose chunk started after idle, "
+                 "ran long or left bytes unacknowledged ([network] congestion_restart_s)")):
             c = CounterMetricFamily(name, help_text, labels=labels)
             c.add_metric(who, float(tr[key]))
             yield c

@@ -77,6 +77,7 @@ from node.tcp import (
     restart_congestion,
     set_congestion,
     slow_start_after_idle,
+    unacked_bytes,
 )
 from swarm.errors import ChunkError, PatchswarmError, ProtocolError, StoreError
 from swarm.protocol import events as ev
@@ -182,6 +183,8 @@ class Conn:
     closing: bool = False
     sock: Any = None  # the TCP socket under the link (options, BBR restarts), if known
     restart: CongestionRestart = field(default_factory=CongestionRestart)
+    restart_timer: asyncio.TimerHandle | None = None  # the next CongestionRestart.next_check
+    cut_through: bool = False  # the chunk being sent is forwarded as it arrives
 
     def queued(self) -> int:
         return len(self.ctrl) + len(self.data)
@@ -643,7 +646,7 @@ class Driver:
                         # the chunk did not arrive whole and verified: withdraw what we sent
                         stream.watchers.remove(c)
                         sending, stream = None, None
-                        c.restart.chunk_ended(self.now())
+                        self._chunk_ended(c)
                         # also before any block: a requester waits
                         self.wire_bytes["sent"] += await c.link.send(wire.pack_withdraw(v, i))
                         self.feed(ev.ChunkSent(self.now(), c.id, v, i, withdrawn=True))
@@ -653,11 +656,11 @@ class Driver:
                         c.wake.clear()
                         await c.wake.wait()
                         continue
-                if self.congestion_restart_s > 0:
-                    now = self.now()
-                    if (c.restart.chunk_started(now) if offset == 0
-                            else stream is None and c.restart.block(now)):
+                if offset == 0 and self.congestion_restart_s > 0:
+                    c.cut_through = stream is not None
+                    if c.restart.chunk_started(self.now()):
                         self._restart_congestion(c)
+                    self._arm_restart_check(c)
                 block: bytes | memoryview = payload[offset:end]
                 if stream is not None and offset == 0 and self.faults.corrupt_chunks:
                     block = bytes([block[0] ^ 0xFF]) + bytes(block[1:])
@@ -673,7 +676,7 @@ class Driver:
                     if stream is not None:
                         stream.watchers.remove(c)
                     sending, stream = None, None
-                    c.restart.chunk_ended(self.now())
+                    self._chunk_ended(c)
                     self._note_sent(c, v, i)
                     self.feed(ev.ChunkSent(self.now(), c.id, v, i))
         except (ConnectionError, RuntimeError):
@@ -681,6 +684,38 @@ class Driver:
         finally:
             if stream is not None and c in stream.watchers:
                 stream.watchers.remove(c)
+
+    def _chunk_ended(self, c: Conn) -> None:
+        """``c``'s chunk is all handed to the kernel: look at the link's unacknowledged
+        bytes later (``CongestionRestart.tail``)."""
+        c.restart.chunk_ended(self.now())
+        if self.congestion_restart_s > 0 and c.sock is not None:
+            self._arm_restart_check(c)
+
+    def _arm_restart_check(self, c: Conn) -> None:
+        if c.restart_timer is not None:
+            c.restart_timer.cancel()
+            c.restart_timer = None
+        t = c.restart.next_check()
+        if t is None or self.loop is None or c.closing:
+            return
+        c.restart_timer = self.loop.call_at(max(t, self.now() + 0.001), self._restart_check, c)
+
+    def _restart_check(self, c: Conn) -> None:
+        """A timer: a chunk sending long, or a sent one's bytes stuck in the kernel. Runs
+        off the writer, which may be waiting for the socket to drain all that time."""
+        c.restart_timer = None
+        if c.closing or self.conns.get(c.id) is not c:
+            return
+        now = self.now()
+        if c.restart.started is not None:
+            # a chunk forwarded as it arrives goes at its source's pace: not restarted
+            due = not c.cut_through and c.restart.block(now)
+        else:
+            due = c.restart.tail(now, unacked_bytes(c.sock))
+        if due:
+            self._restart_congestion(c)
+        self._arm_restart_check(c)
 
     def _restart_congestion(self, c: Conn) -> None:
         """Start BBR over on ``c``'s socket (``node.tcp.CongestionRestart`` says when);

@@ -8,8 +8,10 @@ has gone stale (docs/benchmarks.md, "round 22").
 
 from __future__ import annotations
 
+import fcntl
 import socket
 import struct
+import termios
 from typing import Any
 
 # Unsent bytes the kernel may hold per peer socket by default (``[network]
@@ -144,16 +146,23 @@ def bbr_bandwidth(sock: Any) -> float | None:
 
 
 class CongestionRestart:
-    """When one link's sender restarts BBR (``restart_congestion``), by time alone.
+    """When one link's sender considers starting BBR over (``restart_congestion``), by
+    time alone.
 
-    A chunk that starts after ``idle_s`` without one on the link starts BBR afresh (a
-    link that carried only control frames, or whose last chunk shared a full path,
-    holds an estimate that says nothing of now), and so does a chunk still sending
-    ``every_s`` after its start or the last restart. A chunk that flows at its path's
-    rate ends first (4 MiB: 0.34 s at 100 Mbit/s), so on a link that keeps up nothing
-    restarts mid-chunk. ``every_s`` = 0 turns it off. Time comes in as arguments."""
+    A chunk that starts after ``idle_s`` without one on the link (a link that carried only
+    control frames, or whose last chunk shared a full path, holds an estimate that says
+    nothing of now), a chunk still sending ``every_s`` after its start or the last restart,
+    and a chunk whose bytes are still unacknowledged in the kernel ``every_s`` after the
+    writer handed over its last block (a tail loss: after the retransmission timeout BBR
+    v1 may pace at its long-term "policer" estimate, a fraction of a Mbit/s, for 48 round
+    trips; docs/benchmarks.md round 22). A chunk that flows at its path's rate ends first
+    (4 MiB: 0.34 s at 100 Mbit/s), so on a link that keeps up nothing restarts mid-chunk.
+    ``every_s`` = 0 turns it off. Time comes in as arguments; the driver looks at
+    ``next_check``, on a timer of its own: a writer can wait on a squeezed socket for
+    long, and after its last block it has nothing more to send."""
 
-    __slots__ = ("every_s", "idle_s", "last_end", "last_restart", "restarts", "started")
+    __slots__ = ("every_s", "idle_s", "last_end", "last_restart", "restarts", "started",
+                 "tails")
 
     def __init__(self, every_s: float = CONGESTION_RESTART_S,
                  idle_s: float = RESTART_IDLE_S) -> None:
@@ -162,10 +171,11 @@ class CongestionRestart:
         self.last_restart = float("-inf")
         self.started: float | None = None  # the chunk being sent: when it began
         self.restarts = 0
+        self.tails = 0  # tail checks left for the last chunk sent
 
     def chunk_started(self, now: float) -> bool:
         """A chunk begins on the link: True if BBR is to start over now."""
-        self.started = now
+        self.started, self.tails = now, 0
         if self.every_s <= 0:
             return False
         if self.last_end is None or now - self.last_end >= self.idle_s:
@@ -173,7 +183,7 @@ class CongestionRestart:
         return False
 
     def block(self, now: float) -> bool:
-        """Before each block of the chunk: True if BBR is to start over now."""
+        """A chunk is sending: True if BBR is to start over now."""
         if self.every_s <= 0 or self.started is None:
             return False
         if now - max(self.started, self.last_restart) >= self.every_s:
@@ -182,8 +192,49 @@ class CongestionRestart:
 
     def chunk_ended(self, now: float) -> None:
         self.started, self.last_end = None, now
+        self.tails = TAIL_CHECKS if self.every_s > 0 else 0
+
+    def tail(self, now: float, unacked: int | None) -> bool:
+        """No chunk sending, ``unacked`` bytes of the link not yet acknowledged: True if
+        BBR is to start over now (the last chunk's bytes stuck ``every_s`` after it was
+        handed over, or after the last restart; at most ``TAIL_CHECKS`` looks a chunk)."""
+        if self.started is not None or self.last_end is None or self.tails <= 0:
+            return False
+        if now - max(self.last_end, self.last_restart) < self.every_s:
+            return False
+        self.tails -= 1
+        if not unacked:
+            self.tails = 0  # all acknowledged: nothing to look at until the next chunk
+            return False
+        return self._restart(now)
+
+    def next_check(self) -> float | None:
+        """When the driver should look at the link next (``block`` or ``tail``), or None."""
+        if self.every_s <= 0:
+            return None
+        if self.started is not None:
+            return max(self.started, self.last_restart) + self.every_s
+        if self.tails > 0 and self.last_end is not None:
+            return max(self.last_end, self.last_restart) + self.every_s
+        return None
 
     def _restart(self, now: float) -> bool:
         self.last_restart = now
         self.restarts += 1
         return True
+
+
+# ------------------------------------------------------------ unacknowledged bytes
+
+TAIL_CHECKS = 3  # looks at a sent chunk's unacknowledged bytes, every_s apart
+SIOCOUTQ = getattr(termios, "TIOCOUTQ", 0x5411)  # Linux: a TCP socket's unacked + unsent
+
+
+def unacked_bytes(sock: Any) -> int | None:
+    """Bytes written to ``sock`` and not yet acknowledged by the peer (Linux ``SIOCOUTQ``:
+    unsent and in flight), or None where it cannot be read."""
+    try:
+        raw = fcntl.ioctl(sock.fileno(), SIOCOUTQ, b"\0\0\0\0")
+    except (OSError, AttributeError, ValueError):
+        return None
+    return struct.unpack("i", raw)[0]

@@ -4,6 +4,8 @@ plain model of its rule says, over any sequence of chunk starts, blocks and ends
 
 from __future__ import annotations
 
+import asyncio
+import random
 import socket
 import threading
 
@@ -12,11 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from node.tcp import (
+    TAIL_CHECKS,
     CongestionRestart,
     bbr_bandwidth,
     congestion_of,
     restart_congestion,
     set_congestion,
+    unacked_bytes,
 )
 from tests.tcp_pairs import allowed_congestion, tcp_pair
 
@@ -76,6 +80,9 @@ def test_no_restart_without_a_socket_an_algorithm_or_with_reno() -> None:
 EVERY, IDLE = 1.0, 0.2
 steps = st.lists(st.tuples(st.sampled_from(["start", "block", "end"]),
                            st.floats(min_value=0.0, max_value=0.7)), max_size=60)
+tail_steps = st.lists(st.tuples(st.sampled_from(["start", "block", "end", "tail"]),
+                                st.floats(min_value=0.0, max_value=0.7),
+                                st.integers(min_value=0, max_value=3)), max_size=60)
 
 
 @settings(max_examples=300, deadline=None)
@@ -144,3 +151,125 @@ def test_a_link_that_keeps_up_restarts_only_after_idle() -> None:
     assert r.chunk_started(t + 0.5)
     assert [r.block(t + 0.5 + x) for x in (0.5, 1.25, 1.5, 2.0, 2.3, 3.5)] == [
         False, True, False, False, True, True]
+
+
+@settings(max_examples=300, deadline=None)
+@given(tail_steps)
+def test_tail_and_next_check_decisions_match_the_rule(seq) -> None:
+    """A sent chunk's bytes still unacknowledged ``EVERY`` after it was handed over (or
+    after the last restart) restart BBR, at most ``TAIL_CHECKS`` looks a chunk, none once
+    all is acknowledged; ``next_check`` says when the next look is due."""
+    r = CongestionRestart(EVERY, IDLE)
+    now, started, last_end, last_restart, tails = 0.0, None, None, float("-inf"), 0
+    for kind, dt, unacked in seq:
+        now += dt
+        if kind == "start":
+            want = last_end is None or now - last_end >= IDLE
+            started, tails = now, 0
+            assert r.chunk_started(now) is want
+        elif kind == "block":
+            want = started is not None and now - max(started, last_restart) >= EVERY
+            assert r.block(now) is want
+        elif kind == "end":
+            r.chunk_ended(now)
+            started, last_end, tails, want = None, now, TAIL_CHECKS, False
+        else:
+            looks = (started is None and last_end is not None and tails > 0
+                     and now - max(last_end, last_restart) >= EVERY)
+            want = looks and unacked > 0
+            if looks:
+                tails = tails - 1 if unacked else 0
+            assert r.tail(now, unacked) is want
+        if want:
+            last_restart = now
+        if started is not None:
+            assert r.next_check() == max(started, last_restart) + EVERY
+        elif tails > 0:
+            assert r.next_check() == max(last_end, last_restart) + EVERY
+        else:
+            assert r.next_check() is None
+
+
+def test_off_means_no_checks_at_all() -> None:
+    r = CongestionRestart(0.0, IDLE)
+    assert not r.chunk_started(0.0) and r.next_check() is None
+    r.chunk_ended(0.5)
+    assert r.next_check() is None and not r.tail(5.0, 1000) and r.restarts == 0
+
+
+def test_unacked_bytes_on_a_live_connection() -> None:
+    """Bytes the peer has not acknowledged: what a socket's writer left in the kernel
+    (``SIOCOUTQ``), here a send buffer the reader does not drain; zero once it has."""
+    srv, cli, acc = tcp_pair()
+    try:
+        assert unacked_bytes(cli) == 0
+        cli.setblocking(False)
+        sent = 0
+        with pytest.raises(BlockingIOError):  # both buffers fill: bounded by them
+            for _ in range(4096):
+                sent += cli.send(b"\0" * 65536)
+        held = unacked_bytes(cli)
+        assert held is not None and 0 < held <= sent
+        got = 0
+        while got < sent:
+            got += len(acc.recv(1 << 20))
+        for _ in range(200):  # the acknowledgements are the peer kernel's, at once
+            if unacked_bytes(cli) == 0:
+                break
+            threading.Event().wait(0.01)
+        assert unacked_bytes(cli) == 0
+        assert unacked_bytes(None) is None
+    finally:
+        for s in (cli, acc, srv):
+            s.close()
+
+
+def _driver_with(sock: socket.socket, every_s: float):
+    """A driver holding one link (``Conn``) over ``sock``, as ``_register`` would."""
+    from node.driver import Conn, Driver
+    from swarm.protocol.config import CoreConfig
+    from swarm.protocol.core import NodeCore
+
+    core = NodeCore(CoreConfig(node_id="a", region="r", model="m", listen_addr="127.0.0.1:1"),
+                    verify_manifest=lambda raw: None, rng=random.Random(0))
+    drv = Driver(core, None, None, host="127.0.0.1", port=0,  # type: ignore[arg-type]
+                 congestion_restart_s=every_s)
+    drv.loop = asyncio.get_running_loop()
+    drv._congestion(sock)
+    c = Conn(id=1, link=None, outbound=True, addr="peer", sock=sock,  # type: ignore[arg-type]
+             restart=CongestionRestart(every_s, IDLE))
+    drv.conns[c.id] = c
+    return drv, c
+
+
+@needs_bbr
+def test_the_driver_restarts_a_link_whose_last_chunk_stays_unacknowledged() -> None:
+    """After a chunk's last block the writer has nothing left to send, so its own timer
+    looks at the socket: bytes still unacknowledged ``every_s`` later start BBR over
+    (a tail loss); a link whose bytes were all acknowledged is left alone."""
+    asyncio.run(_tail_restart())
+
+
+async def _tail_restart() -> None:
+    srv, cli, acc = tcp_pair()
+    try:
+        drv, c = _driver_with(cli, 0.05)
+        assert drv.congestion_in_use == "bbr"
+        cli.sendall(b"x" * 1000)  # a short chunk the peer acknowledges at once
+        acc.recv(1000)
+        drv._chunk_ended(c)
+        await asyncio.sleep(0.3)
+        assert drv.congestion_restarts == 0 and c.restart_timer is None  # nothing to look at
+        cli.setblocking(False)
+        with pytest.raises(BlockingIOError):  # the peer reads nothing: bytes stay in flight
+            for _ in range(4096):
+                cli.send(b"\0" * 65536)
+        c.restart.chunk_started(drv.now())  # (a chunk after idle: its own restart)
+        before = drv.congestion_restarts
+        drv._chunk_ended(c)
+        await asyncio.sleep(0.5)
+        assert drv.congestion_restarts - before == TAIL_CHECKS  # every look, then no more
+        assert c.restart_timer is None and congestion_of(cli) == "bbr"
+    finally:
+        for s in (cli, acc, srv):
+            s.close()
