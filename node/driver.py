@@ -659,7 +659,7 @@ class Driver:
                 if offset == 0 and self.congestion_restart_s > 0:
                     c.cut_through = stream is not None
                     if c.restart.chunk_started(self.now()):
-                        self._restart_congestion(c)
+                        self._restart_congestion(c, "after_idle")
                     self._arm_restart_check(c)
                 block: bytes | memoryview = payload[offset:end]
                 if stream is not None and offset == 0 and self.faults.corrupt_chunks:
@@ -710,14 +710,15 @@ class Driver:
         now = self.now()
         if c.restart.started is not None:
             # a chunk forwarded as it arrives goes at its source's pace: not restarted
-            due = not c.cut_through and c.restart.block(now)
+            why = "long_chunk" if not c.cut_through and c.restart.block(now) else None
         else:
-            due = c.restart.tail(now, unacked_bytes(c.sock))
-        if due:
-            self._restart_congestion(c)
+            unacked = unacked_bytes(c.sock)
+            why = f"tail ({unacked} bytes unacknowledged)" if c.restart.tail(now, unacked) else None
+        if why is not None:
+            self._restart_congestion(c, why)
         self._arm_restart_check(c)
 
-    def _restart_congestion(self, c: Conn) -> None:
+    def _restart_congestion(self, c: Conn, why: str) -> None:
         """Start BBR over on ``c``'s socket (``node.tcp.CongestionRestart`` says when);
         nothing where the link does not run BBR."""
         in_use = self.congestion_in_use
@@ -725,6 +726,8 @@ class Driver:
             return
         if restart_congestion(c.sock, in_use):
             self.congestion_restarts += 1
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("congestion_restart", extra={"fields": {"peer": c.addr, "why": why}})
 
     async def _chunk_bytes(self, v: int, i: int) -> memoryview | None:
         try:

@@ -196,15 +196,18 @@ class CongestionRestart:
 
     def tail(self, now: float, unacked: int | None) -> bool:
         """No chunk sending, ``unacked`` bytes of the link not yet acknowledged: True if
-        BBR is to start over now (the last chunk's bytes stuck ``every_s`` after it was
-        handed over, or after the last restart; at most ``TAIL_CHECKS`` looks a chunk)."""
+        BBR is to start over now (at least ``TAIL_MIN_BYTES`` of them stuck ``every_s``
+        after the last chunk was handed over, or after the last restart; at most
+        ``TAIL_CHECKS`` looks a chunk)."""
         if self.started is not None or self.last_end is None or self.tails <= 0:
             return False
         if now - max(self.last_end, self.last_restart) < self.every_s:
             return False
         self.tails -= 1
-        if not unacked:
-            self.tails = 0  # all acknowledged: nothing to look at until the next chunk
+        if not unacked or unacked < TAIL_MIN_BYTES:
+            # all acknowledged but a control frame just written (a heartbeat, a HAVE):
+            # nothing to look at until the next chunk
+            self.tails = 0
             return False
         return self._restart(now)
 
@@ -227,6 +230,9 @@ class CongestionRestart:
 # ------------------------------------------------------------ unacknowledged bytes
 
 TAIL_CHECKS = 3  # looks at a sent chunk's unacknowledged bytes, every_s apart
+# fewer unacknowledged bytes than this are a control frame in flight, not a stuck tail
+# (on the emulated WAN, spurious tail restarts were 28-59 bytes: a heartbeat, a HAVE)
+TAIL_MIN_BYTES = 4096
 SIOCOUTQ = getattr(termios, "TIOCOUTQ", 0x5411)  # Linux: a TCP socket's unacked + unsent
 
 

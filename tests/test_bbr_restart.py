@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from node.tcp import (
     TAIL_CHECKS,
+    TAIL_MIN_BYTES,
     CongestionRestart,
     bbr_bandwidth,
     congestion_of,
@@ -82,7 +83,8 @@ steps = st.lists(st.tuples(st.sampled_from(["start", "block", "end"]),
                            st.floats(min_value=0.0, max_value=0.7)), max_size=60)
 tail_steps = st.lists(st.tuples(st.sampled_from(["start", "block", "end", "tail"]),
                                 st.floats(min_value=0.0, max_value=0.7),
-                                st.integers(min_value=0, max_value=3)), max_size=60)
+                                st.sampled_from([0, 28, TAIL_MIN_BYTES - 1, TAIL_MIN_BYTES,
+                                                 1 << 20])), max_size=60)
 
 
 @settings(max_examples=300, deadline=None)
@@ -158,7 +160,8 @@ def test_a_link_that_keeps_up_restarts_only_after_idle() -> None:
 def test_tail_and_next_check_decisions_match_the_rule(seq) -> None:
     """A sent chunk's bytes still unacknowledged ``EVERY`` after it was handed over (or
     after the last restart) restart BBR, at most ``TAIL_CHECKS`` looks a chunk, none once
-    all is acknowledged; ``next_check`` says when the next look is due."""
+    all is acknowledged but a control frame's worth; ``next_check`` says when the next
+    look is due."""
     r = CongestionRestart(EVERY, IDLE)
     now, started, last_end, last_restart, tails = 0.0, None, None, float("-inf"), 0
     for kind, dt, unacked in seq:
@@ -176,9 +179,9 @@ def test_tail_and_next_check_decisions_match_the_rule(seq) -> None:
         else:
             looks = (started is None and last_end is not None and tails > 0
                      and now - max(last_end, last_restart) >= EVERY)
-            want = looks and unacked > 0
+            want = looks and unacked >= TAIL_MIN_BYTES
             if looks:
-                tails = tails - 1 if unacked else 0
+                tails = tails - 1 if want else 0
             assert r.tail(now, unacked) is want
         if want:
             last_restart = now
@@ -257,6 +260,7 @@ async def _tail_restart() -> None:
         assert drv.congestion_in_use == "bbr"
         cli.sendall(b"x" * 1000)  # a short chunk the peer acknowledges at once
         acc.recv(1000)
+        c.restart.chunk_started(drv.now())
         drv._chunk_ended(c)
         await asyncio.sleep(0.3)
         assert drv.congestion_restarts == 0 and c.restart_timer is None  # nothing to look at
