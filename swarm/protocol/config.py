@@ -118,9 +118,6 @@ class CoreConfig:
     # relay whose warm border is full goes to a border its sender has sent chunks to,
     # not a new connection (0: never; docs/protocol.md)
     cold_path_factor: float = 3.0
-    # origin: a relay may be ordered over a border pair whose link already carries one of
-    # ours (it queues behind it). Off: another linked border of the region takes it
-    stack_relays: bool = True
     # ---- versions
     active_version: int | None = 0  # version held at start (0 = the base checkpoint)
     keep_versions: int = 3  # versions kept announced/served behind the active one

@@ -979,10 +979,7 @@ class OriginRole(Role):
                     continue
                 if not cand:
                     continue
-                allowed = b.links
-                if not self.cfg.stack_relays:
-                    allowed = allowed - self._relaying_to(b.conn)
-                t = self._target(bs, load, allowed, self.warm.get((b.conn, r)),
+                t = self._target(bs, load, b.links, self.warm.get((b.conn, r)),
                                  self._stay_used(self.relayed_to.get(b.conn), r),
                                  self._used_depth(r))
                 if t is None:
@@ -1002,19 +999,6 @@ class OriginRole(Role):
                               border=b.node_id, target=t.node_id, on_arrival=ahead)
                 return i
         return -1
-
-    def _relaying_to(self, src: int) -> set[str]:
-        """Node ids border ``src`` has a relay of ours in flight to (any version)."""
-        out: set[str] = set()
-        for plans in self.plans.values():
-            for plan in plans.values():
-                if plan.infl:
-                    for s, dst, _d, _t0 in plan.inflight.values():
-                        if s == src:
-                            p = self.host.peers.get(dst)
-                            if p is not None:
-                                out.add(p.node_id)
-        return out
 
     def _ahead(self, b: Peer) -> bool:
         """Whether border ``b`` has a relay order waiting for its chunk (relay on arrival)."""
