@@ -845,13 +845,10 @@ def simulate(args: argparse.Namespace, result: dict[str, Any]) -> dict[str, Any]
         node_cpu_s_per_gb=statistics.median(r["cpu_s_per_gb"] for r in rows),
         apply_cpu_s_per_gb=statistics.median(tails) / (size / 1e9),
         regions=result["regions"], hosts_per_region=result["hosts_per_region"],
-        uplink_mbit=args.uplink_mbit, delay_ms=args.delay_ms)
-    if sc is not None and args.loss:
-        print("simulator: no prediction for a lossy network (configs/sim/wan-3x4.toml has no loss)")
-        return None
+        uplink_mbit=args.uplink_mbit, delay_ms=args.delay_ms, loss=args.loss)
     if sc is None:
         print("simulator: no scenario file for this shape (configs/sim/wan-3x4.toml is 3x4, "
-              "100 Mbit, 40 ms)")
+              "100 Mbit uplinks)")
         return None
     sim = predict(sc)
     emu = statistics.median(r["all_s"] for r in rows)

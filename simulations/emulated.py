@@ -14,10 +14,12 @@ measured in the same run instead:
   received byte costs besides its hash, the per-chunk overhead and the apply;
   the hash rate and overhead stay as the file has them);
 - ``encode_s`` from the median hand-off (publish call to the swarm);
-- the payload and chunk size.
+- the payload and chunk size;
+- the one-way delay and the random loss between regions (``--delay-ms``, ``--loss``:
+  the file's links are the bench's inter-region paths; round 23).
 
-Only the bench's default shape (3 regions x 4 hosts, the uplink and delays of the
-file) maps onto the file; another shape returns None.
+Only the bench's default shape (3 regions x 4 hosts, the uplink of the file) maps
+onto the file; another shape returns None.
 """
 
 from __future__ import annotations
@@ -34,18 +36,20 @@ SCENARIO = Path(__file__).resolve().parent.parent / "configs" / "sim" / "wan-3x4
 
 def emulated_wan(*, size_bytes: int, chunk_bytes: int, handoff_s: float,
                  node_cpu_s_per_gb: float, apply_cpu_s_per_gb: float, regions: int = 3, hosts_per_region: int = 4,
-                 uplink_mbit: float = 100.0, delay_ms: float = 40.0,
+                 uplink_mbit: float = 100.0, delay_ms: float = 40.0, loss: float = 0.0,
                  path: Path = SCENARIO) -> Scenario | None:
-    """``path``'s scenario with the run's measured CPU, hand-off and payload; None if
-    the bench's shape is not the file's."""
+    """``path``'s scenario with the run's measured CPU, hand-off and payload, and the
+    bench's inter-region delay and loss on its links; None if the bench's shape is not
+    the file's."""
     sc = load_scenario(path)
     hosts = {r.name: r.nodes for r in sc.regions}
     want = {r.name: hosts_per_region - (r.name == sc.trainer_region) for r in sc.regions}
-    link_ms = {round(x.latency_ms, 3) for x in sc.links.values()}
-    if (regions != len(sc.regions) or hosts != want or link_ms != {round(delay_ms, 3)}
+    if (regions != len(sc.regions) or hosts != want or not 0 <= loss < 0.5 or delay_ms <= 0
             or any(r.egress_mbps != uplink_mbit or r.ingress_mbps != uplink_mbit
                    for r in sc.regions)):
         return None
+    links = {k: dataclasses.replace(x, latency_ms=delay_ms, loss=loss)
+             for k, x in sc.links.items()}
     cpu = sc.regions[0].cpu
     per_gb = 1e3 / cpu.hash_mb_s + apply_cpu_s_per_gb \
         + cpu.chunk_overhead_ms / 1e3 * (1e9 / chunk_bytes)
@@ -56,7 +60,7 @@ def emulated_wan(*, size_bytes: int, chunk_bytes: int, handoff_s: float,
     regs = tuple(dataclasses.replace(r, cpu=dataclasses.replace(r.cpu, io_mb_s=io,
                                                                 apply_mb_s=apply))
                  for r in sc.regions)
-    return dataclasses.replace(sc, regions=regs, patch_bytes=size_bytes,
+    return dataclasses.replace(sc, regions=regs, links=links, patch_bytes=size_bytes,
                                chunk_bytes=chunk_bytes, encode_s=handoff_s)
 
 

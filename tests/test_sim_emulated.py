@@ -25,7 +25,8 @@ def test_the_run_s_cpu_and_hand_off_replace_the_file_s() -> None:
 def test_another_shape_or_an_impossible_measurement_is_not_fitted() -> None:
     assert emulated_wan(**RUN, node_cpu_s_per_gb=12.0, apply_cpu_s_per_gb=2.0, regions=4) is None
     assert emulated_wan(**RUN, node_cpu_s_per_gb=12.0, apply_cpu_s_per_gb=2.0,
-                        delay_ms=20.0) is None
+                        uplink_mbit=50.0) is None
+    assert emulated_wan(**RUN, node_cpu_s_per_gb=12.0, apply_cpu_s_per_gb=2.0, loss=0.7) is None
     assert emulated_wan(**RUN, node_cpu_s_per_gb=1.0, apply_cpu_s_per_gb=2.0) is None
 
 
@@ -34,3 +35,17 @@ def test_a_slower_machine_predicts_a_slower_fanout() -> None:
     slow = predict(emulated_wan(**RUN, node_cpu_s_per_gb=16.0, apply_cpu_s_per_gb=8.0))
     assert fast["bound_s"] <= fast["held_s"] <= fast["serving_s"]
     assert slow["serving_s"] > fast["serving_s"]
+
+
+def test_the_bench_s_delay_and_loss_are_the_links_and_a_lossy_long_wan_is_slower() -> None:
+    """``--delay-ms 75 --loss 0.001`` (round 22's long lossy WAN): every inter-region
+    link of the file takes them, and the prediction is slower than the clean 40 ms one
+    (longer slow start, frames held by retransmission timeouts)."""
+    small = {**RUN, "size_bytes": 16 << 20, "node_cpu_s_per_gb": 8.0, "apply_cpu_s_per_gb": 1.0}
+    lossy = emulated_wan(**small, delay_ms=75.0, loss=0.001)
+    clean = emulated_wan(**small)
+    assert lossy is not None and clean is not None
+    assert {(x.latency_ms, x.loss) for x in lossy.links.values()} == {(75.0, 0.001)}
+    assert {(x.latency_ms, x.loss) for x in clean.links.values()} == {(40.0, 0.0)}
+    assert lossy.regions == clean.regions  # the machine's calibration does not move
+    assert predict(lossy)["serving_s"] > predict(clean)["serving_s"]
