@@ -177,7 +177,8 @@ def test_a_fleet_relays_chunks_while_they_arrive_and_ends_bitwise_equal() -> Non
     node ends on the trainer's digest with one copy per region."""
     from lab.fleet import LoopbackFleet
 
-    with LoopbackFleet(3, 2, chunk_size=1 << 20, lr=1e-4, swarm={"cut_through": True}) as fleet:
+    with LoopbackFleet(3, 2, chunk_size=1 << 20, lr=1e-4, swarm={"cut_through": True,
+                                                                         "cut_through_after_s": 0}) as fleet:
         fleet.start(timeout=120)
         cut = 0
         for _ in range(2):

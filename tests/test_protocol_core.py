@@ -375,7 +375,7 @@ def test_relays_on_arrival_survive_borders_dying_mid_transfer(kills: list[tuple[
     Borders die at random moments of the transfer; every live node still gets the version,
     and no order is left waiting in a live node."""
     s, net, o, hosts = fleet(3, 3, seed=seed, push_slots=1, request_timeout_s=2.0,
-                             cut_through=cut_through)
+                             cut_through=cut_through, cut_through_after_s=0)
     live = publish_and_kill(s, net, o, hosts, kills, keep=1)
     net.run(net.now + 60, stop=lambda: all(2 in h.applied for h in live))
     assert all(2 in h.applied for h in live)
@@ -384,7 +384,7 @@ def test_relays_on_arrival_survive_borders_dying_mid_transfer(kills: list[tuple[
 
 
 def test_relays_are_ordered_ahead_of_their_chunk_on_a_thin_uplink() -> None:
-    s, net, o, hosts = fleet(3, 3, push_slots=1)
+    s, net, o, hosts = fleet(3, 3, push_slots=1, cut_through=False)
     orders: list[tuple[str, int, int]] = []
     real = o.core.send
 
@@ -404,12 +404,12 @@ def test_relays_are_ordered_ahead_of_their_chunk_on_a_thin_uplink() -> None:
     carried = Counter()
     for h in hosts:
         carried.update(h.core.counters.relays)
-    assert carried["on_arrival"] > 0 and carried["cut_through"] == 0  # the default: off
+    assert carried["on_arrival"] > 0 and carried["cut_through"] == 0
     assert carried["at_once"] + carried["on_arrival"] <= len(orders)
 
 
 def test_with_cut_through_relays_ordered_ahead_start_with_the_first_block() -> None:
-    s, net, o, hosts = fleet(3, 3, push_slots=1, cut_through=True)
+    s, net, o, hosts = fleet(3, 3, push_slots=1, cut_through=True, cut_through_after_s=0)
     publish(s, net, o, 2, 12)
     net.run(net.now + 60, stop=lambda: all(2 in h.applied for h in hosts))
     assert all(2 in h.applied for h in hosts)
@@ -428,7 +428,8 @@ def test_cut_through_relays_of_chunks_that_arrive_corrupt_are_withdrawn(bad: set
     """The first copy of some chunks reaches its border corrupt while the border already
     relays it on (cut-through): that relay is withdrawn and fails loudly (RELAY_FAIL),
     the origin re-plans it, and every node still ends with the version."""
-    s, net, o, hosts = fleet(3, 3, seed=seed, push_slots=1, max_bad_chunks=100, cut_through=True)
+    s, net, o, hosts = fleet(3, 3, seed=seed, push_slots=1, max_bad_chunks=100, cut_through=True,
+                             cut_through_after_s=0)
     first: set[int] = set()
     o.corrupt = corrupt_first_copies(bad, first)
     publish(s, net, o, 2, 12)

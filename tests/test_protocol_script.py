@@ -162,7 +162,7 @@ def test_relay_on_arrival_waits_through_a_corrupt_copy() -> None:
 
 
 def test_without_cut_through_an_arriving_chunk_is_relayed_once_stored() -> None:
-    n, o, _b = _border_holding((0, 1))  # the default: cut_through off
+    n, o, _b = _border_holding((0, 1), cut_through=False)
     o.send(wire.Relay(2, 3, "b"))
     assert not _sent_chunks(n.handle(ev.ChunkArriving(n.now, 1, 2, 3)))
     assert _sent_chunks(n.handle(ev.ChunkReceived(n.now, 1, 2, 3, True))) == [
@@ -171,7 +171,7 @@ def test_without_cut_through_an_arriving_chunk_is_relayed_once_stored() -> None:
 
 
 def test_a_relay_ordered_before_its_chunk_starts_with_the_first_block() -> None:
-    n, o, _b = _border_holding((0, 1), cut_through=True)
+    n, o, _b = _border_holding((0, 1), cut_through=True, cut_through_after_s=0)
     o.send(wire.Relay(2, 3, "b"))
     got = n.handle(ev.ChunkArriving(n.now, 1, 2, 3))  # the origin's push: first block
     assert _sent_chunks(got) == [ev.SendChunk(2, 2, 3, 1000, arriving=True)]
@@ -183,7 +183,7 @@ def test_a_relay_ordered_before_its_chunk_starts_with_the_first_block() -> None:
 
 
 def test_a_relay_ordered_while_its_chunk_arrives_starts_at_once() -> None:
-    n, o, _b = _border_holding((0, 1), cut_through=True)
+    n, o, _b = _border_holding((0, 1), cut_through=True, cut_through_after_s=0)
     n.handle(ev.ChunkArriving(n.now, 1, 2, 3))
     assert o.send(wire.Relay(2, 3, "b")) == []
     assert _sent_chunks(o.actions) == [ev.SendChunk(2, 2, 3, 1000, arriving=True)]
@@ -191,7 +191,7 @@ def test_a_relay_ordered_while_its_chunk_arrives_starts_at_once() -> None:
 
 def test_a_chunk_no_longer_arriving_is_relayed_once_stored_again() -> None:
     # the link it came on closed before it was whole: the order waits for another copy
-    n, o, _b = _border_holding((0, 1), cut_through=True)
+    n, o, _b = _border_holding((0, 1), cut_through=True, cut_through_after_s=0)
     q = Script(n, 3, node_id="q", region="r")
     q.handshake()
     n.handle(ev.ChunkArriving(n.now, q.conn, 2, 3))
@@ -202,8 +202,62 @@ def test_a_chunk_no_longer_arriving_is_relayed_once_stored_again() -> None:
         ev.SendChunk(2, 2, 3, 1000)]
 
 
+def test_with_a_wait_a_chunk_that_arrives_fast_is_relayed_whole() -> None:
+    """``cut_through_after_s``: the relay waits that long for the chunk; stored within it
+    (a fat path), the chunk goes whole, as without cut-through."""
+    n, o, _b = _border_holding((0, 1), cut_through=True, cut_through_after_s=0.1)
+    o.send(wire.Relay(2, 3, "b"))
+    t0 = n.now
+    assert not _sent_chunks(n.handle(ev.ChunkArriving(t0, 1, 2, 3)))
+    assert n.next_wakeup() is not None and n.next_wakeup() <= t0 + 0.1 + 1e-9
+    assert _sent_chunks(n.handle(ev.ChunkReceived(t0 + 0.03, 1, 2, 3, True))) == [
+        ev.SendChunk(2, 2, 3, 1000)]
+    assert not _sent_chunks(n.handle(ev.Tick(t0 + 0.2)))  # the wait's end finds nothing to do
+    assert n.counters.relays == {"at_once": 0, "on_arrival": 1, "cut_through": 0, "failed": 0}
+
+
+def test_with_a_wait_a_chunk_still_arriving_after_it_goes_on_while_it_arrives() -> None:
+    n, o, _b = _border_holding((0, 1), cut_through=True, cut_through_after_s=0.1)
+    o.send(wire.Relay(2, 3, "b"))
+    t0 = n.now
+    n.handle(ev.ChunkArriving(t0, 1, 2, 3))
+    assert not _sent_chunks(n.handle(ev.Tick(t0 + 0.05)))
+    assert _sent_chunks(n.handle(ev.Tick(t0 + 0.1))) == [ev.SendChunk(2, 2, 3, 1000, arriving=True)]
+    assert n.counters.relays["cut_through"] == 1
+    assert not _sent_chunks(n.handle(ev.ChunkReceived(t0 + 0.4, 1, 2, 3, True)))  # not twice
+
+
+def test_with_a_wait_an_order_for_a_chunk_arriving_long_enough_goes_at_once() -> None:
+    n, o, _b = _border_holding((0, 1), cut_through=True, cut_through_after_s=0.1)
+    t0 = n.now
+    n.handle(ev.ChunkArriving(t0, 1, 2, 3))
+    n.handle(ev.Tick(t0 + 0.02))
+    assert o.send(wire.Relay(2, 3, "b")) == []  # arriving 0.02 s: it waits the rest
+    assert not _sent_chunks(o.actions)
+    assert _sent_chunks(n.handle(ev.Tick(t0 + 0.1))) == [ev.SendChunk(2, 2, 3, 1000, arriving=True)]
+    n2, o2, _b2 = _border_holding((0, 1), cut_through=True, cut_through_after_s=0.1)
+    t0 = n2.now
+    n2.handle(ev.ChunkArriving(t0, 1, 2, 3))
+    n2.handle(ev.Tick(t0 + 0.15))
+    o2.send(wire.Relay(2, 3, "b"))  # arriving 0.15 s already: slow, it goes now
+    assert _sent_chunks(o2.actions) == [ev.SendChunk(2, 2, 3, 1000, arriving=True)]
+
+
+def test_with_a_wait_an_arrival_that_stops_leaves_the_order_for_the_next_copy() -> None:
+    n, o, _b = _border_holding((0, 1), cut_through=True, cut_through_after_s=0.1)
+    q = Script(n, 3, node_id="q", region="r")
+    q.handshake()
+    o.send(wire.Relay(2, 3, "b"))
+    t0 = n.now
+    n.handle(ev.ChunkArriving(t0, q.conn, 2, 3))
+    n.handle(ev.PeerDisconnected(t0 + 0.05, q.conn, "gone"))
+    assert not _sent_chunks(n.handle(ev.Tick(t0 + 0.1)))  # nothing arriving: no cut-through
+    assert _sent_chunks(n.handle(ev.ChunkReceived(t0 + 0.5, 1, 2, 3, True))) == [
+        ev.SendChunk(2, 2, 3, 1000)]
+
+
 def test_a_withdrawn_cut_through_fails_the_relay_loudly_and_blames_nobody() -> None:
-    n, o, b = _border_holding((0, 1), cut_through=True)
+    n, o, b = _border_holding((0, 1), cut_through=True, cut_through_after_s=0)
     o.send(wire.Relay(2, 3, "b"))
     n.handle(ev.ChunkArriving(n.now, 1, 2, 3))
     got = n.handle(ev.ChunkReceived(n.now, 1, 2, 3, False))  # the copy on its way was corrupt
@@ -216,7 +270,7 @@ def test_a_withdrawn_cut_through_fails_the_relay_loudly_and_blames_nobody() -> N
 
 
 def test_arrivals_from_unknown_links_versions_or_held_chunks_start_nothing() -> None:
-    n, o, _b = _border_holding((0, 1), cut_through=True)
+    n, o, _b = _border_holding((0, 1), cut_through=True, cut_through_after_s=0)
     o.send(wire.Relay(2, 3, "b"))
     for e in (ev.ChunkArriving(n.now, 99, 2, 3), ev.ChunkArriving(n.now, 1, 9, 3),
               ev.ChunkArriving(n.now, 1, 2, 7), ev.ChunkArriving(n.now, 1, 2, 0)):

@@ -40,7 +40,7 @@ KNOB_RANGES: dict[str, tuple[float, float]] = {
     "apply_retry_s": (0.0, _DAY), "status_interval_s": (0.0, _DAY), "status_delay_s": (0.0, 3600.0),
     "fleet_max": (1, 10_000_000), "unavailable_s": (0.0, _DAY),
     "relay_wait_s": (0.0, _DAY), "slow_relay_factor": (0.0, 1e6), "cold_path_factor": (0.0, 1e6),
-    "serve_arriving_region": (0, 1_000_000),
+    "serve_arriving_region": (0, 1_000_000), "cut_through_after_s": (0.0, 3600.0),
 }
 
 
@@ -92,9 +92,14 @@ class CoreConfig:
     # region's (a push under way counts its age) gets one push at a time; the rest of its
     # copy comes by relay and the uplink window's other slots go to the others (0: off)
     slow_path_factor: float = 2.0
-    # border: relay a chunk while it arrives (the last block once verified). Off: no measured
-    # gain on the emulated WAN, and the simulator's fat-trainer scenarios lose (docs/simulation.md)
-    cut_through: bool = False
+    # border: relay a chunk while it arrives (the last block once verified), once it has
+    # been arriving cut_through_after_s (0: from its first block). A chunk that arrives fast
+    # (a fat path) is relayed whole once stored: from its first block, cut-through cost the
+    # simulator's fat-trainer scenarios 5-13 %; after 0.2 s none moves, and the emulated long
+    # lossy WAN is 21 % faster on a first version, 10 % on later ones (docs/simulation.md
+    # round 23)
+    cut_through: bool = True
+    cut_through_after_s: float = 0.2
     # origin: after the uplink window's start-up, a push goes to another border it has
     # pushed to that is idle rather than queue behind one on the warm border. Off: on the
     # emulated WAN's thin uplink the window's probe then runs as a parallel flow and the

@@ -79,6 +79,7 @@ class NodeCore(ReadModel):
         self.uploads = self.exchange.uploads
         # chunks whose first block came and that are not stored yet: (v, i) -> conn (cut-through)
         self.arriving: dict[tuple[int, int], int] = {}
+        self.arriving_at: dict[tuple[int, int], float] = {}  # ... and when its first block came
         self.apply = ApplyState()
         self.haves = HaveBatch(config.have_batch_s)
         self._next_hb = now + config.heartbeat_s
@@ -190,6 +191,10 @@ class NodeCore(ReadModel):
         """Whether chunk ``i`` of ``v`` is arriving now (its first block came, ``ChunkArriving``)."""
         return (v, i) in self.arriving
 
+    def arriving_since(self, v: int, i: int) -> float | None:
+        """When chunk ``i`` of ``v``'s first block came, while it is arriving; else None."""
+        return self.arriving_at.get((v, i)) if (v, i) in self.arriving else None
+
     def close(self, p: Peer, reason: str, level: str = "info") -> None:
         self.log(level, "peer_closed", peer=p.node_id or p.addr, conn=p.conn, reason=reason)
         self._out.append(ev.Close(p.conn, reason))
@@ -271,6 +276,7 @@ class NodeCore(ReadModel):
         if self.arriving:
             for key in [k for k, c in self.arriving.items() if c == p.conn]:
                 del self.arriving[key]
+                self.arriving_at.pop(key, None)
         if p.node_id and self.by_id.get(p.node_id) == p.conn:
             del self.by_id[p.node_id]
         if p.state is not READY:
@@ -298,6 +304,7 @@ class NodeCore(ReadModel):
             return
         if (v, i) not in self.arriving:  # the first sender's blocks are the ones relayed on
             self.arriving[(v, i)] = e.conn
+            self.arriving_at[(v, i)] = self.now
             self.role.on_arriving(v, i)
             c = self.cfg
             if c.serve_arriving and (c.serve_arriving_region <= 1 or
@@ -324,6 +331,7 @@ class NodeCore(ReadModel):
         """The chunk arriving on ``conn`` is whole, or will not come from it."""
         if self.arriving.get((v, i)) == conn:
             del self.arriving[(v, i)]
+            self.arriving_at.pop((v, i), None)
 
     def _on_not_stored(self, e: ev.ChunkNotStored) -> None:
         self._arrived(e.conn, e.version, e.index)
