@@ -168,10 +168,10 @@ def compare(results: dict[str, dict], before: dict[str, dict]) -> dict[str, list
 
 def run_versions(only: list[str] | None, versions: int, seeds: list[int], out: Path,
                  knobs: dict[str, object] | None = None,
-                 before: dict[str, dict] | None = None) -> int:
+                 before: dict[str, dict] | None = None, lanes: int = 1) -> int:
     """Each issue-11 scenario, ``versions`` versions in a row, per seed -> ``out`` (JSON),
     with ``knobs`` set in each (``--swarm``); ``before``: an earlier such result to compare
-    with (``load_against``)."""
+    with (``load_against``); ``lanes``: the striping what-if (``Scenario.lanes``)."""
     from statistics import mean
 
     results: dict[str, dict] = {}
@@ -182,6 +182,8 @@ def run_versions(only: list[str] | None, versions: int, seeds: list[int], out: P
                                  versions=versions)
         if knobs:
             sc = dataclasses.replace(sc, protocol={**sc.protocol, **knobs})
+        if lanes != 1:
+            sc = dataclasses.replace(sc, lanes=lanes)
         per_seed = {}
         for seed in seeds or [sc.seed]:
             _, fig = run_strategy(sc, sc.strategies[0], seed=seed)
@@ -189,6 +191,7 @@ def run_versions(only: list[str] | None, versions: int, seeds: list[int], out: P
             print(f"{stem} seed {seed}: " + " ".join(f"{t:.2f}" for t in per_seed[seed]), flush=True)
         means = [round(mean(ts[v] for ts in per_seed.values()), 3) for v in range(versions)]
         results[stem] = {"versions": versions, "seeds": list(per_seed), "knobs": knobs or {},
+                         "lanes": lanes,
                          "lower_bound_s": fig["lower_bound_s"],
                          "t_p100_s": {str(k): v for k, v in per_seed.items()},
                          "mean_t_p100_s": means,
@@ -234,13 +237,20 @@ def main() -> int:
     ap.add_argument("--swarm", action="append", default=[], metavar="KNOB=VALUE",
                     help="with --scenarios --versions: set a protocol knob in every scenario "
                          "(VALUE in JSON), e.g. --swarm uplink_window=24; repeatable")
+    ap.add_argument("--lanes", type=int, default=1, metavar="N",
+                    help="with --scenarios --versions: what-if, not built in the node: every "
+                         "cross-region link stripes each chunk over N TCP connections "
+                         "(network.lanes in a scenario file; default 1)")
     ap.add_argument("--against", type=Path, default=None, metavar="FILE",
                     help="with --scenarios --versions: an earlier result file; print and keep "
                          "each mean's change against it")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if (args.swarm or args.against) and not (args.scenarios and (args.versions > 1 or args.seeds)):
-        ap.error("--swarm and --against go with --scenarios --versions N or --seeds")
+    if ((args.swarm or args.against or args.lanes != 1)
+            and not (args.scenarios and (args.versions > 1 or args.seeds))):
+        ap.error("--swarm, --lanes and --against go with --scenarios --versions N or --seeds")
+    if not 1 <= args.lanes <= 64:
+        ap.error("--lanes: a count in 1..64")
     if args.scenarios and (args.versions > 1 or args.seeds):
         try:
             knobs = parse_knobs(args.swarm)
@@ -249,7 +259,7 @@ def main() -> int:
             ap.error(str(e))
         return run_versions(args.only, max(1, args.versions), args.seeds or [],
                             Path(args.out or ROOT / "benchmarks" / "results" / "sim_versions.json"),
-                            knobs, before)
+                            knobs, before, args.lanes)
     if args.scenarios:
         return run_scenarios(args.only, Path(args.out or ROOT / "benchmarks" / "results" / "sim_scenarios.json"))
     args.out = args.out or str(ROOT / "benchmarks" / "results" / "sim.json")

@@ -105,6 +105,10 @@ def status_dict(driver: Driver, model: str) -> dict[str, Any]:
             "slow_start_after_idle": driver.slow_start_after_idle,
             # BBR started over on a link ([network] congestion_restart_s, node.tcp)
             "congestion_restarts": driver.congestion_restarts,
+            # striped links ([network] lanes): extra connections opened or accepted, and
+            # lanes refused (either side)
+            "lanes_opened": driver.lanes_opened,
+            "lanes_refused": driver.lanes_refused,
             "connections": driver.guard.stats.open,
             "refused": driver.guard.stats.refused,
             "timed_out": driver.guard.stats.timed_out,
@@ -337,7 +341,11 @@ class _Collector:
                  "Chunks not kept for a local reason (disk full, ...)"),
                 ("patchswarm_congestion_restarts", "congestion_restarts",
                  "Times BBR was started over on a peer link whose chunk started after idle, "
-                 "ran long or left bytes unacknowledged ([network] congestion_restart_s)")):
+                 "ran long or left bytes unacknowledged ([network] congestion_restart_s)"),
+                ("patchswarm_lanes_opened", "lanes_opened",
+                 "Extra connections of striped peer links opened or accepted ([network] lanes)"),
+                ("patchswarm_lanes_refused", "lanes_refused",
+                 "Extra connections of striped peer links refused, by either side")):
             c = CounterMetricFamily(name, help_text, labels=labels)
             c.add_metric(who, float(tr[key]))
             yield c

@@ -81,7 +81,7 @@ from node.tcp import (
 )
 from swarm.errors import ChunkError, PatchswarmError, ProtocolError, StoreError
 from swarm.protocol import events as ev
-from swarm.protocol import wire
+from swarm.protocol import stripes, wire
 from swarm.protocol.core import NodeCore
 from swarm.trust.confidential import NoKeyError, decrypt_payload
 from swarm.trust.manifest import Manifest
@@ -89,8 +89,10 @@ from swarm.trust.manifest import Manifest
 log = logging.getLogger("patchswarm.node")
 
 MAX_LINK_MESSAGE = wire.CHUNK_HEADER_LEN + wire.MAX_CHUNK_BYTES
+_STRIPED = (stripes.STRIPE_MAGIC, stripes.DONE_MAGIC, stripes.WITHDRAW_MAGIC, stripes.OFFER_MAGIC)
 SEND_QUEUE_LIMIT = 4096  # frames queued per peer before it is dropped as too slow
 CONNECT_TIMEOUT_S = 5.0
+AUTO_LANES = 8  # [network] lanes = 0 (auto) on a host whose peer sockets run CUBIC or Reno
 AHEAD_GRACE_TRIES = 3  # probes an engine ahead of a restarted node is given before a rebuild
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
            "error": logging.ERROR}
@@ -162,6 +164,16 @@ class Arrival:
 
 
 @dataclass
+class Lane:
+    """An extra connection of a striped link (``swarm.protocol.stripes``): blocks only."""
+
+    n: int
+    link: Link
+    sock: Any = None
+    reader: asyncio.Task | None = None
+
+
+@dataclass
 class Conn:
     """One link to a peer, with its ordered send queue."""
 
@@ -185,6 +197,16 @@ class Conn:
     restart: CongestionRestart = field(default_factory=CongestionRestart)
     restart_timer: asyncio.TimerHandle | None = None  # the next CongestionRestart.next_check
     cut_through: bool = False  # the chunk being sent is forwarded as it arrives
+    # striped links (docs/striped-links.md): the extra connections, the token they carry,
+    # the receiving assembler, and the sender's seq counter and unfinished window
+    identity: tuple[str, str, str] | None = None
+    lanes: list[Lane] = field(default_factory=list)
+    lane_token: bytes | None = None
+    laning: bool = False  # the dialer asked for lanes (once per link)
+    stripes: stripes.StripedAssembler | None = None
+    seq: int = 0
+    unfinished: set = field(default_factory=set)
+    next_lane: int = 0  # where the next look for a lane with room starts
 
     def queued(self) -> int:
         return len(self.ctrl) + len(self.data)
@@ -224,8 +246,15 @@ class Driver:
                  unsent_limit: int = UNSENT_LIMIT,
                  read_coalesce_s: float = READ_COALESCE_S,
                  congestion: str = CONGESTION_CONTROL,
-                 congestion_restart_s: float = CONGESTION_RESTART_S) -> None:
+                 congestion_restart_s: float = CONGESTION_RESTART_S,
+                 lanes: int = 0) -> None:
         self.core = core
+        # connections per link to a peer in another region (1: no striping; 0: auto,
+        # ``lanes_wanted``)
+        self.lanes = max(0, min(int(lanes), stripes.MAX_LANES))
+        self.lane_tokens: dict[bytes, int] = {}  # offered tokens -> conn (acceptor)
+        self.lanes_opened = 0
+        self.lanes_refused = 0
         self.read_coalesce_s = read_coalesce_s
         self.unsent_limit = unsent_limit
         self.congestion = congestion
@@ -481,7 +510,7 @@ class Driver:
         limit_unsent(sock, self.unsent_limit)
         self._congestion(sock)
         c = Conn(next(self._ids), link, outbound, addr, sock=sock,
-                 restart=CongestionRestart(self.congestion_restart_s))
+                 restart=CongestionRestart(self.congestion_restart_s), identity=identity)
         # chunk blocks are decrypted straight into their chunk's buffer (_place)
         link.place_with(lambda header, n: self._place(c, header, n), wire.BLOCK_HEADER_LEN)
         self.conns[c.id] = c
@@ -534,6 +563,9 @@ class Driver:
             log.warning("%s", exc)
             await link.close("a swarm certificate is required")
             return
+        if link.is_lane:
+            await self._accept_lane(link, identity, addr)
+            return
         c = self._register(link, False, addr, identity, link.get_extra_info("socket"))
         await self._reader(c)
 
@@ -575,18 +607,26 @@ class Driver:
                 if c.id not in self.conns:
                     break
                 if isinstance(data, Placed):
-                    await self._block_done(c, c.blocks.placed())
+                    if stripes.magic_of(data.header) == stripes.STRIPE_MAGIC:
+                        await self._stripe_block(c, data.header, c.stripes.placed(data.header))  # type: ignore[union-attr]
+                    else:
+                        await self._block_done(c, c.blocks.placed())
                 elif wire.is_block_message(data):
                     await self._on_block(c, data)
                 elif wire.is_withdraw_message(data):
                     await self._on_withdraw(c, data)
                 elif wire.is_chunk_message(data):
                     await self._on_chunk(c, data)
+                elif stripes.magic_of(data) in _STRIPED:
+                    await self._on_striped(c, data)
                 else:
                     self.feed(ev.FrameReceived(self.now(), c.id, bytes(data)))
+                    if not c.laning and c.outbound and self.lanes_wanted() > 1:
+                        self._open_lanes_once_ready(c)
         except (TimeoutError, ConnectionError) as exc:
             reason = f"{type(exc).__name__}: {exc}"
         finally:
+            self._lanes_end(c)
             self._arrivals_end(c.id)
             if self.conns.pop(c.id, None) is not None:
                 self.feed(ev.PeerDisconnected(self.now(), c.id, reason[:200]))
@@ -607,12 +647,17 @@ class Driver:
 
         A chunk goes as blocks of ``wire.BLOCK_BYTES``; before each block every
         control frame queued meanwhile is sent, so a heartbeat, HAVE or REQUEST
-        waits for one block on the wire, not for a whole chunk.
+        waits for one block on the wire, not for a whole chunk. On a striped link
+        (lanes attached when the chunk starts) each block goes as ``PSB2`` on whichever
+        connection has room, and at most ``stripes.WINDOW`` chunks are unfinished at
+        the peer (``_take_seq``).
         """
         sending: tuple[int, int, bytes] | None = None  # (version, index, payload)
         stream: Arrival | None = None  # the chunk being sent is still arriving (cut-through)
         offset = 0
         started = 0.0
+        striped = False
+        seq: int | None = None  # the striped chunk's seq, once its window slot is taken
         try:
             while not c.closing:
                 if c.ctrl:
@@ -627,6 +672,7 @@ class Driver:
                     v, i, arriving = c.data.popleft()
                     stream = self.arrivals.get((v, i)) if arriving else None
                     started = self.now()
+                    striped, seq = bool(c.lanes), None
                     if stream is not None:
                         stream.watchers.append(c)
                         sending, offset = (v, i, stream.buf), 0
@@ -648,11 +694,19 @@ class Driver:
                         sending, stream = None, None
                         self._chunk_ended(c)
                         # also before any block: a requester waits
-                        self.wire_bytes["sent"] += await c.link.send(wire.pack_withdraw(v, i))
+                        gone = (wire.pack_withdraw(v, i) if seq is None
+                                else stripes.pack_withdraw(seq, v, i))
+                        self.wire_bytes["sent"] += await c.link.send(gone)
                         self.feed(ev.ChunkSent(self.now(), c.id, v, i, withdrawn=True))
                         continue
                     # blocks as they come; the last only once the chunk is verified here
                     if end > (n if stream.state == "stored" else min(stream.got, n - 1)):
+                        c.wake.clear()
+                        await c.wake.wait()
+                        continue
+                if striped and seq is None:
+                    seq = self._take_seq(c)
+                    if seq is None:  # the peer has a window of chunks unfinished: wait
                         c.wake.clear()
                         await c.wake.wait()
                         continue
@@ -664,15 +718,25 @@ class Driver:
                 block: bytes | memoryview = payload[offset:end]
                 if stream is not None and offset == 0 and self.faults.corrupt_chunks:
                     block = bytes([block[0] ^ 0xFF]) + bytes(block[1:])
-                self.wire_bytes["sent"] += await c.link.send(
-                    wire.pack_block_header(v, i, n, offset), block)
+                if seq is not None:
+                    lane = self._lane_with_room(c)
+                    if lane is None:
+                        await self._any_lane_drained(c)
+                        continue
+                    self.wire_bytes["sent"] += lane.send_nowait(
+                        stripes.pack_stripe_header(seq, v, i, offset // wire.BLOCK_BYTES, n),
+                        block)
+                else:
+                    self.wire_bytes["sent"] += await c.link.send(
+                        wire.pack_block_header(v, i, n, offset), block)
                 offset = end
                 if offset >= n:
                     if log.isEnabledFor(logging.DEBUG):
                         log.debug("chunk_sent", extra={"fields": {
                             "peer": c.addr, "version": v, "index": i,
                             "started_at": round(time.time() - (self.now() - started), 3),
-                            "s": round(self.now() - started, 3), "cut_through": stream is not None}})
+                            "s": round(self.now() - started, 3), "cut_through": stream is not None,
+                            "lanes": 1 + len(c.lanes) if seq is not None else 1}})
                     if stream is not None:
                         stream.watchers.remove(c)
                     sending, stream = None, None
@@ -684,6 +748,261 @@ class Driver:
         finally:
             if stream is not None and c in stream.watchers:
                 stream.watchers.remove(c)
+
+    # ------------------------------------------------------------ striped links
+
+    @staticmethod
+    def _take_seq(c: Conn) -> int | None:
+        """A seq for the next striped chunk, if the peer's window has room."""
+        if len(c.unfinished) >= stripes.WINDOW:
+            return None
+        seq = c.seq
+        c.seq = (seq + 1) & stripes.MAX_SEQ
+        c.unfinished.add(seq)
+        return seq
+
+    @staticmethod
+    def _lane_with_room(c: Conn) -> Link | None:
+        """Of the link's connections that take a write now, the least loaded: bytes in
+        its transport's buffer plus bytes the kernel holds unacknowledged (a lane whose
+        flow is slow, in loss recovery say, holds more and gets fewer blocks); ties go
+        round the lanes."""
+        conns = [(c.link, c.sock), *((lane.link, lane.sock) for lane in c.lanes)]
+        k = len(conns)
+        best, least = -1, 0
+        for j in range(k):
+            at = (c.next_lane + j) % k
+            link, sock = conns[at]
+            if not link.writable:
+                continue
+            load = link.buffered() + ((unacked_bytes(sock) or 0) if sock is not None else 0)
+            if best < 0 or load < least:
+                best, least = at, load
+        if best < 0:
+            return None
+        c.next_lane = best + 1
+        return conns[best][0]
+
+    @staticmethod
+    async def _any_lane_drained(c: Conn) -> None:
+        futs = [link.drained() for link in (c.link, *(lane.link for lane in c.lanes))]
+        try:
+            await asyncio.wait(futs, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for f in futs:
+                if not f.done():
+                    f.cancel()
+                elif not f.cancelled():
+                    f.exception()  # retrieved: a closed lane shows in its reader
+        if c.link.closed:
+            raise ConnectionError(c.link.reason or "link closed")
+
+    def _stripes(self, c: Conn) -> stripes.StripedAssembler:
+        if c.stripes is None:
+            c.stripes = stripes.StripedAssembler(alloc=aligned_buffer)
+        return c.stripes
+
+    def lanes_wanted(self) -> int:
+        """Connections a link we dial to another region gets: ``[network] lanes``, or with
+        0 (auto) ``AUTO_LANES`` where the peer sockets run a loss-based congestion control
+        (one such flow is held near the Mathis ceiling on a long lossy path) and one where
+        they run BBR, which random loss does not cap (docs/striped-links.md)."""
+        if self.lanes:
+            return self.lanes
+        cc = self.congestion_in_use
+        return AUTO_LANES if cc is not None and not keeps_window_across_idle(cc) else 1
+
+    def _open_lanes_once_ready(self, c: Conn) -> None:
+        """The dialer of a link to a peer in another region: once the handshake is done,
+        offer a token on the link and open ``lanes - 1`` more connections with it."""
+        if not self.core.authenticated(c.id):
+            return
+        c.laning = True
+        region = self.core.peer_region(c.id)
+        if region is None or region == self.core.cfg.region:
+            return
+        c.lane_token = os.urandom(stripes.TOKEN_BYTES)
+        c.ctrl.append(stripes.pack_offer(c.lane_token))
+        c.wake.set()
+        self._spawn(self._open_lanes(c, c.lane_token, self.lanes_wanted()))
+
+    async def _open_lanes(self, c: Conn, token: bytes, lanes: int) -> None:
+        host, _, port = c.addr.rpartition(":")
+        for n in range(1, lanes):
+            if c.closing or c.id not in self.conns:
+                return
+            try:
+                link = await dial(host.strip("[]"), int(port),
+                                  ssl_context=self.tls.client if self.tls is not None else None,
+                                  max_message=MAX_LINK_MESSAGE, timeout=CONNECT_TIMEOUT_S + 5.0,
+                                  read_coalesce_s=self.read_coalesce_s, lane=True)
+            except (TimeoutError, OSError, ValueError) as exc:
+                log.warning("peer %s: lane %d not opened: %s", c.addr, n, exc)
+                return
+            why = None
+            try:
+                ident = self._tls_identity(link.get_extra_info("ssl_object"), c.addr)
+                if c.identity is not None and (ident is None or ident[0] != c.identity[0]):
+                    raise ProtocolError("another node answered")
+                await link.send(stripes.pack_lane(token, n))
+                echo = await asyncio.wait_for(link.recv(), CONNECT_TIMEOUT_S + 5.0)
+                if echo is None:
+                    why = link.reason or "closed"
+                elif isinstance(echo, Placed) or bytes(echo) != stripes.pack_lane(token, n):
+                    why = "no lane acceptance"
+            except (ProtocolError, TimeoutError, ConnectionError) as exc:
+                why = str(exc) or type(exc).__name__
+            if why is not None or c.closing or c.id not in self.conns:
+                self.lanes_refused += why is not None
+                if why is not None:
+                    log.warning("peer %s: lane %d refused: %s", c.addr, n, why)
+                await link.close("lane not taken")
+                return
+            lane = self._attach_lane(c, n, link)
+            lane.reader = self._spawn(self._lane_reader(c, lane))
+
+    async def _accept_lane(self, link: Link, identity: tuple[str, str, str] | None,
+                           addr: str) -> None:
+        """A connection that says it is a lane: its first message names the link (token)."""
+        why = None
+        c = None
+        try:
+            first = await asyncio.wait_for(link.recv(), self.guard.upgrade_timeout_s)
+            if first is None or isinstance(first, Placed):
+                raise ProtocolError("no lane message")
+            token, n = stripes.unpack_lane(first)
+            c = self.conns.get(self.lane_tokens.get(token, -1))
+            if c is None or c.closing or not self.core.authenticated(c.id):
+                raise ProtocolError("no link offered that token")
+            if c.identity is not None and (identity is None or identity[0] != c.identity[0]):
+                raise ProtocolError("a lane of another node's link")
+            if any(lane.n == n for lane in c.lanes) or len(c.lanes) >= stripes.MAX_LANES - 1:
+                raise ProtocolError(f"lane {n} is taken")
+            link.send_nowait(first)  # accepted: the dialer attaches it too
+        except (ProtocolError, TimeoutError, ConnectionError) as exc:
+            why = str(exc) or type(exc).__name__
+        if why is not None or c is None:
+            self.lanes_refused += 1
+            log.warning("lane from %s refused: %s", addr, why)
+            await link.close(f"lane refused: {why}")
+            return
+        lane = self._attach_lane(c, n, link)
+        await self._lane_reader(c, lane)
+
+    def _attach_lane(self, c: Conn, n: int, link: Link) -> Lane:
+        sock = link.get_extra_info("socket")
+        limit_unsent(sock, self.unsent_limit)
+        self._congestion(sock)
+        link.place_with(lambda header, k: self._place_lane(c, header, k), stripes.STRIPE_HEADER_LEN)
+        lane = Lane(n, link, sock)
+        c.lanes.append(lane)
+        self.lanes_opened += 1
+        log.info("peer %s: lane %d open (%d connections)", c.addr, n, 1 + len(c.lanes))
+        c.wake.set()
+        return lane
+
+    def _place_lane(self, c: Conn, header: bytes, n: int) -> memoryview | None:
+        if c.id not in self.conns or stripes.magic_of(header) != stripes.STRIPE_MAGIC:
+            return None
+        return self._stripes(c).place(header, n)
+
+    async def _lane_reader(self, c: Conn, lane: Lane) -> None:
+        """A lane carries striped blocks and nothing else; when it ends, its link ends."""
+        reason = "closed by peer"
+        try:
+            while True:
+                data = await lane.link.recv()
+                if data is None:
+                    reason = lane.link.reason or reason
+                    break
+                self.wire_bytes["received"] += len(data)
+                if c.id not in self.conns:
+                    return
+                if isinstance(data, Placed):
+                    await self._stripe_block(c, data.header, self._stripes(c).placed(data.header))
+                elif stripes.magic_of(data) == stripes.STRIPE_MAGIC:
+                    await self._on_striped(c, data)
+                else:
+                    reason = "a lane carries chunk blocks only"
+                    break
+        except ProtocolError as exc:
+            reason = str(exc)
+        except (TimeoutError, ConnectionError) as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+        finally:
+            with contextlib.suppress(Exception):
+                await lane.link.close(reason[:200])
+        if c.id in self.conns and not c.closing:
+            await self._drop(c, f"lane {lane.n}: {reason}")
+
+    def _lanes_end(self, c: Conn) -> None:
+        """``c`` closed: so do its lanes; its offered token is void."""
+        if c.lane_token is not None and self.lane_tokens.get(c.lane_token) == c.id:
+            del self.lane_tokens[c.lane_token]
+        for lane in c.lanes:
+            lane.link.abort()
+
+    async def _on_striped(self, c: Conn, data: bytes | bytearray) -> None:
+        """A striped link's messages (``swarm.protocol.stripes``): blocks, DONE, PSW2, PST2."""
+        if not self.core.authenticated(c.id):
+            await self._drop(c, "striped link message before the handshake")
+            return
+        magic = stripes.magic_of(data)
+        try:
+            if magic == stripes.STRIPE_MAGIC:
+                await self._stripe_block(c, data, self._stripes(c).feed(data))
+            elif magic == stripes.DONE_MAGIC:
+                seq = stripes.unpack_done(data)
+                if seq not in c.unfinished:
+                    raise ProtocolError(f"done for striped chunk {seq}, not one we sent")
+                c.unfinished.discard(seq)
+                c.wake.set()
+            elif magic == stripes.WITHDRAW_MAGIC:
+                seq, v, i = stripes.unpack_withdraw(data)
+                self._stripes(c).withdraw(seq)
+                c.ctrl.append(stripes.pack_done(seq))
+                c.wake.set()
+                log.info("peer %s withdrew chunk %d of version %d", c.addr, i, v)
+                a = self.arrivals.get((v, i))
+                if a is not None and a.conn == c.id:
+                    self._arrival_failed((v, i), a)
+                self.feed(ev.ChunkWithdrawn(self.now(), c.id, v, i))
+            elif magic == stripes.OFFER_MAGIC:
+                if c.outbound or c.lane_token is not None:
+                    raise ProtocolError("a lane offer from the side that accepted the link")
+                c.lane_token = stripes.unpack_offer(data)
+                self.lane_tokens[c.lane_token] = c.id
+        except ProtocolError as exc:
+            await self._drop(c, str(exc))
+
+    async def _stripe_block(self, c: Conn, header: bytes | bytearray | memoryview,
+                            whole: stripes.Whole | None) -> None:
+        """A striped block is in (``whole``: its chunk is complete): as ``_block_done``."""
+        if whole is not None:
+            seq, v, i, payload = whole
+            c.ctrl.append(stripes.pack_done(seq))
+            c.wake.set()
+            await self._on_chunk(c, (v, i, payload))
+            return
+        asm = c.stripes
+        if asm is None or len(header) < stripes.STRIPE_HEADER_LEN:
+            return
+        seq, v, where = stripes.unpack_where(header)
+        key = (v, where >> stripes.BLOCK_BITS)
+        ch = asm.open.get(seq)
+        if ch is not None:  # not a late block of a withdrawn chunk
+            a = self.arrivals.get(key)
+            if a is None:  # its first block: a RELAY may go on from here
+                a = self.arrivals[key] = Arrival(c.id, ch.buf, ch.length, t0=self.now())
+                self.feed(ev.ChunkArriving(self.now(), c.id, *key))
+            if a.conn == c.id:
+                a.got = asm.prefix(seq)
+                if a.watchers:
+                    a.changed()
+        now = self.now()
+        if now - c.heard_at >= 0.25:
+            c.heard_at = now
+            self.feed(ev.Progress(now, c.id))
 
     def _chunk_ended(self, c: Conn) -> None:
         """``c``'s chunk is all handed to the kernel: look at the link's unacknowledged
@@ -762,8 +1081,11 @@ class Driver:
         """Where a block arriving on ``c`` goes (``Link.place_with``): its slice of the
         chunk buffer, for an authenticated peer's block; None leaves the message whole
         (``_on_block`` then takes or refuses it). ``ProtocolError`` closes the link."""
-        if (c.id not in self.conns or not wire.is_block_message(header)
-                or not self.core.authenticated(c.id)):
+        if c.id not in self.conns or not self.core.authenticated(c.id):
+            return None
+        if stripes.magic_of(header) == stripes.STRIPE_MAGIC:
+            return self._stripes(c).place(header, n)
+        if not wire.is_block_message(header):
             return None
         return c.blocks.place(header, n)
 

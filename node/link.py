@@ -46,6 +46,9 @@ from typing import Any
 from swarm.errors import ProtocolError
 
 PREFACE = b"PSL1"
+# a dialer's preface for an extra connection of a striped link (a lane,
+# swarm.protocol.stripes); the server answers PREFACE either way
+LANE_PREFACE = b"PSLN"
 HEADER = struct.Struct(">I")
 CLOSE_BIT = 0x8000_0000
 MAX_REASON = 1024
@@ -92,8 +95,11 @@ class LinkProtocol(asyncio.BufferedProtocol):
                  admit: Callable[[str], bool] | None = None,
                  release: Callable[[str], None] | None = None,
                  deadline_s: float | None = None,
-                 on_deadline: Callable[[], None] | None = None) -> None:
+                 on_deadline: Callable[[], None] | None = None,
+                 preface: bytes = PREFACE) -> None:
         self.max_message = max_message
+        self.preface = preface  # what a dialer sends (PREFACE, or LANE_PREFACE for a lane)
+        self.lane = False  # server: the dialer opened this connection as a lane
         self.server_side = server_side
         self.tls = tls
         self.coalesce_s = coalesce_s
@@ -152,7 +158,7 @@ class LinkProtocol(asyncio.BufferedProtocol):
         if self.deadline_s is not None:
             self.deadline = self.loop.call_later(self.deadline_s, self._expire)
         if not self.server_side:  # a server answers the dialer's preface (so it can hand
-            transport.write(PREFACE)  # type: ignore[attr-defined]  # anything else to HTTP)
+            transport.write(self.preface)  # type: ignore[attr-defined]  # anything else to HTTP)
 
     def _expire(self) -> None:
         self.deadline = None
@@ -238,9 +244,11 @@ class LinkProtocol(asyncio.BufferedProtocol):
         buf, pos, fill = self.scratch, 0, self.sfill
         if not self.preface_seen:
             if fill < len(PREFACE) and any(x.startswith(bytes(buf[:fill]))
-                                           for x in (PREFACE, b"HTTP", b"GET ")):
+                                           for x in (PREFACE, LANE_PREFACE, b"HTTP", b"GET ")):
                 return  # wait for four bytes to judge them
-            if bytes(buf[:len(PREFACE)]) != PREFACE:
+            if self.server_side and bytes(buf[:len(PREFACE)]) == LANE_PREFACE:
+                self.lane = True
+            elif bytes(buf[:len(PREFACE)]) != PREFACE:
                 if self.fallback is not None and self.fallback(self, bytes(buf[:fill])):
                     self.closed = self.handed_over = True
                     return
@@ -391,6 +399,35 @@ class Link:
     def closed(self) -> bool:
         return self._p.closed
 
+    @property
+    def is_lane(self) -> bool:
+        """The dialer opened this connection as a lane of a striped link (server side)."""
+        return self._p.lane
+
+    @property
+    def writable(self) -> bool:
+        """Whether a message written now goes out without waiting for the socket to drain."""
+        p = self._p
+        return not p.write_paused and not p.closed
+
+    def buffered(self) -> int:
+        """Bytes written and not yet handed to the socket (the transport's buffer)."""
+        t = self._p.transport
+        return t.get_write_buffer_size() if t is not None else 0
+
+    def drained(self) -> asyncio.Future:
+        """A future done once the link takes writes again (at once if it does now); it
+        fails with ``LinkClosed`` if the link closes first."""
+        p = self._p
+        fut = asyncio.get_running_loop().create_future()
+        if p.closed:
+            fut.set_exception(LinkClosed(p.reason or "link closed"))
+        elif not p.write_paused:
+            fut.set_result(None)
+        else:
+            p.drainers.append(fut)
+        return fut
+
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         t = self._p.transport
         return t.get_extra_info(name, default) if t is not None else default
@@ -421,6 +458,17 @@ class Link:
     async def send(self, *parts: bytes | bytearray | memoryview) -> int:
         """Send one message made of ``parts``; waits while the socket is backed up.
         Returns the message's length (its 4-byte header not counted)."""
+        n = self.send_nowait(*parts)
+        p = self._p
+        if p.write_paused:
+            d = asyncio.get_running_loop().create_future()
+            p.drainers.append(d)
+            await d
+        return n
+
+    def send_nowait(self, *parts: bytes | bytearray | memoryview) -> int:
+        """Write one message made of ``parts`` without waiting for the socket (``drained``
+        says when it takes more); its length, as ``send``."""
         p = self._p
         if p.closed or p.transport is None or p.transport.is_closing():
             raise LinkClosed(p.reason or "link closed")
@@ -438,10 +486,6 @@ class Link:
             while rest and len(rest[0]) <= 64:
                 head.append(bytes(rest.pop(0)))
             p.transport.writelines([b"".join(head), *rest])
-        if p.write_paused:
-            d = asyncio.get_running_loop().create_future()
-            p.drainers.append(d)
-            await d
         return n
 
     async def close(self, reason: str = "") -> None:
@@ -469,11 +513,14 @@ class Link:
 
 
 async def dial(host: str, port: int, *, ssl_context: ssl.SSLContext | None, max_message: int,
-               timeout: float, read_coalesce_s: float = READ_COALESCE_S) -> Link:
+               timeout: float, read_coalesce_s: float = READ_COALESCE_S,
+               lane: bool = False) -> Link:
     """Connect, run the TLS handshake, exchange prefaces; bounded by ``timeout`` as a whole.
+    ``lane``: open it as an extra connection of a striped link (``LANE_PREFACE``).
     Raises ``OSError`` (``ConnectionError``, ``ssl.SSLError``) or ``TimeoutError``."""
     loop = asyncio.get_running_loop()
-    proto = LinkProtocol(max_message, tls=ssl_context is not None, coalesce_s=read_coalesce_s)
+    proto = LinkProtocol(max_message, tls=ssl_context is not None, coalesce_s=read_coalesce_s,
+                         preface=LANE_PREFACE if lane else PREFACE)
 
     async def connect() -> None:
         extra: dict[str, Any] = {}

@@ -595,10 +595,16 @@ class Simulation:
         peer.conns[theirs.cid] = theirs
         mine.fifo = theirs.fifo = now + lat
         if self.sc.slow_start:
-            mine.cwnd = theirs.cwnd = self.sc.initial_window * (self.sc.mss + self.sc.header_bytes)
+            mine.cwnd = theirs.cwnd = self._initial_window(node, peer)
         # SYN-ACK reaches the dialler before any byte the listener sends: schedule it first
         self.engine.schedule(now + lat, self._connected, (mine, addr))
         self._deliver(peer, peer.inc, ev.PeerConnected(now, theirs.cid, False, node.addr))
+
+    def _initial_window(self, a: SimNode, b: SimNode) -> float:
+        """A new connection's window, bytes: a cross-region link striped over
+        ``Scenario.lanes`` connections starts with that many windows."""
+        iw = self.sc.initial_window * (self.sc.mss + self.sc.header_bytes)
+        return iw * self.sc.lanes if a.ep.site != b.ep.site else iw
 
     def _connected(self, item: tuple[Half, str]) -> None:
         half, addr = item
@@ -783,7 +789,7 @@ class Simulation:
         rto = half.rtt + 0.2
         if idle <= rto or half.rtt <= 0.0:
             return
-        iw = self.sc.initial_window * (self.sc.mss + self.sc.header_bytes)
+        iw = self._initial_window(half.node, half.peer.node)
         w = min(cap, min(r.cap for r in res)) * half.rtt if half.cwnd == INF else half.cwnd
         half.cwnd = max(float(iw), w / 2.0 ** min(60, int(idle // rto)))
         self.idle_restarts += 1

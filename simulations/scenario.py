@@ -195,6 +195,12 @@ class Scenario:
     # unused, RFC 2861, and restarts an idle one: Simulation._idle_restart); loss-based
     # congestion only: Linux exempts BBR (a congestion control with its own cong_control)
     idle_restart: bool = True
+    # what-if, not built in the node (which has 1): each cross-region peer link stripes a
+    # chunk over this many TCP connections, each with its own window and loss ceiling.
+    # Modelled as one flow with ``lanes`` x the per-flow loss ceiling and x the initial
+    # window; on a shared bottleneck it still takes one flow's share (docs/simulation.md
+    # round 24)
+    lanes: int = 1
     encode_s: float = 0.0  # trainer: time from the publish call to the hand-off to its core
     host_cores: int = 0  # > 0: every node shares one CPU of this many cores (one emulation box)
     max_time_s: float = 3600.0
@@ -456,6 +462,7 @@ def parse_scenario(data: dict[str, Any], default_name: str = "scenario") -> Scen
     slow_start = net.bool("slow_start", False)
     iw = net.int("initial_window", 10, lo=1, hi=1000)
     idle_restart = net.bool("idle_restart", True)
+    lanes = net.int("lanes", 1, lo=1, hi=64)
     net.done()
 
     ct = top.table("cpu")
@@ -621,6 +628,7 @@ def parse_scenario(data: dict[str, Any], default_name: str = "scenario") -> Scen
         slow_start=slow_start,
         initial_window=iw,
         idle_restart=idle_restart,
+        lanes=lanes,
         encode_s=encode_s,
         host_cores=host_cores,
         max_time_s=max_time,

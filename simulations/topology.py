@@ -81,8 +81,10 @@ class Topology:
                 lat = link.latency_ms / 1000.0
                 topo.latency[(a, b)] = lat
                 topo.loss[(a, b)] = link.loss
-                # a flow's RTT: this link's one-way latency there and back
-                topo.flow_cap[(a, b)] = flow_ceiling(sc.congestion, sc.mss, 2 * lat, link.loss)
+                # a flow's RTT: this link's one-way latency there and back; a link striped
+                # over ``lanes`` connections has as many ceilings (Scenario.lanes)
+                topo.flow_cap[(a, b)] = sc.lanes * flow_ceiling(sc.congestion, sc.mss, 2 * lat,
+                                                                link.loss)
         return topo
 
     def queue_delay(self, src: str, dst: str) -> float:

@@ -73,10 +73,12 @@ def test_a_knob_ab_over_a_scenario(tmp_path, capsys):
 
 def test_cli_refuses_knobs_without_versions_and_bad_input_before_running(tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_sim.py")]
-    out = subprocess.run([*cmd, "--swarm", "uplink_window=2"], capture_output=True, text=True)
-    assert out.returncode == 2 and "--swarm and --against go with" in out.stderr
+    for extra in (["--swarm", "uplink_window=2"], ["--lanes", "4"]):
+        out = subprocess.run([*cmd, *extra], capture_output=True, text=True)
+        assert out.returncode == 2 and "--swarm, --lanes and --against go with" in out.stderr
     res = tmp_path / "out.json"
     for extra, msg in ((["--swarm", "uplink_window=0"], "swarm.uplink_window: must be"),
+                       (["--lanes", "0"], "--lanes: a count in 1..64"),
                        (["--against", str(tmp_path / "none.json")], "--against: cannot read")):
         out = subprocess.run([*cmd, "--scenarios", "--versions", "2", "--out", str(res), *extra],
                              capture_output=True, text=True)

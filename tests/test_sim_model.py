@@ -74,7 +74,7 @@ class Wire:
         src.conns[cid], dst.conns[cid] = mine, theirs
         src.alive = dst.alive = True
         if self.sim.sc.slow_start:
-            mine.cwnd = theirs.cwnd = self.sim.sc.initial_window * (self.sim.sc.mss + self.sim.sc.header_bytes)
+            mine.cwnd = theirs.cwnd = self.sim._initial_window(src, dst)
         return mine
 
     def node(self, region: str, i: int):
@@ -248,6 +248,46 @@ def test_chunks_on_one_connection_share_its_one_flow():
     w.chunk(a0, MiB, 1)
     w.run()
     assert w.chunks[-1][0] == pytest.approx(2 * MiB / cap + 0.075, rel=1e-3)
+
+
+@pytest.mark.parametrize("lanes", [1, 4, 16])
+def test_a_striped_link_has_a_loss_ceiling_per_lane(lanes):
+    """``network.lanes`` (what-if): a cross-region link striped over k connections takes
+    a chunk at k Mathis ceilings; a link inside a region stays one connection."""
+    sc = lossy(lanes=lanes)
+    cap = mathis_cap(1460, 0.150, 0.01)
+    assert sc.lanes == lanes
+    w = Wire(sc)
+    a0, b0, a1 = w.node("a", 0), w.node("b", 0), w.node("a", 1)
+    w.connect(a0, b0)
+    w.chunk(a0, MiB)
+    w.run()
+    assert w.chunks[0][0] == pytest.approx(MiB / (lanes * cap) + 0.075, rel=1e-3)
+    assert w.sim.topo.flow_cap[("a", "a")] == math.inf  # 1 ms inside, no loss
+    assert w.sim._initial_window(a0, a1) == 10 * 1460
+
+
+def test_a_striped_link_starts_with_a_window_per_lane():
+    """k fresh connections open k initial windows at once: 1 MiB over 80 ms RTT on 4 lanes
+    needs the rounds one lane needs for 256 KiB (IW10 x 4, doubling per RTT)."""
+    def first_chunk(lanes: int) -> float:
+        sc = two_site(defaults={"uplink_mbps": 1000, "downlink_mbps": 1000, "latency_ms": 0.5},
+                      network={"slow_start": True, "lanes": lanes})
+        w = Wire(sc)
+        w.connect(w.node("a", 0), w.node("b", 0))
+        w.chunk(w.node("a", 0), MiB)
+        w.run()
+        return w.chunks[0][0]
+
+    one, four = first_chunk(1), first_chunk(4)
+    assert four < one - 0.15  # two round trips of 80 ms fewer
+    iw, rtt = 4 * 10 * 1460, 0.080
+    rounds = next(r for r in range(1, 20) if iw * (2**r - 1) >= MiB)
+    sent = iw * (2 ** (rounds - 1) - 1)
+    assert four == pytest.approx((rounds - 1) * rtt + (MiB - sent) / (iw * 2 ** (rounds - 1) / rtt)
+                                 + 0.040, rel=1e-3)
+    with pytest.raises(ConfigError, match=r"network\.lanes"):
+        two_site(network={"lanes": 0})
 
 
 def test_slow_start_ramps_a_new_connection():
