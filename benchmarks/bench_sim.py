@@ -171,7 +171,7 @@ def run_versions(only: list[str] | None, versions: int, seeds: list[int], out: P
                  before: dict[str, dict] | None = None, lanes: int = 1) -> int:
     """Each issue-11 scenario, ``versions`` versions in a row, per seed -> ``out`` (JSON),
     with ``knobs`` set in each (``--swarm``); ``before``: an earlier such result to compare
-    with (``load_against``); ``lanes``: the striping what-if (``Scenario.lanes``)."""
+    with (``load_against``); ``lanes``: striped links (``Scenario.lanes``, the node's ``[network] lanes``)."""
     from statistics import mean
 
     results: dict[str, dict] = {}
@@ -238,9 +238,9 @@ def main() -> int:
                     help="with --scenarios --versions: set a protocol knob in every scenario "
                          "(VALUE in JSON), e.g. --swarm uplink_window=24; repeatable")
     ap.add_argument("--lanes", type=int, default=1, metavar="N",
-                    help="with --scenarios --versions: what-if, not built in the node: every "
-                         "cross-region link stripes each chunk over N TCP connections "
-                         "(network.lanes in a scenario file; default 1)")
+                    help="with --scenarios --versions: every cross-region link stripes each "
+                         "chunk over N TCP connections (the node's [network] lanes; "
+                         "network.lanes in a scenario file; default 1)")
     ap.add_argument("--against", type=Path, default=None, metavar="FILE",
                     help="with --scenarios --versions: an earlier result file; print and keep "
                          "each mean's change against it")

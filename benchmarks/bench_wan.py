@@ -152,7 +152,7 @@ NETWORK_KNOBS = (
      "the longest a peer link holds its socket to read a batch (2: round 12's fixed hold)"),
     ("--lanes", "lanes", int, "N",
      "connections per link to a peer in another region, chunks striped over them "
-     "(docs/striped-links.md; shipped 0 = auto: 8 under CUBIC or Reno, 1 under BBR)"),
+     "(docs/striped-links.md; shipped 1)"),
 )
 
 
@@ -828,17 +828,6 @@ def summary_line(row: dict[str, Any]) -> str:
             f"holders {row['holders']['cpu_s']} CPU-s / {row['holders']['packets']} pkts{later}")
 
 
-def _lanes_in_use(args: argparse.Namespace) -> int:
-    """The lanes the nodes' links to other regions got (``[network] lanes``, 0 = auto:
-    ``node.driver.Driver.lanes_wanted``)."""
-    from node.driver import AUTO_LANES
-    from simulations.network import LOSS_BASED
-
-    if args.lanes:
-        return int(args.lanes)
-    return AUTO_LANES if (args.congestion or "bbr") in LOSS_BASED else 1
-
-
 def simulate(args: argparse.Namespace, result: dict[str, Any]) -> dict[str, Any] | None:
     """The simulator's ``wan-3x4`` with this run's measured node CPU, apply CPU (the
     nodes' own: what their applies after the last chunk cost) and hand-off
@@ -860,7 +849,7 @@ def simulate(args: argparse.Namespace, result: dict[str, Any]) -> dict[str, Any]
         apply_cpu_s_per_gb=statistics.median(tails) / (size / 1e9),
         regions=result["regions"], hosts_per_region=result["hosts_per_region"],
         uplink_mbit=args.uplink_mbit, delay_ms=args.delay_ms, loss=args.loss,
-        lanes=_lanes_in_use(args), congestion=args.congestion or "bbr")
+        lanes=args.lanes or 1, congestion=args.congestion or "bbr")
     if sc is None:
         print("simulator: no scenario file for this shape (configs/sim/wan-3x4.toml is 3x4, "
               "100 Mbit uplinks)")

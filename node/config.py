@@ -124,10 +124,10 @@ class NodeConfig:
     # BBR started over on a link whose chunk runs this long, or starts after idle (0: never;
     # node.tcp.CongestionRestart)
     congestion_restart_s: float = 1.0
-    # connections per link to a peer in another region, the dialer's choice (1: one; 0:
-    # auto, node.driver.Driver.lanes_wanted; docs/striped-links.md); they count against
-    # max_connections_per_ip
-    lanes: int = 0
+    # connections a link that carries chunks to another region stripes them over, the
+    # dialer's choice (1: one; docs/striped-links.md); they count against the other
+    # side's max_connections and max_connections_per_ip
+    lanes: int = 1
     gateway: GatewayConfig | None = None  # the version-pinned request gateway (None: off)
     warm_memory_mib: int = DEFAULT_WARM_MEMORY_MIB  # heap touched once at start (node.daemon.warm_heap)
 
@@ -458,7 +458,7 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = Non
         "max_connections": _int_in(net, "max_connections", 1024, 1, 1_000_000),
         "max_connections_per_ip": _int_in(net, "max_connections_per_ip", 32, 1, 1_000_000),
         "unsent_limit_kib": _int_in(net, "unsent_limit_kib", 128, 0, 1 << 20),
-        "lanes": _int_in(net, "lanes", 0, 0, 16),
+        "lanes": _int_in(net, "lanes", 1, 1, 16),
     }
     upgrade = _get(net, "network", "upgrade_timeout_s", (int, float), 10.0)
     if isinstance(upgrade, bool) or not 0.1 <= upgrade <= 600:

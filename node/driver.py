@@ -92,7 +92,6 @@ MAX_LINK_MESSAGE = wire.CHUNK_HEADER_LEN + wire.MAX_CHUNK_BYTES
 _STRIPED = (stripes.STRIPE_MAGIC, stripes.DONE_MAGIC, stripes.WITHDRAW_MAGIC, stripes.OFFER_MAGIC)
 SEND_QUEUE_LIMIT = 4096  # frames queued per peer before it is dropped as too slow
 CONNECT_TIMEOUT_S = 5.0
-AUTO_LANES = 8  # [network] lanes = 0 (auto) on a host whose peer sockets run CUBIC or Reno
 AHEAD_GRACE_TRIES = 3  # probes an engine ahead of a restarted node is given before a rebuild
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
            "error": logging.ERROR}
@@ -247,11 +246,10 @@ class Driver:
                  read_coalesce_s: float = READ_COALESCE_S,
                  congestion: str = CONGESTION_CONTROL,
                  congestion_restart_s: float = CONGESTION_RESTART_S,
-                 lanes: int = 0) -> None:
+                 lanes: int = 1) -> None:
         self.core = core
-        # connections per link to a peer in another region (1: no striping; 0: auto,
-        # ``lanes_wanted``)
-        self.lanes = max(0, min(int(lanes), stripes.MAX_LANES))
+        # connections per link that carries chunks to another region (1: no striping)
+        self.lanes = max(1, min(int(lanes), stripes.MAX_LANES))
         self.lane_tokens: dict[bytes, int] = {}  # offered tokens -> conn (acceptor)
         self.lanes_opened = 0
         self.lanes_refused = 0
@@ -621,8 +619,6 @@ class Driver:
                     await self._on_striped(c, data)
                 else:
                     self.feed(ev.FrameReceived(self.now(), c.id, bytes(data)))
-                    if not c.laning and c.outbound and self.lanes_wanted() > 1:
-                        self._open_lanes_once_ready(c)
         except (TimeoutError, ConnectionError) as exc:
             reason = f"{type(exc).__name__}: {exc}"
         finally:
@@ -673,6 +669,8 @@ class Driver:
                     stream = self.arrivals.get((v, i)) if arriving else None
                     started = self.now()
                     striped, seq = bool(c.lanes), None
+                    if not c.laning:
+                        self._chunks_flow(c)
                     if stream is not None:
                         stream.watchers.append(c)
                         sending, offset = (v, i, stream.buf), 0
@@ -802,29 +800,24 @@ class Driver:
             c.stripes = stripes.StripedAssembler(alloc=aligned_buffer)
         return c.stripes
 
-    def lanes_wanted(self) -> int:
-        """Connections a link we dial to another region gets: ``[network] lanes``, or with
-        0 (auto) ``AUTO_LANES`` where the peer sockets run a loss-based congestion control
-        (one such flow is held near the Mathis ceiling on a long lossy path) and one where
-        they run BBR, which random loss does not cap (docs/striped-links.md)."""
-        if self.lanes:
-            return self.lanes
-        cc = self.congestion_in_use
-        return AUTO_LANES if cc is not None and not keeps_window_across_idle(cc) else 1
-
-    def _open_lanes_once_ready(self, c: Conn) -> None:
-        """The dialer of a link to a peer in another region: once the handshake is done,
-        offer a token on the link and open ``lanes - 1`` more connections with it."""
-        if not self.core.authenticated(c.id):
+    def _chunks_flow(self, c: Conn) -> None:
+        """A chunk starts on ``c``, either way. If we dialed it and it goes to another
+        region, offer a token on it and open ``[network] lanes - 1`` more connections
+        with it (once per link): only links that carry chunks between regions (the
+        origin's to the borders, the borders' to each other) get lanes, not every
+        node's link to the tracker."""
+        if c.laning or not c.outbound or not self.core.authenticated(c.id):
             return
         c.laning = True
+        if self.lanes <= 1:
+            return
         region = self.core.peer_region(c.id)
         if region is None or region == self.core.cfg.region:
             return
         c.lane_token = os.urandom(stripes.TOKEN_BYTES)
         c.ctrl.append(stripes.pack_offer(c.lane_token))
         c.wake.set()
-        self._spawn(self._open_lanes(c, c.lane_token, self.lanes_wanted()))
+        self._spawn(self._open_lanes(c, c.lane_token, self.lanes))
 
     async def _open_lanes(self, c: Conn, token: bytes, lanes: int) -> None:
         host, _, port = c.addr.rpartition(":")
@@ -1090,6 +1083,8 @@ class Driver:
         return c.blocks.place(header, n)
 
     async def _block_done(self, c: Conn, whole: tuple[int, int, memoryview] | None) -> None:
+        if not c.laning:
+            self._chunks_flow(c)
         if whole is None:
             key = c.blocks.pending
             a = self.arrivals.get(key)  # type: ignore[arg-type]

@@ -195,11 +195,10 @@ class Scenario:
     # unused, RFC 2861, and restarts an idle one: Simulation._idle_restart); loss-based
     # congestion only: Linux exempts BBR (a congestion control with its own cong_control)
     idle_restart: bool = True
-    # what-if, not built in the node (which has 1): each cross-region peer link stripes a
-    # chunk over this many TCP connections, each with its own window and loss ceiling.
-    # Modelled as one flow with ``lanes`` x the per-flow loss ceiling and x the initial
-    # window; on a shared bottleneck it still takes one flow's share (docs/simulation.md
-    # round 24)
+    # the node's [network] lanes: each cross-region peer link stripes a chunk over this
+    # many TCP connections, each with its own window and loss ceiling. Modelled as one
+    # flow with ``lanes`` x the per-flow loss ceiling and x the initial window; on a shared
+    # bottleneck it still takes one flow's share (docs/striped-links.md)
     lanes: int = 1
     encode_s: float = 0.0  # trainer: time from the publish call to the hand-off to its core
     host_cores: int = 0  # > 0: every node shares one CPU of this many cores (one emulation box)

@@ -47,7 +47,7 @@ def test_valid_config_resolves_paths_and_core_knobs(tmp_path: Path) -> None:
     assert cfg.congestion_restart_s == 1.0
     assert parse_config(_doc(network={"congestion_restart_s": 0}),
                         tmp_path).congestion_restart_s == 0
-    assert cfg.lanes == 0  # auto: node.driver.Driver.lanes_wanted
+    assert cfg.lanes == 1
     assert parse_config(_doc(network={"lanes": 8}), tmp_path).lanes == 8
 
 
@@ -67,7 +67,7 @@ def test_valid_config_resolves_paths_and_core_knobs(tmp_path: Path) -> None:
     ({"network": {"read_coalesce_ms": -1}}, "network.read_coalesce_ms"),
     ({"network": {"read_coalesce_ms": 51}}, "network.read_coalesce_ms"),
     ({"network": {"read_coalesce_ms": True}}, "network.read_coalesce_ms"),
-    ({"network": {"lanes": -1}}, "network.lanes"),
+    ({"network": {"lanes": 0}}, "network.lanes"),
     ({"network": {"lanes": 17}}, "network.lanes"),
     ({"network": {"lanes": "4"}}, "network.lanes"),
     ({"network": {"congestion_restart_s": 0.01}}, "network.congestion_restart_s"),

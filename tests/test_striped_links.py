@@ -152,20 +152,6 @@ async def _withdrawn() -> None:
         assert c.unfinished == {0}  # until the peer's DONE
 
 
-def test_auto_lanes_stripe_where_the_peer_sockets_run_a_loss_based_algorithm() -> None:
-    async def wanted(lanes: int, cc: str | None) -> int:
-        drv = _driver([])
-        drv.lanes = lanes
-        drv.congestion_in_use = cc
-        return drv.lanes_wanted()
-
-    from node.driver import AUTO_LANES
-
-    assert asyncio.run(wanted(0, "cubic")) == asyncio.run(wanted(0, "reno")) == AUTO_LANES
-    assert asyncio.run(wanted(0, "bbr")) == asyncio.run(wanted(0, None)) == 1
-    assert asyncio.run(wanted(3, "bbr")) == 3 and asyncio.run(wanted(1, "cubic")) == 1
-
-
 def _node_logs(fleet: Any) -> str:
     return "".join(n.log.read_text(errors="replace") for n in fleet.nodes)
 
@@ -186,8 +172,11 @@ def test_a_fleet_with_lanes_moves_versions_and_refuses_stray_lanes(tls: bool) ->
             statuses = fleet.wait_version(pub["version"], timeout=120)
             assert {st["active_digest"] for st in statuses.values()} == {pub["digest"]}
             assert all(st["bad_chunks"] == 0 for st in statuses.values())
-        # each node links to the trainer and to the other region's two nodes: 3 x 2 lanes
-        assert all(st["transport"]["lanes_opened"] >= 6 for st in statuses.values()), statuses
+        # links that carried chunks between regions got 2 lanes each, counted at both ends
+        opened = {k: st["transport"]["lanes_opened"] for k, st in statuses.items()}
+        trainer = fleet.trainer_status()
+        assert trainer is not None and trainer["transport"]["lanes_opened"] >= 2, opened
+        assert sum(opened.values()) >= 4 and all(n % 2 == 0 for n in opened.values()), opened
         assert all(st["transport"]["lanes_refused"] == 0 for st in statuses.values())
         assert "lanes=3" in _node_logs(fleet) or "'lanes': 3" in _node_logs(fleet)
         target = fleet.nodes[0]
