@@ -50,7 +50,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
@@ -593,17 +593,18 @@ class Driver:
         c = self._register(link, True, addr, identity, link.get_extra_info("socket"))
         await self._reader(c)
 
+    async def _incoming(self, c: Conn, link: Link) -> AsyncIterator[bytes | bytearray | Placed]:
+        """``link``'s messages (counted) while it is open and ``c`` is a live link."""
+        while (data := await link.recv()) is not None:
+            self.wire_bytes["received"] += len(data)
+            if c.id not in self.conns:
+                return
+            yield data
+
     async def _reader(self, c: Conn) -> None:
         reason = "closed by peer"
         try:
-            while True:
-                data = await c.link.recv()
-                if data is None:
-                    reason = c.link.reason or reason
-                    break
-                self.wire_bytes["received"] += len(data)
-                if c.id not in self.conns:
-                    break
+            async for data in self._incoming(c, c.link):
                 if isinstance(data, Placed):
                     if stripes.magic_of(data.header) == stripes.STRIPE_MAGIC:
                         await self._stripe_block(c, data.header, c.stripes.placed(data.header))  # type: ignore[union-attr]
@@ -619,6 +620,7 @@ class Driver:
                     await self._on_striped(c, data)
                 else:
                     self.feed(ev.FrameReceived(self.now(), c.id, bytes(data)))
+            reason = c.link.reason or reason
         except (TimeoutError, ConnectionError) as exc:
             reason = f"{type(exc).__name__}: {exc}"
         finally:
@@ -903,14 +905,7 @@ class Driver:
         """A lane carries striped blocks and nothing else; when it ends, its link ends."""
         reason = "closed by peer"
         try:
-            while True:
-                data = await lane.link.recv()
-                if data is None:
-                    reason = lane.link.reason or reason
-                    break
-                self.wire_bytes["received"] += len(data)
-                if c.id not in self.conns:
-                    return
+            async for data in self._incoming(c, lane.link):
                 if isinstance(data, Placed):
                     await self._stripe_block(c, data.header, self._stripes(c).placed(data.header))
                 elif stripes.magic_of(data) == stripes.STRIPE_MAGIC:
@@ -918,6 +913,8 @@ class Driver:
                 else:
                     reason = "a lane carries chunk blocks only"
                     break
+            else:
+                reason = lane.link.reason or reason
         except ProtocolError as exc:
             reason = str(exc)
         except (TimeoutError, ConnectionError) as exc:

@@ -52,10 +52,11 @@ async def _link(messages: asyncio.Queue) -> tuple[LinkServer, Link]:
     return server, link
 
 
-def _driver(sent: list[ev.ChunkSent]) -> Driver:
+def _driver(sent: list[ev.ChunkSent], store: Any = None) -> Driver:
+    """A driver whose core hears nothing (never started), ``ChunkSent`` events kept in ``sent``."""
     core = NodeCore(CoreConfig(node_id="a", region="r", model="m", listen_addr="127.0.0.1:1"),
                     verify_manifest=lambda raw: None, rng=random.Random(0))
-    drv = Driver(core, _NoStore(), None, host="127.0.0.1", port=0)  # type: ignore[arg-type]
+    drv = Driver(core, store or _NoStore(), None, host="127.0.0.1", port=0)  # type: ignore[arg-type]
     drv.loop = asyncio.get_running_loop()  # the writer runs on it (Driver.start sets it)
     feed = drv.feed
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import random
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -23,9 +22,8 @@ from node.guard import ConnectionGuard
 from node.link import Link, LinkServer, dial
 from swarm.protocol import events as ev
 from swarm.protocol import stripes
-from swarm.protocol.config import CoreConfig
-from swarm.protocol.core import NodeCore
 from swarm.protocol.wire import BLOCK_BYTES
+from tests.test_cut_through import _driver
 
 N = 5 * BLOCK_BYTES + 1000  # six blocks, the last one short
 CHUNKS = {(2, i): os.urandom(N) for i in range(stripes.WINDOW + 2)}
@@ -34,22 +32,6 @@ CHUNKS = {(2, i): os.urandom(N) for i in range(stripes.WINDOW + 2)}
 class _Store:
     def read_chunk(self, v: int, i: int) -> bytes:
         return CHUNKS[(v, i)]
-
-
-def _driver(sent: list[ev.ChunkSent]) -> Driver:
-    core = NodeCore(CoreConfig(node_id="a", region="r", model="m", listen_addr="127.0.0.1:1"),
-                    verify_manifest=lambda raw: None, rng=random.Random(0))
-    drv = Driver(core, _Store(), None, host="127.0.0.1", port=0)  # type: ignore[arg-type]
-    drv.loop = asyncio.get_running_loop()
-    feed = drv.feed
-
-    def spy(e: ev.Event) -> None:
-        if isinstance(e, ev.ChunkSent):
-            sent.append(e)
-        feed(e)
-
-    drv.feed = spy  # type: ignore[method-assign]
-    return drv
 
 
 @contextlib.asynccontextmanager
@@ -72,7 +54,7 @@ async def _striped(lanes: int) -> AsyncIterator[tuple[Driver, Conn, asyncio.Queu
     links = [await dial("127.0.0.1", port, ssl_context=None, max_message=MAX_LINK_MESSAGE,
                         timeout=5) for _ in range(lanes)]
     sent: list[ev.ChunkSent] = []
-    drv = _driver(sent)
+    drv = _driver(sent, _Store())
     c = Conn(id=7, link=links[0], outbound=True, addr="peer")
     c.sock = links[0].get_extra_info("socket")
     c.lanes = [Lane(n, link, link.get_extra_info("socket")) for n, link in enumerate(links[1:], 1)]
