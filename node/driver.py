@@ -202,6 +202,7 @@ class Conn:
     lanes: list[Lane] = field(default_factory=list)
     lane_token: bytes | None = None
     laning: bool = False  # the dialer asked for lanes (once per link)
+    offer_taken: bool = False  # the dialer: the peer echoed our lane offer
     stripes: stripes.StripedAssembler | None = None
     seq: int = 0
     unfinished: set = field(default_factory=set)
@@ -816,10 +817,11 @@ class Driver:
         region = self.core.peer_region(c.id)
         if region is None or region == self.core.cfg.region:
             return
+        # the lanes are dialed once the peer echoes the offer (``_on_striped``): a lane
+        # whose token reached the peer before the offer would be refused
         c.lane_token = os.urandom(stripes.TOKEN_BYTES)
         c.ctrl.append(stripes.pack_offer(c.lane_token))
         c.wake.set()
-        self._spawn(self._open_lanes(c, c.lane_token, self.lanes))
 
     async def _open_lanes(self, c: Conn, token: bytes, lanes: int) -> None:
         host, _, port = c.addr.rpartition(":")
@@ -958,10 +960,19 @@ class Driver:
                     self._arrival_failed((v, i), a)
                 self.feed(ev.ChunkWithdrawn(self.now(), c.id, v, i))
             elif magic == stripes.OFFER_MAGIC:
-                if c.outbound or c.lane_token is not None:
-                    raise ProtocolError("a lane offer from the side that accepted the link")
-                c.lane_token = stripes.unpack_offer(data)
-                self.lane_tokens[c.lane_token] = c.id
+                token = stripes.unpack_offer(data)
+                if c.outbound:  # the peer took our offer: dial the lanes now
+                    if c.lane_token is None or token != c.lane_token or c.offer_taken:
+                        raise ProtocolError("a lane offer echo that answers no offer")
+                    c.offer_taken = True
+                    self._spawn(self._open_lanes(c, token, self.lanes))
+                    return
+                if c.lane_token is not None:
+                    raise ProtocolError("a second lane offer on one link")
+                c.lane_token = token
+                self.lane_tokens[token] = c.id
+                c.ctrl.append(stripes.pack_offer(token))  # taken: the dialer may open lanes
+                c.wake.set()
         except ProtocolError as exc:
             await self._drop(c, str(exc))
 
