@@ -459,11 +459,8 @@ class Link:
         """Send one message made of ``parts``; waits while the socket is backed up.
         Returns the message's length (its 4-byte header not counted)."""
         n = self.send_nowait(*parts)
-        p = self._p
-        if p.write_paused:
-            d = asyncio.get_running_loop().create_future()
-            p.drainers.append(d)
-            await d
+        if self._p.write_paused:
+            await self.drained()
         return n
 
     def send_nowait(self, *parts: bytes | bytearray | memoryview) -> int:
