@@ -42,6 +42,7 @@ from simulations.runner import run_strategy  # noqa: E402
 from simulations.scenario import load_scenario  # noqa: E402
 from swarm.errors import ConfigError  # noqa: E402
 from swarm.protocol.config import KNOB_RANGES, check_knobs  # noqa: E402
+from swarm.protocol.stripes import AUTO_LANES  # noqa: E402
 
 CASES = [
     ("fleet-10k", ("patchswarm",)),
@@ -168,7 +169,7 @@ def compare(results: dict[str, dict], before: dict[str, dict]) -> dict[str, list
 
 def run_versions(only: list[str] | None, versions: int, seeds: list[int], out: Path,
                  knobs: dict[str, object] | None = None,
-                 before: dict[str, dict] | None = None, lanes: int = 1) -> int:
+                 before: dict[str, dict] | None = None, lanes: int | str | None = None) -> int:
     """Each issue-11 scenario, ``versions`` versions in a row, per seed -> ``out`` (JSON),
     with ``knobs`` set in each (``--swarm``); ``before``: an earlier such result to compare
     with (``load_against``); ``lanes``: striped links (``Scenario.lanes``, the node's ``[network] lanes``)."""
@@ -182,8 +183,10 @@ def run_versions(only: list[str] | None, versions: int, seeds: list[int], out: P
                                  versions=versions)
         if knobs:
             sc = dataclasses.replace(sc, protocol={**sc.protocol, **knobs})
-        if lanes != 1:
-            sc = dataclasses.replace(sc, lanes=lanes)
+        if lanes == "auto":
+            sc = dataclasses.replace(sc, lanes=AUTO_LANES, lanes_auto=True)
+        elif lanes is not None:
+            sc = dataclasses.replace(sc, lanes=int(lanes), lanes_auto=False)
         per_seed = {}
         for seed in seeds or [sc.seed]:
             _, fig = run_strategy(sc, sc.strategies[0], seed=seed)
@@ -237,20 +240,23 @@ def main() -> int:
     ap.add_argument("--swarm", action="append", default=[], metavar="KNOB=VALUE",
                     help="with --scenarios --versions: set a protocol knob in every scenario "
                          "(VALUE in JSON), e.g. --swarm uplink_window=24; repeatable")
-    ap.add_argument("--lanes", type=int, default=1, metavar="N",
+    ap.add_argument("--lanes", type=lambda s: s if s == "auto" else int(s), default=None,
+                    metavar="N|auto",
                     help="with --scenarios --versions: every cross-region link stripes each "
                          "chunk over N TCP connections (the node's [network] lanes; "
-                         "network.lanes in a scenario file; default 1)")
+                         "network.lanes in a scenario file; auto: 4 on lossy links under "
+                         "CUBIC/Reno, as a node with lanes = \"auto\"; default: each "
+                         "file's, auto unless it says)")
     ap.add_argument("--against", type=Path, default=None, metavar="FILE",
                     help="with --scenarios --versions: an earlier result file; print and keep "
                          "each mean's change against it")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if ((args.swarm or args.against or args.lanes != 1)
+    if ((args.swarm or args.against or args.lanes is not None)
             and not (args.scenarios and (args.versions > 1 or args.seeds))):
         ap.error("--swarm, --lanes and --against go with --scenarios --versions N or --seeds")
-    if not 1 <= args.lanes <= 64:
-        ap.error("--lanes: a count in 1..64")
+    if args.lanes not in (None, "auto") and not 1 <= args.lanes <= 64:
+        ap.error("--lanes: a count in 1..64, or auto")
     if args.scenarios and (args.versions > 1 or args.seeds):
         try:
             knobs = parse_knobs(args.swarm)

@@ -150,9 +150,9 @@ NETWORK_KNOBS = (
      "shipped 1.0)"),
     ("--read-coalesce-ms", "read_coalesce_ms", float, "MS",
      "the longest a peer link holds its socket to read a batch (2: round 12's fixed hold)"),
-    ("--lanes", "lanes", int, "N",
-     "connections per link to a peer in another region, chunks striped over them "
-     "(docs/striped-links.md; shipped 1)"),
+    ("--lanes", "lanes", lambda s: s if s == "auto" else int(s), "N|auto",
+     "connections per link to a peer in another region, chunks striped over them; auto: "
+     "4 on a link found capped by random loss (docs/striped-links.md)"),
 )
 
 
@@ -570,6 +570,12 @@ def _figures(fleet: Any, meter: Meter, sts: dict[str, dict[str, Any]],
                             # BBR restarts on its links since the node started (cumulative)
                             "congestion_restarts": (st.get("transport") or {}).get(
                                 "congestion_restarts"),
+                            # striped links: lanes opened or accepted, links found capped
+                            # by random loss (lanes = "auto"); cumulative as well
+                            "lanes_opened": (st.get("transport") or {}).get("lanes_opened"),
+                            "loss_capped_links": (st.get("transport") or {}).get(
+                                "loss_capped_links"),
+                            "stripe_wants": (st.get("transport") or {}).get("stripe_wants"),
                             "proc": {k: io1[n.name].get(k, 0) - io0[n.name].get(k, 0)
                                      for k in io1[n.name]}}
         regions[r] = max(regions.get(r, 0.0), t_act - t0)

@@ -109,6 +109,12 @@ def status_dict(driver: Driver, model: str) -> dict[str, Any]:
             # lanes refused (either side)
             "lanes_opened": driver.lanes_opened,
             "lanes_refused": driver.lanes_refused,
+            # [network] lanes = "auto": links whose sender found them capped by random loss
+            "loss_capped_links": driver.loss_capped,
+            # striped chunks stuck on a lane: asked for again (receiver), blocks sent
+            # again (sender)
+            "stripe_wants": driver.stripe_wants,
+            "blocks_resent": driver.blocks_resent,
             "connections": driver.guard.stats.open,
             "refused": driver.guard.stats.refused,
             "timed_out": driver.guard.stats.timed_out,
@@ -345,7 +351,14 @@ class _Collector:
                 ("patchswarm_lanes_opened", "lanes_opened",
                  "Extra connections of striped peer links opened or accepted ([network] lanes)"),
                 ("patchswarm_lanes_refused", "lanes_refused",
-                 "Extra connections of striped peer links refused, by either side")):
+                 "Extra connections of striped peer links refused, by either side"),
+                ("patchswarm_loss_capped_links", "loss_capped_links",
+                 "Peer links whose sender found them capped by random loss and asked for "
+                 "lanes ([network] lanes = \"auto\")"),
+                ("patchswarm_stripe_wants", "stripe_wants",
+                 "Striped chunks stuck on a lane that this node asked for again"),
+                ("patchswarm_blocks_resent", "blocks_resent",
+                 "Striped blocks this node sent again, asked by a peer whose copy was stuck")):
             c = CounterMetricFamily(name, help_text, labels=labels)
             c.add_metric(who, float(tr[key]))
             yield c

@@ -39,6 +39,7 @@ from node.gateway_config import GatewayConfig, parse_gateway
 from node.token_file import read_token
 from swarm.errors import ConfigError
 from swarm.protocol.config import CoreConfig, check_knobs
+from swarm.protocol.stripes import AUTO_LANES
 
 _SECTIONS = {
     "node": {"id", "region", "model", "role", "warm_memory_mib"},
@@ -126,8 +127,10 @@ class NodeConfig:
     congestion_restart_s: float = 1.0
     # connections a link that carries chunks to another region stripes them over, the
     # dialer's choice (1: one; docs/striped-links.md); they count against the other
-    # side's max_connections and max_connections_per_ip
-    lanes: int = 1
+    # side's max_connections and max_connections_per_ip. ``lanes_auto`` ("auto" in the
+    # TOML): ``lanes`` (node.tcp.AUTO_LANES) only on a link found capped by random loss
+    lanes: int = AUTO_LANES
+    lanes_auto: bool = True
     gateway: GatewayConfig | None = None  # the version-pinned request gateway (None: off)
     warm_memory_mib: int = DEFAULT_WARM_MEMORY_MIB  # heap touched once at start (node.daemon.warm_heap)
 
@@ -230,6 +233,16 @@ def _int_in(net: dict, key: str, default: int, lo: int, hi: int) -> int:
     if not lo <= value <= hi:
         raise ConfigError(f"network.{key}: must be in {lo}..{hi}, got {value}")
     return value
+
+
+def _lanes(net: dict) -> dict[str, Any]:
+    """``[network] lanes``: a count in 1..16, or "auto" (node.tcp.RandomLoss decides)."""
+    value = net.get("lanes", "auto")
+    if value == "auto":
+        return {"lanes": AUTO_LANES, "lanes_auto": True}
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 16:
+        raise ConfigError(f"network.lanes: \"auto\" or a count in 1..16, got {value!r}")
+    return {"lanes": value, "lanes_auto": False}
 
 
 def _tls(sec: dict | None, base_dir: Path, node_id: str, region: str, role: str) -> TlsFiles | None:
@@ -458,7 +471,7 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = Non
         "max_connections": _int_in(net, "max_connections", 1024, 1, 1_000_000),
         "max_connections_per_ip": _int_in(net, "max_connections_per_ip", 32, 1, 1_000_000),
         "unsent_limit_kib": _int_in(net, "unsent_limit_kib", 128, 0, 1 << 20),
-        "lanes": _int_in(net, "lanes", 1, 1, 16),
+        **_lanes(net),
     }
     upgrade = _get(net, "network", "upgrade_timeout_s", (int, float), 10.0)
     if isinstance(upgrade, bool) or not 0.1 <= upgrade <= 600:

@@ -152,7 +152,7 @@ def build_node(cfg: NodeConfig, *, weights: InProcessWeights | None = None,
                     read_coalesce_s=cfg.read_coalesce_ms / 1000,
                     congestion=cfg.congestion_control,
                     congestion_restart_s=cfg.congestion_restart_s,
-                    lanes=cfg.lanes,
+                    lanes=cfg.lanes, lanes_auto=cfg.lanes_auto,
                     guard=ConnectionGuard(max_total=cfg.max_connections,
                                           max_per_ip=cfg.max_connections_per_ip,
                                           upgrade_timeout_s=cfg.upgrade_timeout_s))

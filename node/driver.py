@@ -71,9 +71,11 @@ from node.tcp import (
     CONGESTION_RESTART_S,
     UNSENT_LIMIT,
     CongestionRestart,
+    RandomLoss,
     congestion_of,
     keeps_window_across_idle,
     limit_unsent,
+    path_sample,
     restart_congestion,
     set_congestion,
     slow_start_after_idle,
@@ -89,7 +91,8 @@ from swarm.trust.manifest import Manifest
 log = logging.getLogger("patchswarm.node")
 
 MAX_LINK_MESSAGE = wire.CHUNK_HEADER_LEN + wire.MAX_CHUNK_BYTES
-_STRIPED = (stripes.STRIPE_MAGIC, stripes.DONE_MAGIC, stripes.WITHDRAW_MAGIC, stripes.OFFER_MAGIC)
+_STRIPED = (stripes.STRIPE_MAGIC, stripes.DONE_MAGIC, stripes.WITHDRAW_MAGIC, stripes.OFFER_MAGIC,
+            stripes.ASK_MAGIC)
 SEND_QUEUE_LIMIT = 4096  # frames queued per peer before it is dropped as too slow
 CONNECT_TIMEOUT_S = 5.0
 AHEAD_GRACE_TRIES = 3  # probes an engine ahead of a restarted node is given before a rebuild
@@ -207,6 +210,17 @@ class Conn:
     seq: int = 0
     unfinished: set = field(default_factory=set)
     next_lane: int = 0  # where the next look for a lane with room starts
+    # ``[network] lanes = "auto"``: whether this link's sender is capped by random loss
+    # (None: not looked into, or not a link that could be; ``loss_checked``: decided so)
+    loss: RandomLoss | None = None
+    loss_checked: bool = False
+    asked: bool = False  # the acceptor asked the dialer for lanes (PSA2, its own token)
+    # the sender's striped chunks the peer has not finished: seq -> [v, i, payload, the
+    # blocks sent again (bits), bytes handed over so far], and blocks the peer asked for
+    # again (PSQ2), to send
+    out: dict = field(default_factory=dict)
+    resends: deque = field(default_factory=deque)
+    stall_timer: asyncio.TimerHandle | None = None  # the receiver's next stalled() look
 
     def queued(self) -> int:
         return len(self.ctrl) + len(self.data)
@@ -247,12 +261,17 @@ class Driver:
                  read_coalesce_s: float = READ_COALESCE_S,
                  congestion: str = CONGESTION_CONTROL,
                  congestion_restart_s: float = CONGESTION_RESTART_S,
-                 lanes: int = 1) -> None:
+                 lanes: int = 1, lanes_auto: bool = False) -> None:
         self.core = core
-        # connections per link that carries chunks to another region (1: no striping)
+        # connections per link that carries chunks to another region (1: no striping);
+        # ``lanes_auto``: only on a link found capped by random loss (node.tcp.RandomLoss)
         self.lanes = max(1, min(int(lanes), stripes.MAX_LANES))
+        self.lanes_auto = lanes_auto and self.lanes > 1
+        self.loss_capped = 0  # links RandomLoss found capped by random loss
         self.lane_tokens: dict[bytes, int] = {}  # offered tokens -> conn (acceptor)
         self.lanes_opened = 0
+        self.stripe_wants = 0  # striped chunks we asked for again (stuck on a lane)
+        self.blocks_resent = 0  # striped blocks we sent again, asked by the peer
         self.lanes_refused = 0
         self.read_coalesce_s = read_coalesce_s
         self.unsent_limit = unsent_limit
@@ -608,7 +627,8 @@ class Driver:
             async for data in self._incoming(c, c.link):
                 if isinstance(data, Placed):
                     if stripes.magic_of(data.header) == stripes.STRIPE_MAGIC:
-                        await self._stripe_block(c, data.header, c.stripes.placed(data.header))  # type: ignore[union-attr]
+                        whole = None if data.diverted else c.stripes.placed(data.header)  # type: ignore[union-attr]
+                        await self._stripe_block(c, data.header, whole)
                     else:
                         await self._block_done(c, c.blocks.placed())
                 elif wire.is_block_message(data):
@@ -663,6 +683,9 @@ class Driver:
                     data = c.ctrl.popleft()
                     self.wire_bytes["sent"] += await c.link.send(data)
                     continue
+                if c.resends:
+                    await self._resend_block(c)
+                    continue
                 if sending is None:
                     if not c.data:
                         c.wake.clear()
@@ -697,6 +720,7 @@ class Driver:
                         # also before any block: a requester waits
                         gone = (wire.pack_withdraw(v, i) if seq is None
                                 else stripes.pack_withdraw(seq, v, i))
+                        c.out.pop(seq, None)
                         self.wire_bytes["sent"] += await c.link.send(gone)
                         self.feed(ev.ChunkSent(self.now(), c.id, v, i, withdrawn=True))
                         continue
@@ -711,6 +735,7 @@ class Driver:
                         c.wake.clear()
                         await c.wake.wait()
                         continue
+                    c.out[seq] = [v, i, payload, 0, 0]  # kept until PSD2: blocks may be asked again
                 if offset == 0 and self.congestion_restart_s > 0:
                     c.cut_through = stream is not None
                     if c.restart.chunk_started(self.now()):
@@ -727,7 +752,10 @@ class Driver:
                     self.wire_bytes["sent"] += lane.send_nowait(
                         stripes.pack_stripe_header(seq, v, i, offset // wire.BLOCK_BYTES, n),
                         block)
+                    c.out[seq][4] = end  # bytes handed over: only these may go again
                 else:
+                    if (self.lanes_auto and not c.loss_checked) or c.loss is not None:
+                        self._probe_loss(c, offset == 0)
                     self.wire_bytes["sent"] += await c.link.send(
                         wire.pack_block_header(v, i, n, offset), block)
                 offset = end
@@ -798,6 +826,59 @@ class Driver:
         if c.link.closed:
             raise ConnectionError(c.link.reason or "link closed")
 
+    async def _resend_block(self, c: Conn) -> None:
+        """Send one block the peer asked for again (``PSQ2``) on the least loaded
+        connection (the lane it is stuck on holds the most)."""
+        seq, b = c.resends[0]
+        rec = c.out.get(seq)
+        if rec is None:  # finished meanwhile
+            c.resends.popleft()
+            return
+        lane = self._lane_with_room(c)
+        if lane is None:
+            await self._any_lane_drained(c)
+            return
+        c.resends.popleft()
+        v, i, payload = rec[0], rec[1], rec[2]
+        off = b * wire.BLOCK_BYTES
+        self.wire_bytes["sent"] += lane.send_nowait(
+            stripes.pack_stripe_header(seq, v, i, b, len(payload)),
+            payload[off:off + wire.BLOCK_BYTES])
+        self.blocks_resent += 1
+
+    def _check_stalls(self, c: Conn) -> None:
+        """The receiver of a striped link: ask again (``PSQ2``) for the blocks of a chunk
+        stuck on a lane (``StripedAssembler.stalled``), turning a stuck block's copy away
+        from the chunk's buffer (``Link.divert``); look again when one may be due."""
+        asm = c.stripes
+        if asm is None or c.closing or self.conns.get(c.id) is not c:
+            return
+        now = self.now()
+        for seq, blocks in asm.stalled(now, divert=lambda s, b, k: self._divert(c, s, b, k)):
+            self.stripe_wants += 1
+            log.info("peer %s: striped chunk %d had no block for %.1f s while later ones "
+                     "came: asking again for %d blocks", c.addr, seq, stripes.STALL_S,
+                     len(blocks))
+            c.ctrl.append(stripes.pack_want(seq, blocks))
+            c.wake.set()
+        due = asm.next_stall_check()
+        if c.stall_timer is not None:
+            c.stall_timer.cancel()
+            c.stall_timer = None
+        if due is not None and self.loop is not None:
+            c.stall_timer = self.loop.call_at(max(due, now + 0.01), self._check_stalls, c)
+
+    @staticmethod
+    def _divert(c: Conn, seq: int, block: int, conn: int) -> bool:
+        """Turn connection ``conn``'s copy of striped block ``block`` of ``seq`` away from
+        the chunk's buffer, if that is the block it is receiving now."""
+        link = c.link if conn == 0 else next((x.link for x in c.lanes if x.n == conn), None)
+        header = link.placing() if link is not None else None
+        if header is None or stripes.magic_of(header) != stripes.STRIPE_MAGIC:
+            return False
+        s, _, where = stripes.unpack_where(header)
+        return s == seq and where & (stripes.MAX_BLOCKS - 1) == block and link.divert()
+
     def _stripes(self, c: Conn) -> stripes.StripedAssembler:
         if c.stripes is None:
             c.stripes = stripes.StripedAssembler(alloc=aligned_buffer)
@@ -812,51 +893,102 @@ class Driver:
         if c.laning or not c.outbound or not self.core.authenticated(c.id):
             return
         c.laning = True
-        if self.lanes <= 1:
-            return
+        if self.lanes <= 1 or self.lanes_auto or not self._other_region(c):
+            return  # "auto": once the link's sender finds it capped by loss (_probe_loss)
+        self._offer_lanes(c)
+
+    def _other_region(self, c: Conn) -> bool:
         region = self.core.peer_region(c.id)
-        if region is None or region == self.core.cfg.region:
+        return region is not None and region != self.core.cfg.region
+
+    def _offer_lanes(self, c: Conn) -> None:
+        """The dialer offers a token on ``c`` (once): the lanes are dialed once the peer
+        echoes it (``_on_striped``); a lane whose token reached the peer before the offer
+        would be refused."""
+        if c.lane_token is not None or c.closing:
             return
-        # the lanes are dialed once the peer echoes the offer (``_on_striped``): a lane
-        # whose token reached the peer before the offer would be refused
         c.lane_token = os.urandom(stripes.TOKEN_BYTES)
         c.ctrl.append(stripes.pack_offer(c.lane_token))
         c.wake.set()
 
+    def _probe_loss(self, c: Conn, first: bool) -> None:
+        """``[network] lanes = "auto"``: a plain block is about to go on ``c``; now and
+        then look at its socket (``RandomLoss``) and, once it is found capped by random
+        loss, get lanes: the dialer offers, an acceptor asks the dialer to (``PSA2``).
+        Only links to another region, under a loss-based congestion control: BBR does
+        not back off on random loss (lanes measured no faster under it)."""
+        probe = c.loss
+        if probe is None:
+            c.loss_checked = True
+            in_use = self.congestion_in_use
+            if (c.sock is None or in_use is None or keeps_window_across_idle(in_use)
+                    or c.lane_token is not None or not self._other_region(c)):
+                return
+            probe = c.loss = RandomLoss()
+        now = self.now()
+        if not first and not probe.due(now):
+            return
+        sample = path_sample(c.sock)
+        if sample is None:
+            c.loss = None
+            return
+        if not probe.sample(now, *sample, fresh=first):
+            return
+        c.loss = None
+        if c.lane_token is not None:
+            return  # the dialer offered meanwhile
+        self.loss_capped += 1
+        retrans, srtt, floor = sample
+        log.info("peer %s: capped by random loss (%d retransmitted, round trip %.1f ms, "
+                 "floor %.1f ms): %s %d lanes", c.addr, retrans, srtt / 1000, floor / 1000,
+                 "opening" if c.outbound else "asking for", self.lanes - 1)
+        if c.outbound:
+            self._offer_lanes(c)
+            return
+        # the acceptor names the token: the dialer dials at once, no offer and echo
+        c.lane_token, c.asked = os.urandom(stripes.TOKEN_BYTES), True
+        self.lane_tokens[c.lane_token] = c.id
+        c.ctrl.append(stripes.pack_ask(c.lane_token))
+        c.wake.set()
+
     async def _open_lanes(self, c: Conn, token: bytes, lanes: int) -> None:
+        """Dial lanes 1 .. ``lanes - 1`` of ``c`` at once (each a TLS handshake: on a
+        150 ms path one after another took 0.6 s apiece)."""
+        await asyncio.gather(*(self._open_lane(c, token, n) for n in range(1, lanes)))
+
+    async def _open_lane(self, c: Conn, token: bytes, n: int) -> None:
         host, _, port = c.addr.rpartition(":")
-        for n in range(1, lanes):
-            if c.closing or c.id not in self.conns:
-                return
-            try:
-                link = await dial(host.strip("[]"), int(port),
-                                  ssl_context=self.tls.client if self.tls is not None else None,
-                                  max_message=MAX_LINK_MESSAGE, timeout=CONNECT_TIMEOUT_S + 5.0,
-                                  read_coalesce_s=self.read_coalesce_s, lane=True)
-            except (TimeoutError, OSError, ValueError) as exc:
-                log.warning("peer %s: lane %d not opened: %s", c.addr, n, exc)
-                return
-            why = None
-            try:
-                ident = self._tls_identity(link.get_extra_info("ssl_object"), c.addr)
-                if c.identity is not None and (ident is None or ident[0] != c.identity[0]):
-                    raise ProtocolError("another node answered")
-                await link.send(stripes.pack_lane(token, n))
-                echo = await asyncio.wait_for(link.recv(), CONNECT_TIMEOUT_S + 5.0)
-                if echo is None:
-                    why = link.reason or "closed"
-                elif isinstance(echo, Placed) or bytes(echo) != stripes.pack_lane(token, n):
-                    why = "no lane acceptance"
-            except (ProtocolError, TimeoutError, ConnectionError) as exc:
-                why = str(exc) or type(exc).__name__
-            if why is not None or c.closing or c.id not in self.conns:
-                self.lanes_refused += why is not None
-                if why is not None:
-                    log.warning("peer %s: lane %d refused: %s", c.addr, n, why)
-                await link.close("lane not taken")
-                return
-            lane = self._attach_lane(c, n, link)
-            lane.reader = self._spawn(self._lane_reader(c, lane))
+        if c.closing or c.id not in self.conns:
+            return
+        try:
+            link = await dial(host.strip("[]"), int(port),
+                              ssl_context=self.tls.client if self.tls is not None else None,
+                              max_message=MAX_LINK_MESSAGE, timeout=CONNECT_TIMEOUT_S + 5.0,
+                              read_coalesce_s=self.read_coalesce_s, lane=True)
+        except (TimeoutError, OSError, ValueError) as exc:
+            log.warning("peer %s: lane %d not opened: %s", c.addr, n, exc)
+            return
+        why = None
+        try:
+            ident = self._tls_identity(link.get_extra_info("ssl_object"), c.addr)
+            if c.identity is not None and (ident is None or ident[0] != c.identity[0]):
+                raise ProtocolError("another node answered")
+            await link.send(stripes.pack_lane(token, n))
+            echo = await asyncio.wait_for(link.recv(), CONNECT_TIMEOUT_S + 5.0)
+            if echo is None:
+                why = link.reason or "closed"
+            elif isinstance(echo, Placed) or bytes(echo) != stripes.pack_lane(token, n):
+                why = "no lane acceptance"
+        except (ProtocolError, TimeoutError, ConnectionError) as exc:
+            why = str(exc) or type(exc).__name__
+        if why is not None or c.closing or c.id not in self.conns:
+            self.lanes_refused += why is not None
+            if why is not None:
+                log.warning("peer %s: lane %d refused: %s", c.addr, n, why)
+            await link.close("lane not taken")
+            return
+        lane = self._attach_lane(c, n, link)
+        lane.reader = self._spawn(self._lane_reader(c, lane))
 
     async def _accept_lane(self, link: Link, identity: tuple[str, str, str] | None,
                            addr: str) -> None:
@@ -890,7 +1022,8 @@ class Driver:
         sock = link.get_extra_info("socket")
         limit_unsent(sock, self.unsent_limit)
         self._congestion(sock)
-        link.place_with(lambda header, k: self._place_lane(c, header, k), stripes.STRIPE_HEADER_LEN)
+        link.place_with(lambda header, k: self._place_lane(c, header, k, n),
+                        stripes.STRIPE_HEADER_LEN)
         lane = Lane(n, link, sock)
         c.lanes.append(lane)
         self.lanes_opened += 1
@@ -898,10 +1031,10 @@ class Driver:
         c.wake.set()
         return lane
 
-    def _place_lane(self, c: Conn, header: bytes, n: int) -> memoryview | None:
+    def _place_lane(self, c: Conn, header: bytes, n: int, lane: int) -> memoryview | None:
         if c.id not in self.conns or stripes.magic_of(header) != stripes.STRIPE_MAGIC:
             return None
-        return self._stripes(c).place(header, n)
+        return self._stripes(c).place(header, n, lane)
 
     async def _lane_reader(self, c: Conn, lane: Lane) -> None:
         """A lane carries striped blocks and nothing else; when it ends, its link ends."""
@@ -909,7 +1042,8 @@ class Driver:
         try:
             async for data in self._incoming(c, lane.link):
                 if isinstance(data, Placed):
-                    await self._stripe_block(c, data.header, self._stripes(c).placed(data.header))
+                    whole = None if data.diverted else self._stripes(c).placed(data.header)
+                    await self._stripe_block(c, data.header, whole)
                 elif stripes.magic_of(data) == stripes.STRIPE_MAGIC:
                     await self._on_striped(c, data)
                 else:
@@ -929,6 +1063,9 @@ class Driver:
 
     def _lanes_end(self, c: Conn) -> None:
         """``c`` closed: so do its lanes; its offered token is void."""
+        if c.stall_timer is not None:
+            c.stall_timer.cancel()
+            c.stall_timer = None
         if c.lane_token is not None and self.lane_tokens.get(c.lane_token) == c.id:
             del self.lane_tokens[c.lane_token]
         for lane in c.lanes:
@@ -948,6 +1085,7 @@ class Driver:
                 if seq not in c.unfinished:
                     raise ProtocolError(f"done for striped chunk {seq}, not one we sent")
                 c.unfinished.discard(seq)
+                c.out.pop(seq, None)
                 c.wake.set()
             elif magic == stripes.WITHDRAW_MAGIC:
                 seq, v, i = stripes.unpack_withdraw(data)
@@ -959,6 +1097,27 @@ class Driver:
                 if a is not None and a.conn == c.id:
                     self._arrival_failed((v, i), a)
                 self.feed(ev.ChunkWithdrawn(self.now(), c.id, v, i))
+            elif magic == stripes.WANT_MAGIC:
+                seq, blocks = stripes.unpack_want(data)
+                rec = c.out.get(seq)
+                if rec is not None:  # else finished meanwhile: nothing to send again
+                    for b in blocks:
+                        # each block once, and only one handed over already (blocks go
+                        # whole; a chunk forwarded as it arrives has nothing past them)
+                        if b * wire.BLOCK_BYTES < rec[4] and not (rec[3] >> b) & 1:
+                            rec[3] |= 1 << b
+                            c.resends.append((seq, b))
+                    c.wake.set()
+            elif magic == stripes.ASK_MAGIC:
+                token = stripes.unpack_ask(data)
+                if not c.outbound:
+                    raise ProtocolError("a lane ask from the dialer (it offers)")
+                # a dialer that stripes no links lets it be; one that offered already
+                # waits for its echo (the acceptor takes our offer over its ask)
+                if self.lanes > 1 and c.lane_token is None and not c.closing:
+                    c.laning = c.offer_taken = True
+                    c.lane_token = token
+                    self._spawn(self._open_lanes(c, token, self.lanes))
             elif magic == stripes.OFFER_MAGIC:
                 token = stripes.unpack_offer(data)
                 if c.outbound:  # the peer took our offer: dial the lanes now
@@ -968,7 +1127,11 @@ class Driver:
                     self._spawn(self._open_lanes(c, token, self.lanes))
                     return
                 if c.lane_token is not None:
-                    raise ProtocolError("a second lane offer on one link")
+                    if not c.asked or c.lanes:
+                        raise ProtocolError("a second lane offer on one link")
+                    # our ask crossed the dialer's offer: take the offer
+                    self.lane_tokens.pop(c.lane_token, None)
+                    c.asked = False
                 c.lane_token = token
                 self.lane_tokens[token] = c.id
                 c.ctrl.append(stripes.pack_offer(token))  # taken: the dialer may open lanes
@@ -978,15 +1141,18 @@ class Driver:
 
     async def _stripe_block(self, c: Conn, header: bytes | bytearray | memoryview,
                             whole: stripes.Whole | None) -> None:
-        """A striped block is in (``whole``: its chunk is complete): as ``_block_done``."""
+        """A striped block is in (``whole``: its chunk is complete): as ``_block_done``;
+        then whether a chunk is stuck on a lane (``_check_stalls``)."""
+        asm = c.stripes
+        if asm is None or len(header) < stripes.STRIPE_HEADER_LEN:
+            return
+        asm.touch(stripes.unpack_where(header)[0], self.now())
+        self._check_stalls(c)
         if whole is not None:
             seq, v, i, payload = whole
             c.ctrl.append(stripes.pack_done(seq))
             c.wake.set()
             await self._on_chunk(c, (v, i, payload))
-            return
-        asm = c.stripes
-        if asm is None or len(header) < stripes.STRIPE_HEADER_LEN:
             return
         seq, v, where = stripes.unpack_where(header)
         key = (v, where >> stripes.BLOCK_BITS)

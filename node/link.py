@@ -71,11 +71,12 @@ class Placed:
     """A message whose payload was written where the link's placer said (``header``: its
     first ``len(header)`` bytes, which the placer saw; ``n``: the payload bytes placed)."""
 
-    __slots__ = ("header", "n")
+    __slots__ = ("diverted", "header", "n")
 
     def __init__(self, header: bytes, n: int) -> None:
         self.header = header
         self.n = n
+        self.diverted = False  # ``Link.divert``: its payload went elsewhere, not placed
 
     def __len__(self) -> int:
         return len(self.header) + self.n
@@ -442,6 +443,24 @@ class Link:
         with its text as the reason."""
         self._p.placer = placer
         self._p.place_header = header_len
+
+    def placing(self) -> bytes | None:
+        """The header of the placed message being received now, if one is."""
+        obj = self._p.body_obj
+        return obj.header if isinstance(obj, Placed) else None
+
+    def divert(self) -> bool:
+        """The placed message being received now: write the rest of it into a buffer of
+        its own, not where the placer said, and mark it ``diverted`` (a striped block
+        stuck on a lane in loss recovery, asked for again on another: the chunk may then
+        be whole and handed on while this one is still arriving, and nothing may write
+        into its buffer after that). False if no placed message is being received."""
+        p = self._p
+        if not isinstance(p.body_obj, Placed) or p.body is None:
+            return False
+        p.body_obj.diverted = True
+        p.body = memoryview(bytearray(len(p.body)))
+        return True
 
     async def recv(self) -> bytes | bytearray | Placed | None:
         """The next message, or None once the link closed (``reason`` says why)."""

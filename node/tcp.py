@@ -244,3 +244,79 @@ def unacked_bytes(sock: Any) -> int | None:
     except (OSError, AttributeError, ValueError):
         return None
     return struct.unpack("i", raw)[0]
+
+
+# ------------------------------------------------------------- random loss, for lanes
+
+TCP_INFO_LEN = 152  # struct tcp_info up to tcpi_min_rtt (Linux 4.10+)
+LOSS_PROBE_S = 0.25  # a sending link's socket is looked at this often
+QUEUE_FACTOR = 1.25  # a smoothed round trip above this x the link's floor: a queue is full
+LOSS_SAMPLES = 1  # looks with new retransmissions and no queue before lanes open
+
+
+def path_sample(sock: Any) -> tuple[int, int, int] | None:
+    """``(total retransmitted segments, smoothed round trip us, round-trip floor us)`` of a
+    TCP socket (Linux ``TCP_INFO``), or None where it cannot be read."""
+    opt = getattr(socket, "TCP_INFO", None)
+    if sock is None or opt is None:
+        return None
+    try:
+        raw = sock.getsockopt(socket.IPPROTO_TCP, opt, TCP_INFO_LEN)
+    except OSError:
+        return None
+    if len(raw) < TCP_INFO_LEN:
+        return None
+    (srtt,) = struct.unpack_from("=I", raw, 68)
+    (retrans,) = struct.unpack_from("=I", raw, 100)
+    (floor,) = struct.unpack_from("=I", raw, 148)
+    return retrans, srtt, floor
+
+
+class RandomLoss:
+    """Whether one link's sender is capped by random loss on its path, so that more
+    connections ("lanes", docs/striped-links.md) would carry more, or by a queue it
+    shares, where they would only take from the other flows (``[network] lanes = "auto"``).
+
+    A loss-based sender (CUBIC, Reno) caps itself near MSS / RTT x 1.22 / sqrt(loss) on
+    either. What tells them apart is the round trip when segments are lost: a full queue
+    drops only once it holds its depth, and the smoothed round trip is then well above
+    the link's floor (the emulated WAN: 80 ms floor, 100 ms of tbf queue); a lossy path
+    that is not full loses segments at its floor. So the rule counts looks (every
+    ``every_s`` while a chunk is sending) that saw new retransmissions with the smoothed
+    round trip within ``queue_factor`` of the floor; one that saw them above it resets the
+    count (a queue overflows: more flows would hurt), and ``need`` of them decide, once.
+    Only losses while a chunk is sending count: a chunk's first look (``fresh``) sets the
+    count of retransmissions to compare with. Between chunks a queue that overflowed at
+    the end of the last one drains, and the next look would see its losses at the floor
+    (the clean emulated WAN did that once before the rule was added). Measured both ways
+    in docs/striped-links.md. Time and samples come in as arguments."""
+
+    __slots__ = ("decided", "every_s", "need", "next_at", "queue_factor", "retrans", "seen")
+
+    def __init__(self, every_s: float = LOSS_PROBE_S, need: int = LOSS_SAMPLES,
+                 queue_factor: float = QUEUE_FACTOR) -> None:
+        self.every_s, self.need, self.queue_factor = every_s, need, queue_factor
+        self.next_at = float("-inf")
+        self.retrans: int | None = None  # retransmissions at the last look
+        self.seen = 0  # looks with loss and no queue since the last with a queue
+        self.decided = False
+
+    def due(self, now: float) -> bool:
+        """Whether to look at the socket now (``sample``)."""
+        return not self.decided and now >= self.next_at
+
+    def sample(self, now: float, retrans: int, srtt_us: int, floor_us: int,
+               fresh: bool = False) -> bool:
+        """One look (``fresh``: the first of a chunk): True (once) when the link is found
+        capped by random loss."""
+        self.next_at = now + self.every_s
+        last, self.retrans = self.retrans, retrans
+        if fresh or last is None or retrans <= last or self.decided:
+            return False
+        if floor_us <= 0 or srtt_us > self.queue_factor * floor_us:
+            self.seen = 0
+            return False
+        self.seen += 1
+        if self.seen >= self.need:
+            self.decided = True
+        return self.decided

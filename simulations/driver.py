@@ -602,9 +602,11 @@ class Simulation:
 
     def _initial_window(self, a: SimNode, b: SimNode) -> float:
         """A new connection's window, bytes: a cross-region link striped over
-        ``Scenario.lanes`` connections starts with that many windows."""
+        ``Scenario.lanes`` connections starts with that many windows (with "auto" they
+        open later, once the node finds the link lossy: one window)."""
         iw = self.sc.initial_window * (self.sc.mss + self.sc.header_bytes)
-        return iw * self.sc.lanes if a.ep.site != b.ep.site else iw
+        striped = a.ep.site != b.ep.site and not self.sc.lanes_auto
+        return iw * self.sc.lanes if striped else iw
 
     def _connected(self, item: tuple[Half, str]) -> None:
         half, addr = item

@@ -31,6 +31,7 @@ from typing import Any
 from simulations.network import CONGESTION
 from simulations.runner import run_strategy
 from simulations.scenario import Scenario, load_scenario
+from swarm.protocol.stripes import AUTO_LANES
 
 SCENARIO = Path(__file__).resolve().parent.parent / "configs" / "sim" / "wan-3x4.toml"
 
@@ -38,7 +39,7 @@ SCENARIO = Path(__file__).resolve().parent.parent / "configs" / "sim" / "wan-3x4
 def emulated_wan(*, size_bytes: int, chunk_bytes: int, handoff_s: float,
                  node_cpu_s_per_gb: float, apply_cpu_s_per_gb: float, regions: int = 3, hosts_per_region: int = 4,
                  uplink_mbit: float = 100.0, delay_ms: float = 40.0, loss: float = 0.0,
-                 lanes: int = 1, congestion: str = "bbr",
+                 lanes: int | str = 1, congestion: str = "bbr",
                  path: Path = SCENARIO) -> Scenario | None:
     """``path``'s scenario with the run's measured CPU, hand-off and payload, and the
     bench's inter-region delay, loss, lanes and congestion control on its links; None
@@ -63,7 +64,9 @@ def emulated_wan(*, size_bytes: int, chunk_bytes: int, handoff_s: float,
                                                                 apply_mb_s=apply))
                  for r in sc.regions)
     return dataclasses.replace(sc, regions=regs, links=links, patch_bytes=size_bytes,
-                               chunk_bytes=chunk_bytes, encode_s=handoff_s, lanes=lanes,
+                               chunk_bytes=chunk_bytes, encode_s=handoff_s,
+                               lanes=AUTO_LANES if lanes == "auto" else int(lanes),
+                               lanes_auto=lanes == "auto",
                                congestion=congestion if congestion in CONGESTION else "bbr")
 
 

@@ -26,6 +26,7 @@ from typing import Any
 from simulations.network import CONGESTION
 from swarm.errors import ConfigError
 from swarm.protocol.config import check_knobs
+from swarm.protocol.stripes import AUTO_LANES
 
 # strategy -> CoreConfig knobs (the protocol's own switches; see docs/protocol.md).
 # "full" is patchswarm shipping the whole served checkpoint (``payload.full``).
@@ -200,6 +201,11 @@ class Scenario:
     # flow with ``lanes`` x the per-flow loss ceiling and x the initial window; on a shared
     # bottleneck it still takes one flow's share (docs/striped-links.md)
     lanes: int = 1
+    # lanes = "auto" (the node's default, and a scenario file's unless it says): ``lanes``
+    # connections only on links with random loss, under a loss-based congestion control,
+    # where the node's RandomLoss finds them (it looks at a sending socket first: their
+    # initial windows are not counted)
+    lanes_auto: bool = False
     encode_s: float = 0.0  # trainer: time from the publish call to the hand-off to its core
     host_cores: int = 0  # > 0: every node shares one CPU of this many cores (one emulation box)
     max_time_s: float = 3600.0
@@ -461,7 +467,8 @@ def parse_scenario(data: dict[str, Any], default_name: str = "scenario") -> Scen
     slow_start = net.bool("slow_start", False)
     iw = net.int("initial_window", 10, lo=1, hi=1000)
     idle_restart = net.bool("idle_restart", True)
-    lanes = net.int("lanes", 1, lo=1, hi=64)
+    lanes_auto = net.raw("lanes", "auto") == "auto"  # the node's default
+    lanes = AUTO_LANES if lanes_auto else net.int("lanes", 1, lo=1, hi=64)
     net.done()
 
     ct = top.table("cpu")
@@ -628,6 +635,7 @@ def parse_scenario(data: dict[str, Any], default_name: str = "scenario") -> Scen
         initial_window=iw,
         idle_restart=idle_restart,
         lanes=lanes,
+        lanes_auto=lanes_auto,
         encode_s=encode_s,
         host_cores=host_cores,
         max_time_s=max_time,

@@ -82,9 +82,11 @@ class Topology:
                 topo.latency[(a, b)] = lat
                 topo.loss[(a, b)] = link.loss
                 # a flow's RTT: this link's one-way latency there and back; a link striped
-                # over ``lanes`` connections has as many ceilings (Scenario.lanes)
-                topo.flow_cap[(a, b)] = sc.lanes * flow_ceiling(sc.congestion, sc.mss, 2 * lat,
-                                                                link.loss)
+                # over ``lanes`` connections has as many ceilings (Scenario.lanes; "auto":
+                # only a link that loses segments at random)
+                lanes = sc.lanes if not sc.lanes_auto or link.loss > 0 else 1
+                topo.flow_cap[(a, b)] = lanes * flow_ceiling(sc.congestion, sc.mss, 2 * lat,
+                                                             link.loss)
         return topo
 
     def queue_delay(self, src: str, dst: str) -> float:

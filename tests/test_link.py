@@ -378,6 +378,33 @@ def test_a_placer_gets_large_messages_written_where_it_says() -> None:
     assert asked == [(b"BLK:", 200_000)]  # "other" came whole in one read: nothing to place
 
 
+def test_a_placed_message_can_be_diverted_mid_way() -> None:
+    """``divert``: the rest of the placed message being received goes to a buffer of its
+    own; the placer's buffer keeps what came before, and the message comes out marked."""
+    target = bytearray(200_000)
+    big = b"BLK:" + os.urandom(150_000)
+
+    async def run() -> tuple[Any, bool, bytes | None, bool]:
+        p = LinkProtocol(MAX)
+        p.connection_made(_Transport())  # type: ignore[arg-type]
+        p.link.place_with(lambda header, n: memoryview(target)[:n], 4)
+        assert p.link.placing() is None and not p.link.divert()
+        frame = PREFACE + _frame(big)
+        _feed(p, frame[:60_000], [60_000])
+        header = p.link.placing()
+        diverted = p.link.divert()
+        _feed(p, frame[60_000:], [40_000])
+        msg = await p.link.recv()
+        return msg, diverted, header, p.link.divert()
+
+    msg, diverted, header, again = asyncio.run(run())
+    assert diverted and header == b"BLK:" and not again
+    assert isinstance(msg, Placed) and msg.diverted and len(msg) == len(big)
+    cut = 60_000 - len(PREFACE) - 4 - 4  # payload bytes placed before the divert
+    assert bytes(target[:cut]) == big[4:4 + cut]
+    assert bytes(target[cut:150_000]) == bytes(150_000 - cut)  # nothing after it
+
+
 def test_a_placer_that_refuses_a_block_closes_the_link_with_its_reason() -> None:
     from swarm.errors import ProtocolError
 

@@ -47,8 +47,11 @@ def test_valid_config_resolves_paths_and_core_knobs(tmp_path: Path) -> None:
     assert cfg.congestion_restart_s == 1.0
     assert parse_config(_doc(network={"congestion_restart_s": 0}),
                         tmp_path).congestion_restart_s == 0
-    assert cfg.lanes == 1
+    assert (cfg.lanes, cfg.lanes_auto) == (4, True)  # "auto" unless set
     assert parse_config(_doc(network={"lanes": 8}), tmp_path).lanes == 8
+    auto = parse_config(_doc(network={"lanes": "auto"}), tmp_path)
+    assert (auto.lanes, auto.lanes_auto) == (4, True)
+    assert parse_config(_doc(network={"lanes": 4}), tmp_path).lanes_auto is False
 
 
 @pytest.mark.parametrize(("over", "key"), [
@@ -70,6 +73,8 @@ def test_valid_config_resolves_paths_and_core_knobs(tmp_path: Path) -> None:
     ({"network": {"lanes": 0}}, "network.lanes"),
     ({"network": {"lanes": 17}}, "network.lanes"),
     ({"network": {"lanes": "4"}}, "network.lanes"),
+    ({"network": {"lanes": "Auto"}}, "network.lanes"),
+    ({"network": {"lanes": True}}, "network.lanes"),
     ({"network": {"congestion_restart_s": 0.01}}, "network.congestion_restart_s"),
     ({"network": {"congestion_restart_s": -1}}, "network.congestion_restart_s"),
     ({"network": {"congestion_restart_s": False}}, "network.congestion_restart_s"),

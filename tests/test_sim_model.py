@@ -23,6 +23,7 @@ from simulations.network import mathis_cap, mbps
 from simulations.scenario import parse_scenario
 from swarm.errors import ConfigError
 from swarm.protocol import events as ev
+from swarm.protocol.stripes import AUTO_LANES
 
 MiB = 2**20
 
@@ -188,7 +189,7 @@ def test_a_closed_connection_drops_what_was_queued():
 def lossy(n: int = 8, **net):
     """Two sites 150 ms apart with 1 % loss; loss-based congestion control unless ``net``
     says otherwise (the Mathis ceiling applies to CUBIC and Reno, not BBR)."""
-    net = {"congestion": "cubic", **net}
+    net = {"congestion": "cubic", "lanes": 1, **net}
     return two_site(
         defaults={"uplink_mbps": 10_000, "downlink_mbps": 10_000, "latency_ms": 0.5},
         regions=[{"name": "a", "nodes": n}, {"name": "b", "nodes": n}],
@@ -265,6 +266,26 @@ def test_a_striped_link_has_a_loss_ceiling_per_lane(lanes):
     assert w.chunks[0][0] == pytest.approx(MiB / (lanes * cap) + 0.075, rel=1e-3)
     assert w.sim.topo.flow_cap[("a", "a")] == math.inf  # 1 ms inside, no loss
     assert w.sim._initial_window(a0, a1) == 10 * 1460
+
+
+def test_auto_lanes_stripe_only_lossy_links_and_open_no_windows_early():
+    """``network.lanes = "auto"`` (the node's): a lossy cross-region link gets
+    ``AUTO_LANES`` ceilings, a clean one stays one connection, and no connection opens
+    extra initial windows (the node opens lanes only after looking at a sending socket)."""
+    sc = lossy(lanes="auto")
+    cap = mathis_cap(1460, 0.150, 0.01)
+    assert (sc.lanes, sc.lanes_auto) == (AUTO_LANES, True)
+    w = Wire(sc)
+    a0, b0 = w.node("a", 0), w.node("b", 0)
+    w.connect(a0, b0)
+    w.chunk(a0, MiB)
+    w.run()
+    assert w.chunks[0][0] == pytest.approx(MiB / (AUTO_LANES * cap) + 0.075, rel=1e-3)
+    assert w.sim._initial_window(a0, b0) == 10 * 1460
+    clean = two_site(network={"congestion": "cubic", "lanes": "auto"})
+    assert Wire(clean).sim.topo.flow_cap[("a", "b")] == math.inf
+    with pytest.raises(ConfigError, match=r"network\.lanes"):
+        two_site(network={"lanes": "all"})
 
 
 def test_a_striped_link_starts_with_a_window_per_lane():

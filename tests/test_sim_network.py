@@ -27,7 +27,7 @@ def scenario(up=1000.0, down=1000.0, link=float("inf"), lat_ms=40.0, intra_ms=0.
         "defaults": {"uplink_mbps": up, "downlink_mbps": down, "latency_ms": intra_ms},
         "regions": [{"name": "a", "nodes": 4}, {"name": "b", "nodes": 4}],
         "links": {"mbps": link if link != float("inf") else "inf", "latency_ms": lat_ms},
-        "network": {"loss": loss, "congestion": congestion},
+        "network": {"loss": loss, "congestion": congestion, "lanes": 1},  # one flow's physics
     }
     return parse_scenario(doc)
 

@@ -112,6 +112,44 @@ async def c_done(c: Conn, seq: int) -> None:
     await asyncio.sleep(0)
 
 
+def test_blocks_asked_for_again_go_once_each_until_the_chunk_is_done() -> None:
+    """``PSQ2`` from the receiver (a chunk stuck on a lane): the sender sends those blocks
+    again on the least loaded connections, each block once; a want for a chunk it does
+    not hold (finished, or never sent) sends nothing; ``PSD2`` lets the chunk go."""
+    async def go() -> None:
+        async with _striped(lanes=3) as (drv, c, messages, _sent):
+            drv.core.authenticated = lambda cid: True  # type: ignore[method-assign]
+            c.data.append((2, 0, False))
+            c.wake.set()
+            first = await _drain(messages)
+            assert len(first) == 6 and set(c.out) == {0}
+            await drv._on_striped(c, stripes.pack_want(0, [1, 5]))
+            await drv._on_striped(c, stripes.pack_want(0, [1]))  # asked twice: once
+            await drv._on_striped(c, stripes.pack_want(9, [0]))  # never sent
+            again = await _drain(messages)
+            assert sorted(stripes.unpack_where(m)[2] & (stripes.MAX_BLOCKS - 1)
+                          for _, m in again) == [1, 5]
+            assert all(m == next(x for _, x in first if x[:24] == m[:24]) for _, m in again)
+            assert drv.blocks_resent == 2
+            await drv._on_striped(c, stripes.pack_done(0))
+            assert c.out == {} and c.unfinished == set()
+            await drv._on_striped(c, stripes.pack_want(0, [2]))  # done: nothing to send
+            assert await _drain(messages) == []
+        async with _striped(lanes=2) as (drv, c, messages, _sent):
+            # a chunk forwarded as it arrives: two blocks here and sent, the rest not yet
+            drv.core.authenticated = lambda cid: True  # type: ignore[method-assign]
+            a = drv.arrivals[(2, 1)] = Arrival(conn=99, buf=memoryview(bytearray(N)), length=N)
+            a.buf[:2 * BLOCK_BYTES] = CHUNKS[(2, 1)][:2 * BLOCK_BYTES]
+            a.got = 2 * BLOCK_BYTES
+            c.data.append((2, 1, True))
+            c.wake.set()
+            assert len(await _drain(messages)) == 2
+            await drv._on_striped(c, stripes.pack_want(0, [1, 3]))  # block 3 has not gone
+            again = await _drain(messages)
+            assert [stripes.unpack_where(m)[2] & (stripes.MAX_BLOCKS - 1) for _, m in again] == [1]
+    asyncio.run(go())
+
+
 def test_a_cut_through_chunk_that_fails_is_withdrawn_by_its_seq() -> None:
     asyncio.run(_withdrawn())
 
@@ -190,3 +228,74 @@ async def _stray_lane(addr: str, ctx: Any, first: bytes) -> str:
         return link.reason if msg is None else f"answered {bytes(msg)[:8]!r}"
     finally:
         await link.close()
+
+
+def test_a_receiver_asks_again_for_a_chunk_stuck_on_a_lane() -> None:
+    """The receiving driver, its link and lane fed as a socket would feed them: chunk 0's
+    block 1 stops half-way on lane 2 and block 2 never comes, while chunk 1 (sent after
+    it) arrives on lane 0. After ``STALL_S`` the driver turns lane 2's copy away from the
+    chunk's buffer and asks once for blocks 1 and 2; their copies on lane 0 make the
+    chunk whole and right, and the rest of the stuck copy (other bytes) lands nowhere."""
+    from node.link import HEADER, PREFACE, LinkProtocol
+    from tests.test_link import _feed, _Transport
+
+    a = os.urandom(3 * BLOCK_BYTES)
+    blk = [stripes.pack_stripe_header(0, 2, 0, k, len(a)) + a[k * BLOCK_BYTES:(k + 1) * BLOCK_BYTES]
+           for k in range(3)]
+    later = stripes.pack_stripe_header(1, 2, 1, 0, 1000) + os.urandom(1000)
+
+    def frame(msg: bytes) -> bytes:
+        return HEADER.pack(len(msg)) + msg
+
+    async def go() -> None:
+        drv = _driver([])
+        drv.core.authenticated = lambda cid: True  # type: ignore[method-assign]
+        clock = [100.0]
+        drv.now = lambda: clock[0]  # type: ignore[method-assign]
+        whole: list[tuple[int, int, bytes]] = []
+        buffers: list[memoryview] = []
+
+        async def on_chunk(c: Any, data: Any) -> None:
+            whole.append((data[0], data[1], bytes(data[2])))
+            buffers.append(data[2])  # the chunk's own buffer, as handed on
+
+        drv._on_chunk = on_chunk  # type: ignore[method-assign]
+        p0, p2 = LinkProtocol(MAX_LINK_MESSAGE), LinkProtocol(MAX_LINK_MESSAGE)
+        for p in (p0, p2):
+            p.connection_made(_Transport())  # type: ignore[arg-type]
+        c = Conn(id=7, link=p0.link, outbound=True, addr="peer")
+        drv.conns[7] = c
+        p0.link.place_with(lambda h, n: drv._place(c, h, n), stripes.STRIPE_HEADER_LEN)
+        lane = drv._attach_lane(c, 2, p2.link)
+        tasks = [asyncio.create_task(drv._reader(c)), asyncio.create_task(drv._lane_reader(c, lane))]
+        try:
+            _feed(p0, PREFACE + frame(blk[0]), [65536])
+            stuck = frame(blk[1])
+            _feed(p2, PREFACE + stuck[:100_000], [65536])  # block 1 half-way on lane 2
+            await asyncio.sleep(0.05)
+            clock[0] += 0.5
+            _feed(p0, frame(later), [65536])  # chunk 1, sent after chunk 0, arrives
+            await asyncio.sleep(0.05)
+            assert drv.stripe_wants == 0 and not any(m[:4] == b"PSQ2" for m in c.ctrl)
+            clock[0] += 0.6  # 1.1 s without a block of chunk 0
+            drv._check_stalls(c)
+            wants = [m for m in c.ctrl if m[:4] == b"PSQ2"]
+            assert [stripes.unpack_want(m) for m in wants] == [(0, [1, 2])]
+            assert drv.stripe_wants == 1 and p2.body_obj is not None and p2.body_obj.diverted
+            drv._check_stalls(c)  # once a chunk
+            assert len([m for m in c.ctrl if m[:4] == b"PSQ2"]) == 1
+            _feed(p0, frame(blk[1]) + frame(blk[2]), [65536])  # the copies, on lane 0
+            await asyncio.sleep(0.05)
+            assert whole == [(2, 1, later[24:]), (2, 0, a)]
+            rest = bytearray(stuck[100_000:])
+            rest[:] = os.urandom(len(rest))  # the stuck copy's rest: other bytes
+            _feed(p2, bytes(rest), [65536])
+            await asyncio.sleep(0.05)
+            assert len(whole) == 2 and bytes(buffers[1]) == a  # nothing wrote into it
+            assert 7 in drv.conns  # nobody blamed
+            assert drv.stripe_wants == 1
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    asyncio.run(go())

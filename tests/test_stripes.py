@@ -156,12 +156,14 @@ def test_malformed_blocks_are_refused(header, n, msg):
 def test_control_messages_round_trip_and_refuse_garbage():
     tok = bytes(range(16))
     assert S.unpack_offer(S.pack_offer(tok)) == tok
+    assert S.unpack_ask(S.pack_ask(tok)) == tok
     assert S.unpack_lane(S.pack_lane(tok, 3)) == (tok, 3)
     assert S.unpack_done(S.pack_done(2**32 - 1)) == 2**32 - 1
     assert S.unpack_withdraw(S.pack_withdraw(5, 2**40, 7)) == (5, 2**40, 7)
     for bad, fn in ((S.pack_lane(tok, 0), S.unpack_lane), (S.pack_offer(tok)[:-1], S.unpack_offer),
                     (b"PSD2", S.unpack_done), (S.pack_done(1), S.unpack_withdraw),
-                    (S.pack_lane(tok, S.MAX_LANES), S.unpack_lane)):
+                    (S.pack_lane(tok, S.MAX_LANES), S.unpack_lane),
+                    (S.pack_offer(tok), S.unpack_ask), (S.pack_ask(tok) + b"x", S.unpack_ask)):
         with pytest.raises(ProtocolError):
             fn(bad)
 
@@ -172,3 +174,60 @@ def test_any_bytes_are_a_clean_error_or_a_block(data):
     asm = S.StripedAssembler()
     with contextlib.suppress(ProtocolError):
         asm.feed(data)
+    for parse in (S.unpack_ask, S.unpack_offer, S.unpack_lane, S.unpack_done, S.unpack_withdraw,
+                  S.unpack_want):
+        with contextlib.suppress(ProtocolError):
+            parse(data)
+
+
+def _placed_now(asm: S.StripedAssembler, msg: bytes, conn: int) -> S.Whole | None:
+    """A block written in place on connection ``conn`` (as a lane does)."""
+    dest = asm.place(msg[:S.STRIPE_HEADER_LEN], len(msg) - S.STRIPE_HEADER_LEN, conn)
+    if dest is None:
+        return asm.feed(msg)
+    dest[:] = msg[S.STRIPE_HEADER_LEN:]
+    return asm.placed(msg[:S.STRIPE_HEADER_LEN])
+
+
+def test_a_chunk_stuck_on_a_lane_is_asked_again_and_second_copies_are_dropped():
+    """Chunk 0 stops (a lane in loss recovery: block 1 mid-placement on connection 2,
+    block 3 not begun) while chunk 1, sent after it, goes on: after ``STALL_S`` it is
+    asked for once, block 1 turned away from its buffer, and every block asked for may
+    come twice, whichever copy is second, before and after the chunk is whole; a block
+    not asked for twice is still refused."""
+    a, b = bytes(random.Random(1).randbytes(4 * B)), bytes(random.Random(2).randbytes(2 * B))
+    m0, m1 = blocks(0, 3, 0, a), blocks(1, 3, 1, b)
+    asm = S.StripedAssembler(alloc=dirty)
+    for k in (0, 2):
+        assert _placed_now(asm, m0[k], 0) is None
+        asm.touch(0, 0.1)
+    stuck = asm.place(m0[1][:S.STRIPE_HEADER_LEN], B, 2)  # lane 2 stops mid-block
+    assert stuck is not None
+    assert asm.stalled(5.0) == []  # nothing sent after it has come
+    assert _placed_now(asm, m1[0], 1) is None
+    asm.touch(1, 0.5)
+    assert asm.stalled(1.0) == [] and asm.next_stall_check() == pytest.approx(1.1)
+    turned: list[tuple[int, int, int]] = []
+    assert asm.stalled(1.2, divert=lambda *x: turned.append(x) or True) == [(0, [1, 3])]
+    assert turned == [(0, 1, 2)]
+    assert asm.stalled(9.0) == [] and asm.next_stall_check() is None  # once a chunk
+    assert _placed_now(asm, m0[3], 0) is None  # the stuck lane's next block, first copy
+    assert _placed_now(asm, m0[3], 1) is None  # its second copy: dropped
+    whole = _placed_now(asm, m0[1], 1)  # block 1 again, on another lane
+    assert whole is not None and bytes(whole[3]) == a and whole[:3] == (0, 3, 0)
+    stuck[:] = b"\x00" * B  # the stuck copy still lands (in a buffer of its own)
+    assert _placed_now(asm, m0[1], 2) is None  # a late copy after the chunk is whole
+    with pytest.raises(ProtocolError, match="already whole"):
+        asm.feed(m0[1])  # a third copy
+    with pytest.raises(ProtocolError, match="twice"):
+        _placed_now(asm, m1[0], 2)  # chunk 1's block 0 again: never asked for
+    assert _placed_now(asm, m1[1], 0)[3] == b  # type: ignore[index]
+
+
+def test_want_messages_round_trip_and_refuse_garbage():
+    assert S.unpack_want(S.pack_want(7, [0, 3, 255])) == (7, [0, 3, 255])
+    for bad in (S.pack_want(1, []), S.pack_want(1, [3, 2]), S.pack_want(1, [2, 2]),
+                S.pack_want(1, [0]) + b"x", S.pack_want(1, list(range(S.MAX_WANT + 1))),
+                S.pack_want(1, [S.MAX_BLOCKS]), S.pack_done(1)):
+        with pytest.raises(ProtocolError):
+            S.unpack_want(bad)

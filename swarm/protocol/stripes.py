@@ -19,14 +19,27 @@ Messages (sans-I/O: formats and the receiver's state machine; ``node.driver`` mo
   receiver holds at most ``WINDOW`` chunk buffers per link.
 - ``PSW2`` withdraw (sender -> receiver, lane 0): drop chunk ``seq`` (v, i); blocks of it
   still in flight on other lanes are dropped on arrival, blaming nobody.
+- ``PSQ2`` want (receiver -> sender, lane 0): blocks of chunk ``seq`` to send again. A
+  receiver asks once per chunk, for the blocks it lacks, when the chunk has had no block
+  for ``STALL_S`` while a chunk sent after it did (a block of a later chunk is only sent
+  once every block of the earlier one was handed to a lane, so the missing ones are stuck
+  on a lane in loss recovery: a 150 ms lane in retransmission back-off held a chunk for
+  5 s on the emulated lossy WAN). The sender sends them again on the lanes with the least
+  load; the receiver drops the second copy of each block it asked for, whichever comes
+  second, even after the chunk is whole, and refuses any other block twice.
 - ``PST2`` offer (dialer -> acceptor, lane 0, after the handshake): a 16-byte token.
+- ``PSA2`` ask (acceptor -> dialer, lane 0): a 16-byte token. The acceptor, sending chunks
+  on a link it found capped by random loss (``[network] lanes = "auto"``,
+  ``node.tcp.RandomLoss``), asks the dialer to open lanes with this token, which it holds
+  as if the dialer had offered it; a dialer that stripes no links, or offered a token of
+  its own already, lets it be (the acceptor then takes the dialer's offer).
 - ``PSL2`` lane (first message on a new connection): the token and the lane's number.
 """
 
 from __future__ import annotations
 
 import struct
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -43,11 +56,19 @@ _DONE = struct.Struct(">4sI")
 WITHDRAW_MAGIC = b"PSW2"
 _WITHDRAW = struct.Struct(">4sIQI")  # magic, seq, version, index
 OFFER_MAGIC = b"PST2"
+WANT_MAGIC = b"PSQ2"
+_WANT = struct.Struct(">4sI")  # magic, seq; then the blocks, u16 each
+MAX_WANT = MAX_CHUNK_BYTES // BLOCK_BYTES  # blocks of the largest chunk
+STALL_S = 1.0  # a chunk without a block this long while a later one gets them: ask again
+ASK_MAGIC = b"PSA2"
 LANE_MAGIC = b"PSL2"
 TOKEN_BYTES = 16
 _OFFER = struct.Struct(f">4s{TOKEN_BYTES}s")
 _LANE = struct.Struct(f">4s{TOKEN_BYTES}sB")
 MAX_LANES = 16  # connections a link may have, lane 0 included
+# ``[network] lanes = "auto"``: connections a link gets once its sender finds it capped by
+# random loss (node.tcp.RandomLoss; docs/striped-links.md)
+AUTO_LANES = 4
 WINDOW = 4  # chunks a sender may have unfinished on one link
 REMEMBER_DROPPED = 256  # withdrawn seqs kept, to drop their late blocks without blame
 MAX_SEQ = 2**32 - 1
@@ -112,6 +133,22 @@ def unpack_withdraw(data: bytes | memoryview) -> tuple[int, int, int]:
     return seq, version, index
 
 
+def pack_want(seq: int, blocks: list[int]) -> bytes:
+    return _WANT.pack(WANT_MAGIC, seq) + struct.pack(f">{len(blocks)}H", *blocks)
+
+
+def unpack_want(data: bytes | memoryview) -> tuple[int, list[int]]:
+    """``(seq, blocks)``: 1..``MAX_WANT`` distinct block numbers, ascending."""
+    k, odd = divmod(len(data) - _WANT.size, 2)
+    if magic_of(data) != WANT_MAGIC or odd or not 1 <= k <= MAX_WANT:
+        raise ProtocolError("malformed PSQ2 (want) message")
+    seq = _WANT.unpack_from(data)[1]
+    blocks = list(struct.unpack_from(f">{k}H", data, _WANT.size))
+    if any(b >= a for a, b in zip(blocks[1:], blocks, strict=False)) or blocks[-1] >= MAX_BLOCKS:
+        raise ProtocolError("PSQ2 blocks out of order or range")
+    return seq, blocks
+
+
 def pack_offer(token: bytes) -> bytes:
     return _OFFER.pack(OFFER_MAGIC, token)
 
@@ -119,6 +156,16 @@ def pack_offer(token: bytes) -> bytes:
 def unpack_offer(data: bytes | memoryview) -> bytes:
     if len(data) != _OFFER.size or magic_of(data) != OFFER_MAGIC:
         raise ProtocolError("malformed PST2 (lane offer) message")
+    return _OFFER.unpack(data)[1]
+
+
+def pack_ask(token: bytes) -> bytes:
+    return _OFFER.pack(ASK_MAGIC, token)
+
+
+def unpack_ask(data: bytes | memoryview) -> bytes:
+    if len(data) != _OFFER.size or magic_of(data) != ASK_MAGIC:
+        raise ProtocolError("malformed PSA2 (lane ask) message")
     return _OFFER.unpack(data)[1]
 
 
@@ -137,7 +184,8 @@ def unpack_lane(data: bytes | memoryview) -> tuple[bytes, int]:
 
 
 class _Chunk:
-    __slots__ = ("buf", "have", "key", "length", "nblocks", "placing", "prefix")
+    __slots__ = ("asked", "buf", "have", "key", "last_at", "length", "nblocks", "placing",
+                 "placing_on", "prefix", "wanted")
 
     def __init__(self, key: tuple[int, int], length: int, buf: Any) -> None:
         self.key = key
@@ -146,7 +194,11 @@ class _Chunk:
         self.nblocks = -(-length // BLOCK_BYTES)
         self.have = 0  # bit b: block b is here
         self.placing = 0  # bit b: block b is being written in place (``place``)
+        self.placing_on: dict[int, int] = {}  # block being written in place -> connection
         self.prefix = 0  # blocks 0 .. prefix-1 are all here
+        self.wanted = 0  # bit b: asked for again (PSQ2); its second copy is dropped
+        self.asked = False
+        self.last_at: float | None = None  # when its last block came (``touch``)
 
 
 Whole = tuple[int, int, int, memoryview]  # (seq, version, index, payload)
@@ -158,9 +210,10 @@ class StripedAssembler:
     At most ``window`` chunks are in progress; a block of a chunk already whole, a
     block twice, or a ``window + 1``-th chunk is a ``ProtocolError`` (the link is
     closed). Blocks of a withdrawn chunk are dropped (``None``): they were in flight
-    on other lanes when the withdrawal came. ``alloc(n)`` makes a chunk's buffer; it
-    may hand back uninitialised memory, since a chunk is returned only once every block
-    of it was written.
+    on other lanes when the withdrawal came. So is the second copy of a block asked for
+    again (``stalled``, ``PSQ2``), whichever copy comes second, also after its chunk is
+    whole. ``alloc(n)`` makes a chunk's buffer; it may hand back uninitialised memory,
+    since a chunk is returned only once every block of it was written.
     """
 
     def __init__(self, alloc: Callable[[int], Any] | None = None, window: int = WINDOW) -> None:
@@ -170,6 +223,9 @@ class StripedAssembler:
         self._finished: set[int] = set()  # seqs done or dropped, above ``_floor``
         self._floor = -1  # every seq <= floor is finished
         self._dropped: deque[int] = deque(maxlen=REMEMBER_DROPPED)
+        # finished chunks whose asked-for blocks may still come twice: seq -> their bits
+        self._late: OrderedDict[int, int] = OrderedDict()
+        self._newest: tuple[int, float] | None = None  # the highest seq a block came for, when
 
     def _chunk(self, seq: int, v: int, i: int, length: int) -> _Chunk | None:
         """The chunk ``seq`` names (started now if new); None if it was withdrawn."""
@@ -192,7 +248,11 @@ class StripedAssembler:
         return c
 
     def _finish(self, seq: int) -> None:
-        self.open.pop(seq, None)
+        c = self.open.pop(seq, None)
+        if c is not None and c.wanted and seq not in self._dropped:
+            self._late[seq] = c.wanted
+            while len(self._late) > REMEMBER_DROPPED:
+                self._late.popitem(last=False)
         self._finished.add(seq)
         while self._floor + 1 in self._finished:
             self._floor += 1
@@ -208,15 +268,30 @@ class StripedAssembler:
         self._finish(seq)
         return seq, c.key[0], c.key[1], c.buf
 
-    def _claim(self, header: bytes | memoryview, n: int) -> tuple[int, _Chunk, int] | None:
+    def _claim(self, header: bytes | memoryview, n: int,
+               consume: bool = True) -> tuple[int, _Chunk, int] | None:
+        """The chunk and block a block message is for; None: drop it (a withdrawn chunk's,
+        or the second copy of a block asked for again; ``consume`` counts that copy)."""
         seq, v, i, length, offset = unpack_stripe_header(header, n)
+        block = offset // BLOCK_BYTES
+        bit = 1 << block
+        late = self._late.get(seq)
+        if late is not None and late & bit and seq not in self.open:
+            if consume:
+                if late & ~bit:
+                    self._late[seq] = late & ~bit
+                else:
+                    del self._late[seq]
+            return None
         c = self._chunk(seq, v, i, length)
         if c is None:
             return None
-        block = offset // BLOCK_BYTES
-        bit = 1 << block
         if (c.have | c.placing) & bit:
-            raise ProtocolError(f"striped chunk {seq}: block {block} twice")
+            if not c.wanted & bit:
+                raise ProtocolError(f"striped chunk {seq}: block {block} twice")
+            if consume:
+                c.wanted &= ~bit
+            return None
         return seq, c, block
 
     def feed(self, data: bytes | memoryview) -> Whole | None:
@@ -229,16 +304,17 @@ class StripedAssembler:
         c.buf[off:off + len(data) - STRIPE_HEADER_LEN] = memoryview(data)[STRIPE_HEADER_LEN:]
         return self._got(seq, c, block)
 
-    def place(self, header: bytes | memoryview, n: int) -> memoryview | None:
+    def place(self, header: bytes | memoryview, n: int, conn: int = 0) -> memoryview | None:
         """Where a block's ``n`` payload bytes go: its slice of the chunk's buffer, to be
         written as they arrive; ``placed(header)`` then takes it. None: a block of a
         withdrawn chunk (deliver it whole; ``feed`` drops it). Several blocks (one per
-        lane) may be in placement at once."""
-        claim = self._claim(header, n)
+        lane: ``conn``) may be in placement at once."""
+        claim = self._claim(header, n, consume=False)  # a dropped copy comes whole to ``feed``
         if claim is None:
             return None
         _, c, block = claim
         c.placing |= 1 << block
+        c.placing_on[block] = conn
         off = block * BLOCK_BYTES
         return c.buf[off:off + n]
 
@@ -252,6 +328,7 @@ class StripedAssembler:
                 return None  # withdrawn while it was being written
             raise RuntimeError("placed() without place()")
         c.placing &= ~(1 << block)
+        c.placing_on.pop(block, None)
         return self._got(seq, c, block)
 
     def withdraw(self, seq: int) -> tuple[int, int] | None:
@@ -266,6 +343,56 @@ class StripedAssembler:
         self._dropped.append(seq)
         self._finish(seq)
         return c.key if c is not None else None
+
+    def touch(self, seq: int, now: float) -> None:
+        """A block of chunk ``seq`` came in at ``now`` (kept or dropped)."""
+        c = self.open.get(seq)
+        if c is not None:
+            c.last_at = now
+        if self._newest is None or seq >= self._newest[0]:
+            self._newest = (seq, now)
+
+    def stalled(self, now: float, after_s: float = STALL_S,
+                divert: Callable[[int, int, int], bool] | None = None,
+                ) -> list[tuple[int, list[int]]]:
+        """Chunks to ask for again (``PSQ2``), each once: no block of it for ``after_s``,
+        while a block of a chunk sent after it came since. Its blocks not here are asked
+        for, and their second copy will be dropped: those not arriving, and those being
+        written in place on a connection that ``divert(seq, block, conn)`` turned away
+        from the chunk's buffer (``node.link.Link.divert``; the chunk may then be whole
+        and handed on while the stuck copy still arrives). A block ``divert`` did not
+        turn away is about to be ``placed``, and is not asked for."""
+        out: list[tuple[int, list[int]]] = []
+        if self._newest is None:
+            return out
+        newest, newest_at = self._newest
+        for seq, c in self.open.items():
+            if (c.asked or c.last_at is None or seq >= newest or newest_at <= c.last_at
+                    or now - c.last_at < after_s):
+                continue
+            if divert is not None:
+                for b, conn in list(c.placing_on.items()):
+                    if divert(seq, b, conn):
+                        c.placing &= ~(1 << b)
+                        del c.placing_on[b]
+            missing = [b for b in range(c.nblocks) if not ((c.have | c.placing) >> b) & 1]
+            if missing:
+                c.asked = True
+                for b in missing:
+                    c.wanted |= 1 << b
+                out.append((seq, missing))
+        return out
+
+    def next_stall_check(self, after_s: float = STALL_S) -> float | None:
+        """When ``stalled`` may next find a chunk (a chunk not yet asked for that a later
+        one has overtaken), or None."""
+        if self._newest is None:
+            return None
+        newest, newest_at = self._newest
+        due = [c.last_at + after_s for seq, c in self.open.items()
+               if not c.asked and c.last_at is not None and seq < newest
+               and newest_at > c.last_at]
+        return min(due) if due else None
 
     def prefix(self, seq: int) -> int:
         """Bytes of chunk ``seq`` that are here from its start on, without a gap."""

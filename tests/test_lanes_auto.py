@@ -1,0 +1,260 @@
+"""``[network] lanes = "auto"``: a link gets lanes once its sender finds it capped by
+random loss (``node.tcp.RandomLoss``, docs/striped-links.md).
+
+The rule against a plain model (Hypothesis); ``path_sample`` on a live socket; the
+driver's writer over real loopback links, with the kernel's loss figures fed in (loopback
+loses nothing): the dialer offers a token, an acceptor asks the dialer with ``PSA2``, a
+full queue keeps the lanes shut, and only a cross-region link under a loss-based
+congestion control is looked at; a dialer answers an ask by offering, unless it stripes
+nothing. The emulated lossy and clean WANs check the rule on real loss
+(``bench_wan.py --lanes auto``, docs/striped-links.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import itertools
+import os
+import socket
+import threading
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import node.driver as driver_mod
+from node.driver import MAX_LINK_MESSAGE, Conn, Driver
+from node.guard import ConnectionGuard
+from node.link import Link, LinkServer, dial
+from node.tcp import LOSS_PROBE_S, QUEUE_FACTOR, RandomLoss, path_sample
+from swarm.protocol import stripes, wire
+from swarm.protocol.wire import BLOCK_BYTES
+from tests.test_cut_through import _driver
+
+# ------------------------------------------------------------------- the rule
+
+_looks = st.lists(st.tuples(st.floats(0, 1), st.integers(0, 3), st.integers(1, 400),
+                            st.integers(0, 200), st.booleans()), max_size=40)
+
+
+@given(_looks, st.integers(1, 4))
+def test_random_loss_follows_its_model(looks: list[tuple[float, int, int, int, bool]],
+                                       need: int) -> None:
+    """Looks ``every_s`` apart; a look with new retransmissions within ``QUEUE_FACTOR`` of
+    the floor counts, one with them above it resets the count; ``need`` decide, once. A
+    chunk's first look only notes the count (losses between chunks do not count)."""
+    probe = RandomLoss(every_s=LOSS_PROBE_S, need=need)
+    now, retrans, seen, decided, last = 0.0, 0, 0, False, None
+    for dt, new, srtt, floor, fresh in looks:
+        now += dt
+        due = probe.due(now)
+        assert due == (not decided and (last is None or now >= last + LOSS_PROBE_S))
+        if not due:
+            continue
+        retrans += new
+        first = last is None or fresh
+        last = now
+        got = probe.sample(now, retrans, srtt, floor, fresh=fresh)
+        want = False
+        if not first and new > 0:
+            if floor > 0 and srtt <= QUEUE_FACTOR * floor:
+                seen += 1
+                want = seen >= need
+            else:
+                seen = 0
+        assert got == want
+        decided = decided or want
+    assert probe.decided == decided
+
+
+def test_path_sample_reads_a_live_socket() -> None:
+    srv = socket.create_server(("127.0.0.1", 0))
+    cli = socket.create_connection(srv.getsockname())
+    peer, _ = srv.accept()
+    done = threading.Event()
+
+    def drain() -> None:
+        while peer.recv(1 << 20):
+            pass
+        done.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    try:
+        cli.sendall(b"x" * (8 << 20))
+        sample = path_sample(cli)
+        assert sample is not None
+        retrans, srtt, floor = sample
+        assert retrans >= 0 and srtt > 0 and 0 < floor <= srtt + 1_000_000
+    finally:
+        cli.close()
+        done.wait(5)
+        peer.close()
+        srv.close()
+    assert path_sample(None) is None
+
+
+# ------------------------------------------------------------- the driver's writer
+
+N = 3 * BLOCK_BYTES
+CHUNKS = {(2, i): bytes([i]) * N for i in range(8)}
+
+
+class _Store:
+    def read_chunk(self, v: int, i: int) -> bytes:
+        return CHUNKS[(v, i)]
+
+
+@contextlib.contextmanager
+def _kernel_says(srtt_us: int, floor_us: int) -> Iterator[None]:
+    """``path_sample`` as a lossy socket would answer: one more retransmission per look;
+    looks at every block (loopback sends a chunk's blocks within the probe's period)."""
+    count = itertools.count()
+    real = driver_mod.path_sample, driver_mod.RandomLoss
+    driver_mod.path_sample = lambda sock: (next(count), srtt_us, floor_us)  # type: ignore[assignment]
+    driver_mod.RandomLoss = functools.partial(RandomLoss, every_s=0.0)  # type: ignore[assignment,misc]
+    try:
+        yield
+    finally:
+        driver_mod.path_sample, driver_mod.RandomLoss = real  # type: ignore[assignment,misc]
+
+
+@contextlib.asynccontextmanager
+async def _sender(outbound: bool, congestion: str = "cubic", other_region: bool = True,
+                  auto: bool = True) -> AsyncIterator[tuple[Driver, Conn, asyncio.Queue]]:
+    """A driver (``lanes = "auto"``) whose writer sends chunks on a real link to a plain
+    server that queues what it gets."""
+    messages: asyncio.Queue = asyncio.Queue()
+
+    async def reader(link: Link) -> None:
+        while (msg := await link.recv()) is not None:
+            await messages.put(bytes(msg))
+
+    server = LinkServer(reader, ssl_context=None, max_message=MAX_LINK_MESSAGE,
+                        guard=ConnectionGuard(max_total=8, max_per_ip=8, upgrade_timeout_s=5))
+    await server.start("127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    link = await dial("127.0.0.1", port, ssl_context=None, max_message=MAX_LINK_MESSAGE,
+                      timeout=5)
+    drv = _driver([], _Store())
+    drv.lanes, drv.lanes_auto = stripes.AUTO_LANES, auto
+    drv.congestion_in_use = congestion
+    drv._other_region = lambda c: other_region  # type: ignore[method-assign]
+    c = Conn(id=7, link=link, outbound=outbound, addr="peer")
+    c.sock = link.get_extra_info("socket")
+    writer = asyncio.create_task(drv._writer(c))
+    try:
+        yield drv, c, messages
+    finally:
+        c.closing = True
+        c.wake.set()
+        writer.cancel()
+        await link.close()
+        await server.close()
+
+
+async def _send_chunks(c: Conn, messages: asyncio.Queue, k: int, gap_s: float) -> list[bytes]:
+    """``k`` chunks, ``gap_s`` apart (the probe looks every ``LOSS_PROBE_S``); what the
+    far end got that is not a block (every block of the ``k`` chunks must have come)."""
+    for i in range(k):
+        c.data.append((2, i, False))
+        c.wake.set()
+        await asyncio.sleep(gap_s)
+    out, blocks = [], 0
+    with contextlib.suppress(TimeoutError):
+        while True:
+            msg = await asyncio.wait_for(messages.get(), 0.3)
+            if wire.is_block_message(msg):
+                blocks += 1
+            else:
+                out.append(msg)
+    assert blocks == k * (N // BLOCK_BYTES)
+    return out
+
+
+@pytest.mark.parametrize("outbound", [True, False])
+def test_a_lossy_link_gets_lanes_once(outbound: bool) -> None:
+    """Retransmissions at the round-trip floor: the dialer offers a token, the acceptor
+    asks the dialer to open lanes with one it holds for them; once, however long the
+    link goes on losing."""
+    async def go() -> None:
+        with _kernel_says(srtt_us=80_000, floor_us=79_000):
+            async with _sender(outbound) as (drv, c, messages):
+                got = await _send_chunks(c, messages, 6, 0.05)
+        magic = stripes.OFFER_MAGIC if outbound else stripes.ASK_MAGIC
+        assert [m[:4] for m in got] == [magic], got
+        if outbound:
+            assert stripes.unpack_offer(got[0]) == c.lane_token
+        else:
+            assert stripes.unpack_ask(got[0]) == c.lane_token and c.asked
+            assert drv.lane_tokens == {c.lane_token: c.id}  # a lane with it is taken
+        assert drv.loss_capped == 1
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("why", ["queue", "bbr", "same_region", "off"])
+def test_no_lanes_where_they_would_not_pay(why: str) -> None:
+    """Loss with the round trip over ``QUEUE_FACTOR`` x its floor (a full queue: more flows
+    only take from the others), BBR (not capped by random loss), a link inside the
+    region, or lanes not on "auto": nothing asked, nothing offered."""
+    async def go() -> None:
+        srtt = 180_000 if why == "queue" else 80_000
+        with _kernel_says(srtt_us=srtt, floor_us=79_000):
+            async with _sender(True, congestion="bbr" if why == "bbr" else "cubic",
+                               other_region=why != "same_region",
+                               auto=why != "off") as (drv, c, messages):
+                got = await _send_chunks(c, messages, 5, 0.05)
+                assert got == [] and drv.loss_capped == 0 and c.lane_token is None
+                assert (c.loss is not None) == (why == "queue")
+    asyncio.run(go())
+
+
+def test_a_dialer_answers_an_ask() -> None:
+    """An ask makes a dialer with lanes dial them with the asked token (once); one that
+    offered a token of its own, or stripes nothing, lets it be; an ask that reaches an
+    acceptor (dialers offer, they never ask) drops the link; an ask that crossed the
+    dialer's offer gives way to the offer."""
+    async def go() -> None:
+        async with _sender(True) as (drv, c, messages):
+            drv.core.authenticated = lambda cid: True  # type: ignore[method-assign]
+            dialed: list[tuple[bytes, int]] = []
+
+            async def open_lanes(conn: Any, token: bytes, lanes: int) -> None:
+                dialed.append((token, lanes))
+
+            drv._open_lanes = open_lanes  # type: ignore[method-assign]
+            asked = os.urandom(stripes.TOKEN_BYTES)
+            await drv._on_striped(c, stripes.pack_ask(asked))
+            await drv._on_striped(c, stripes.pack_ask(os.urandom(stripes.TOKEN_BYTES)))
+            await asyncio.sleep(0.05)
+            assert dialed == [(asked, stripes.AUTO_LANES)] and c.lane_token == asked
+            assert await _send_chunks(c, messages, 0, 0) == []  # nothing to echo
+            drv.lanes, c.lane_token = 1, None
+            await drv._on_striped(c, stripes.pack_ask(asked))
+            await asyncio.sleep(0.05)
+            assert c.lane_token is None and len(dialed) == 1
+        async with _sender(False) as (drv, c, messages):
+            drv.core.authenticated = lambda cid: True  # type: ignore[method-assign]
+            dropped: list[str] = []
+
+            async def drop(conn: Any, reason: str) -> None:
+                dropped.append(reason)
+
+            drv._drop = drop  # type: ignore[method-assign]
+            await drv._on_striped(c, stripes.pack_ask(os.urandom(stripes.TOKEN_BYTES)))
+            assert dropped and "lane ask from the dialer" in dropped[0]
+            # the acceptor asked; the dialer's own offer crossed it: the offer wins
+            c.lane_token, c.asked = b"a" * 16, True
+            drv.lane_tokens[c.lane_token] = c.id
+            offered = os.urandom(stripes.TOKEN_BYTES)
+            await drv._on_striped(c, stripes.pack_offer(offered))
+            assert drv.lane_tokens == {offered: c.id} and c.lane_token == offered
+            assert c.ctrl[-1] == stripes.pack_offer(offered)  # the echo
+            await drv._on_striped(c, stripes.pack_offer(os.urandom(stripes.TOKEN_BYTES)))
+            assert "a second lane offer" in dropped[-1]
+            with pytest.raises(Exception, match="PSA2"):
+                stripes.unpack_ask(stripes.ASK_MAGIC)
+    asyncio.run(go())
