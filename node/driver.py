@@ -92,7 +92,7 @@ log = logging.getLogger("patchswarm.node")
 
 MAX_LINK_MESSAGE = wire.CHUNK_HEADER_LEN + wire.MAX_CHUNK_BYTES
 _STRIPED = (stripes.STRIPE_MAGIC, stripes.DONE_MAGIC, stripes.WITHDRAW_MAGIC, stripes.OFFER_MAGIC,
-            stripes.ASK_MAGIC)
+            stripes.ASK_MAGIC, stripes.WANT_MAGIC)
 SEND_QUEUE_LIMIT = 4096  # frames queued per peer before it is dropped as too slow
 CONNECT_TIMEOUT_S = 5.0
 AHEAD_GRACE_TRIES = 3  # probes an engine ahead of a restarted node is given before a rebuild

@@ -294,6 +294,14 @@ def test_a_receiver_asks_again_for_a_chunk_stuck_on_a_lane() -> None:
             assert len(whole) == 2 and bytes(buffers[1]) == a  # nothing wrote into it
             assert 7 in drv.conns  # nobody blamed
             assert drv.stripe_wants == 1
+            # the link's other direction: the peer's PSQ2 and PSA2 reach the driver, not
+            # the core (a want for a chunk we do not hold sends nothing)
+            frames: list[Any] = []
+            feed = drv.feed
+            drv.feed = lambda e: frames.append(e) if isinstance(e, ev.FrameReceived) else feed(e)  # type: ignore[method-assign,func-returns-value]
+            _feed(p0, frame(stripes.pack_want(5, [0])), [65536])
+            await asyncio.sleep(0.05)
+            assert frames == [] and 7 in drv.conns and not c.resends
         finally:
             for t in tasks:
                 t.cancel()
