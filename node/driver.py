@@ -72,6 +72,7 @@ from node.tcp import (
     UNSENT_LIMIT,
     CongestionRestart,
     RandomLoss,
+    acked_bytes,
     congestion_of,
     keeps_window_across_idle,
     limit_unsent,
@@ -95,6 +96,8 @@ _STRIPED = (stripes.STRIPE_MAGIC, stripes.DONE_MAGIC, stripes.WITHDRAW_MAGIC, st
             stripes.ASK_MAGIC, stripes.WANT_MAGIC)
 SEND_QUEUE_LIMIT = 4096  # frames queued per peer before it is dropped as too slow
 CONNECT_TIMEOUT_S = 5.0
+# the origin looks this often whether a chunk it handed over is still being acknowledged
+ACK_WATCH_S = 1.0
 AHEAD_GRACE_TRIES = 3  # probes an engine ahead of a restarted node is given before a rebuild
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
            "error": logging.ERROR}
@@ -221,6 +224,10 @@ class Conn:
     out: dict = field(default_factory=dict)
     resends: deque = field(default_factory=deque)
     stall_timer: asyncio.TimerHandle | None = None  # the receiver's next stalled() look
+    # the origin: after a chunk was handed over, whether its bytes are still being
+    # acknowledged (ev.Acked keeps the push alive); the next look, the count last seen
+    ack_timer: asyncio.TimerHandle | None = None
+    ack_seen: int = 0
 
     def queued(self) -> int:
         return len(self.ctrl) + len(self.data)
@@ -1063,9 +1070,10 @@ class Driver:
 
     def _lanes_end(self, c: Conn) -> None:
         """``c`` closed: so do its lanes; its offered token is void."""
-        if c.stall_timer is not None:
-            c.stall_timer.cancel()
-            c.stall_timer = None
+        for timer in (c.stall_timer, c.ack_timer):
+            if timer is not None:
+                timer.cancel()
+        c.stall_timer = c.ack_timer = None
         if c.lane_token is not None and self.lane_tokens.get(c.lane_token) == c.id:
             del self.lane_tokens[c.lane_token]
         for lane in c.lanes:
@@ -1173,10 +1181,35 @@ class Driver:
 
     def _chunk_ended(self, c: Conn) -> None:
         """``c``'s chunk is all handed to the kernel: look at the link's unacknowledged
-        bytes later (``CongestionRestart.tail``)."""
+        bytes later (``CongestionRestart.tail``), and on the origin whether they are
+        still being acknowledged (``_ack_watch``)."""
+        if self.core.cfg.is_origin and c.ack_timer is None and self.loop is not None:
+            c.ack_seen = self._acked(c)
+            c.ack_timer = self.loop.call_later(ACK_WATCH_S, self._ack_watch, c)
         c.restart.chunk_ended(self.now())
         if self.congestion_restart_s > 0 and c.sock is not None:
             self._arm_restart_check(c)
+
+    @staticmethod
+    def _socks(c: Conn) -> list[Any]:
+        return [s for s in (c.sock, *(lane.sock for lane in c.lanes)) if s is not None]
+
+    def _acked(self, c: Conn) -> int:
+        return sum(acked_bytes(s) or 0 for s in self._socks(c))
+
+    def _ack_watch(self, c: Conn) -> None:
+        """The origin, a timer after a chunk was handed over on ``c``: its bytes are
+        being acknowledged still, so the push is on its way (``ev.Acked``: the core
+        keeps it from timing out). Looks again while bytes are unacknowledged."""
+        c.ack_timer = None
+        if c.closing or self.conns.get(c.id) is not c or self.loop is None:
+            return
+        seen = self._acked(c)
+        if seen > c.ack_seen:
+            self.feed(ev.Acked(self.now(), c.id))
+        c.ack_seen = seen
+        if any((unacked_bytes(s) or 0) > 0 for s in self._socks(c)):
+            c.ack_timer = self.loop.call_later(ACK_WATCH_S, self._ack_watch, c)
 
     def _arm_restart_check(self, c: Conn) -> None:
         if c.restart_timer is not None:

@@ -254,6 +254,21 @@ QUEUE_FACTOR = 1.25  # a smoothed round trip above this x the link's floor: a qu
 LOSS_SAMPLES = 1  # looks with new retransmissions and no queue before lanes open
 
 
+def acked_bytes(sock: Any) -> int | None:
+    """Bytes of ``sock`` the peer has acknowledged (Linux ``TCP_INFO`` ``tcpi_bytes_acked``),
+    or None where it cannot be read."""
+    opt = getattr(socket, "TCP_INFO", None)
+    if sock is None or opt is None:
+        return None
+    try:
+        raw = sock.getsockopt(socket.IPPROTO_TCP, opt, TCP_INFO_LEN)
+    except OSError:
+        return None
+    if len(raw) < 128:
+        return None
+    return struct.unpack_from("=Q", raw, 120)[0]
+
+
 def path_sample(sock: Any) -> tuple[int, int, int] | None:
     """``(total retransmitted segments, smoothed round trip us, round-trip floor us)`` of a
     TCP socket (Linux ``TCP_INFO``), or None where it cannot be read."""

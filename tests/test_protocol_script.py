@@ -409,6 +409,38 @@ def test_origin_replans_a_relay_on_arrival_that_fails() -> None:
     assert ia in t.pushes(2) or t.relays(t.a).count(wire.Relay(2, ia, "b")) == 2
 
 
+@pytest.mark.parametrize("acked", [False, True])
+def test_a_push_whose_bytes_are_still_acknowledged_does_not_time_out(acked: bool) -> None:
+    """A push handed over (``ChunkSent``) times out ``request_timeout_s`` later unless
+    the driver reports its bytes still being acknowledged (``Acked``): then it lives
+    ``request_timeout_s`` past the last report, and times out after the reports stop."""
+    t = _Origin(4)
+    (ia,) = t.pushes(1)
+    t0 = t.o.now
+    t.handle(ev.ChunkSent(t0, 1, 2, ia))
+    rt = t.o.cfg.request_timeout_s
+    if acked:
+        t.handle(ev.Acked(t0 + rt - 1, 1))
+        t.handle(ev.Acked(t0 + rt - 1, 2))  # a conn with no push handed over: nothing
+        assert t.o.role.acked_until == {1: t0 + 2 * rt - 1}
+        assert t.o.next_wakeup() is not None and t.o.next_wakeup() <= t0 + 2 * rt - 1
+    def tick(now: float) -> None:  # the borders stay alive (their blocks, heartbeats)
+        for conn in (1, 2):
+            t.handle(ev.Progress(now, conn))
+        t.handle(ev.Tick(now))
+
+    tick(t0 + rt + 0.1)
+    timed_out = [x["index"] for x in _logs(t.log, "region_transfer_timeout")
+                 if x["region"] == "r1"]
+    assert timed_out == ([] if acked else [ia])
+    if acked:
+        tick(t0 + 2 * rt)
+        # (the relay orders time out too by then: their own deadline, 2 x rt)
+        assert ia in [x["index"] for x in _logs(t.log, "region_transfer_timeout")
+                      if x["region"] == "r1"]
+        assert t.o.role.acked_until == {}
+
+
 def test_relay_fail_for_a_relay_never_ordered_changes_nothing() -> None:
     o = _core("origin", "trainer", role="origin")
     a = Script(o, 1, node_id="a", region="r1")

@@ -307,3 +307,59 @@ def test_a_receiver_asks_again_for_a_chunk_stuck_on_a_lane() -> None:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
     asyncio.run(go())
+
+
+def test_the_origin_reports_a_handed_over_chunk_still_being_acknowledged() -> None:
+    """On the origin, after a chunk is all handed to the kernel, the driver looks every
+    ``ACK_WATCH_S`` whether the link's bytes are still being acknowledged and tells the
+    core (``ev.Acked``: the push is on its way, not lost). A peer that stops reading gets
+    no such report; one that reads on does."""
+    import random
+    import socket
+
+    import node.driver as driver_mod
+    from swarm.protocol.config import CoreConfig
+    from swarm.protocol.core import NodeCore
+
+    async def go() -> None:
+        driver_mod.ACK_WATCH_S = 0.1
+        srv = socket.create_server(("127.0.0.1", 0))
+        srv.setblocking(False)
+        loop = asyncio.get_running_loop()
+        cli = socket.create_connection(srv.getsockname())
+        peer, _ = await loop.sock_accept(srv)
+        cli.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
+        peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        core = NodeCore(CoreConfig(node_id="o", region="trainer", model="m",
+                                   listen_addr="127.0.0.1:1", role="origin"),
+                        verify_manifest=lambda raw: None, rng=random.Random(0))
+        drv = Driver(core, _Store(), None, host="127.0.0.1", port=0)  # type: ignore[arg-type]
+        drv.loop = loop
+        acked: list[ev.Acked] = []
+        drv.feed = lambda e: acked.append(e) if isinstance(e, ev.Acked) else None  # type: ignore[method-assign,func-returns-value]
+        c = Conn(id=3, link=None, outbound=False, addr="peer")  # type: ignore[arg-type]
+        c.sock = cli
+        drv.conns[3] = c
+        cli.setblocking(False)
+        sent = 0
+        with contextlib.suppress(BlockingIOError):
+            while sent < 8 << 20:
+                sent += cli.send(b"x" * 65536)
+        await asyncio.sleep(0.3)  # the peer's receive buffer fills; acknowledgements stop
+        drv._chunk_ended(c)  # the chunk is handed over; the peer does not read
+        await asyncio.sleep(0.35)
+        assert acked == [] and c.ack_timer is not None  # bytes outstanding, none acked
+        got = 0
+        while got < sent:  # the peer reads on: acknowledgements flow
+            got += len(await loop.sock_recv(peer, 1 << 20))
+        await asyncio.sleep(0.35)
+        assert acked and all(e.conn == 3 for e in acked)
+        assert c.ack_timer is None  # all acknowledged: the watch ends
+        for s in (cli, peer, srv):
+            s.close()
+
+    real = driver_mod.ACK_WATCH_S
+    try:
+        asyncio.run(go())
+    finally:
+        driver_mod.ACK_WATCH_S = real

@@ -601,6 +601,11 @@ class NodeCore(ReadModel):
         if p is not None and p.state is READY:
             p.last_heard = self.now
 
+    def _on_acked(self, e: ev.Acked) -> None:
+        p = self.peers.get(e.conn)
+        if p is not None and p.state is READY:
+            self.role.on_acked(e.conn)
+
     def _on_engine_served(self, e: ev.EngineServed) -> None:
         if e.version != self.served_version:
             self.served_version = e.version
@@ -673,4 +678,5 @@ _HANDLERS: dict[type, Callable[[NodeCore, Any], None]] = {
     ev.Applied: NodeCore._on_applied,
     ev.EngineServed: NodeCore._on_engine_served,
     ev.Progress: NodeCore._on_progress,
+    ev.Acked: NodeCore._on_acked,
 }

@@ -190,6 +190,16 @@ class Progress(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class Acked(Event):
+    """Bytes this node sent on ``conn`` are being acknowledged by the peer's TCP (the
+    driver sees the sockets' acknowledged-byte count grow): a chunk already handed over
+    there is still on its way, not lost. On a long lossy path a 4 MiB chunk may take
+    longer than ``request_timeout_s`` after its last byte was handed to the kernel."""
+
+    conn: int
+
+
+@dataclass(frozen=True, slots=True)
 class EngineServed(Event):
     """The node's engine confirmed serving ``version`` (the fleet view reports it)."""
 

@@ -114,6 +114,9 @@ class Role:
         """A chunk left; True if it was the role's own (not an upload slot)."""
         return False
 
+    def on_acked(self, conn: int) -> None:
+        """What we sent on ``conn`` is being acknowledged (``ev.Acked``)."""
+
     def on_stored(self, v: int, i: int) -> None:
         """We stored chunk ``i`` of ``v`` (verified; we did not hold it before)."""
 

@@ -87,6 +87,7 @@ class OriginRole(Role):
         self.plans: dict[int, dict[str, RegionPlan]] = {}
         self.versions: list[int] = []
         self.pushes: dict[tuple[int, int, int], str] = {}  # (conn, v, i) -> region
+        self.acked_until: dict[int, float] = {}  # border conn -> its pushes live until (on_acked)
         self.graces: list[tuple[float, str, int, int]] = []  # (due, region, version, bits)
         self.kept = 0
         self.rr: deque[int] = deque()
@@ -433,6 +434,27 @@ class OriginRole(Role):
                 entry[2] = self.host.now + self.cfg.request_timeout_s
         return True
 
+    def on_acked(self, conn: int) -> None:
+        """A push handed over on ``conn`` is still being acknowledged: its deadline
+        counts from now. A push into a region behind a long lossy path can need longer
+        than ``request_timeout_s`` after its last byte left (1 % loss, 150 ms: 13 s), and
+        its deadline then sent the chunk into the region twice."""
+        if any(e[0] == ORIGIN_SRC and e[1] == conn and e[2] is not None
+               for plans in self.plans.values() for plan in plans.values()
+               for e in plan.inflight.values()):
+            self.acked_until[conn] = self.host.now + self.cfg.request_timeout_s
+
+    def _due(self, entry: list) -> float | None:
+        """When an in-flight transfer times out: its deadline, or for a push whose bytes
+        are still being acknowledged (``on_acked``) the later of that and the ack's.
+        (The deadline itself stays: the uplink window reads the hand-off time from it.)"""
+        d = entry[2]
+        if d is not None and entry[0] == ORIGIN_SRC:
+            a = self.acked_until.get(entry[1])
+            if a is not None and a > d:
+                return a
+        return d
+
     def _drop_inflight(self, plan: RegionPlan, i: int) -> None:
         src, _dst, d, t0 = plan.inflight.pop(i)
         plan.infl &= ~(1 << i)
@@ -453,7 +475,7 @@ class OriginRole(Role):
         for plans in self.plans.values():
             for plan in plans.values():
                 for entry in plan.inflight.values():
-                    d = entry[2]
+                    d = self._due(entry)
                     if d is not None and (t is None or d < t):
                         t = d
         return t
@@ -461,9 +483,12 @@ class OriginRole(Role):
     def tick(self) -> None:
         now = self.host.now
         changed = False
+        for conn in [c for c, a in self.acked_until.items() if a <= now]:
+            del self.acked_until[conn]
         for v, plans in self.plans.items():
             for r, plan in plans.items():
-                for i, (_s, _t, d, _t0) in list(plan.inflight.items()):
+                for i, entry in list(plan.inflight.items()):
+                    d = self._due(entry)
                     if d is not None and d <= now:
                         self.host.log("info", "region_transfer_timeout", version=v, region=r, index=i)
                         self._drop_inflight(plan, i)
