@@ -254,9 +254,8 @@ QUEUE_FACTOR = 1.25  # a smoothed round trip above this x the link's floor: a qu
 LOSS_SAMPLES = 1  # looks with new retransmissions and no queue before lanes open
 
 
-def acked_bytes(sock: Any) -> int | None:
-    """Bytes of ``sock`` the peer has acknowledged (Linux ``TCP_INFO`` ``tcpi_bytes_acked``),
-    or None where it cannot be read."""
+def _tcp_info(sock: Any) -> bytes | None:
+    """A TCP socket's ``struct tcp_info`` (Linux, up to ``tcpi_min_rtt``), or None."""
     opt = getattr(socket, "TCP_INFO", None)
     if sock is None or opt is None:
         return None
@@ -264,22 +263,21 @@ def acked_bytes(sock: Any) -> int | None:
         raw = sock.getsockopt(socket.IPPROTO_TCP, opt, TCP_INFO_LEN)
     except OSError:
         return None
-    if len(raw) < 128:
-        return None
-    return struct.unpack_from("=Q", raw, 120)[0]
+    return raw if len(raw) >= TCP_INFO_LEN else None
+
+
+def acked_bytes(sock: Any) -> int | None:
+    """Bytes of ``sock`` the peer has acknowledged (``tcpi_bytes_acked``), or None where
+    it cannot be read."""
+    raw = _tcp_info(sock)
+    return None if raw is None else struct.unpack_from("=Q", raw, 120)[0]
 
 
 def path_sample(sock: Any) -> tuple[int, int, int] | None:
     """``(total retransmitted segments, smoothed round trip us, round-trip floor us)`` of a
     TCP socket (Linux ``TCP_INFO``), or None where it cannot be read."""
-    opt = getattr(socket, "TCP_INFO", None)
-    if sock is None or opt is None:
-        return None
-    try:
-        raw = sock.getsockopt(socket.IPPROTO_TCP, opt, TCP_INFO_LEN)
-    except OSError:
-        return None
-    if len(raw) < TCP_INFO_LEN:
+    raw = _tcp_info(sock)
+    if raw is None:
         return None
     (srtt,) = struct.unpack_from("=I", raw, 68)
     (retrans,) = struct.unpack_from("=I", raw, 100)

@@ -27,13 +27,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import node.driver as driver_mod
-from node.driver import MAX_LINK_MESSAGE, Conn, Driver
-from node.guard import ConnectionGuard
-from node.link import Link, LinkServer, dial
+from node.driver import Conn, Driver
 from node.tcp import LOSS_PROBE_S, QUEUE_FACTOR, RandomLoss, path_sample
 from swarm.protocol import stripes, wire
 from swarm.protocol.wire import BLOCK_BYTES
-from tests.test_cut_through import _driver
+from tests.test_cut_through import _driver, _link
 
 # ------------------------------------------------------------------- the rule
 
@@ -128,17 +126,7 @@ async def _sender(outbound: bool, congestion: str = "cubic", other_region: bool 
     """A driver (``lanes = "auto"``) whose writer sends chunks on a real link to a plain
     server that queues what it gets."""
     messages: asyncio.Queue = asyncio.Queue()
-
-    async def reader(link: Link) -> None:
-        while (msg := await link.recv()) is not None:
-            await messages.put(bytes(msg))
-
-    server = LinkServer(reader, ssl_context=None, max_message=MAX_LINK_MESSAGE,
-                        guard=ConnectionGuard(max_total=8, max_per_ip=8, upgrade_timeout_s=5))
-    await server.start("127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    link = await dial("127.0.0.1", port, ssl_context=None, max_message=MAX_LINK_MESSAGE,
-                      timeout=5)
+    server, link = await _link(messages)
     drv = _driver([], _Store())
     drv.lanes, drv.lanes_auto = stripes.AUTO_LANES, auto
     drv.congestion_in_use = congestion
