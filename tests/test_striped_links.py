@@ -250,8 +250,18 @@ def test_a_receiver_asks_again_for_a_chunk_stuck_on_a_lane() -> None:
     async def go() -> None:
         drv = _driver([])
         drv.core.authenticated = lambda cid: True  # type: ignore[method-assign]
-        clock = [100.0]
+        # the driver's clock, moved by hand; it starts at the loop's own (the driver arms
+        # loop timers at its times) and only runs ahead of it
+        clock = [asyncio.get_running_loop().time()]
         drv.now = lambda: clock[0]  # type: ignore[method-assign]
+
+        async def until(cond: Any) -> None:  # the reader tasks took what was fed
+            for _ in range(500):
+                if cond():
+                    return
+                await asyncio.sleep(0.01)
+            raise AssertionError("the driver did not take the fed messages")
+
         whole: list[tuple[int, int, bytes]] = []
         buffers: list[memoryview] = []
 
@@ -272,10 +282,11 @@ def test_a_receiver_asks_again_for_a_chunk_stuck_on_a_lane() -> None:
             _feed(p0, PREFACE + frame(blk[0]), [65536])
             stuck = frame(blk[1])
             _feed(p2, PREFACE + stuck[:100_000], [65536])  # block 1 half-way on lane 2
-            await asyncio.sleep(0.05)
+            await until(lambda: c.stripes is not None and 0 in c.stripes.open
+                        and c.stripes.open[0].last_at is not None and p2.body_obj is not None)
             clock[0] += 0.5
             _feed(p0, frame(later), [65536])  # chunk 1, sent after chunk 0, arrives
-            await asyncio.sleep(0.05)
+            await until(lambda: len(whole) == 1)
             assert drv.stripe_wants == 0 and not any(m[:4] == b"PSQ2" for m in c.ctrl)
             clock[0] += 0.6  # 1.1 s without a block of chunk 0
             drv._check_stalls(c)
@@ -285,11 +296,12 @@ def test_a_receiver_asks_again_for_a_chunk_stuck_on_a_lane() -> None:
             drv._check_stalls(c)  # once a chunk
             assert len([m for m in c.ctrl if m[:4] == b"PSQ2"]) == 1
             _feed(p0, frame(blk[1]) + frame(blk[2]), [65536])  # the copies, on lane 0
-            await asyncio.sleep(0.05)
+            await until(lambda: len(whole) == 2)
             assert whole == [(2, 1, later[24:]), (2, 0, a)]
             rest = bytearray(stuck[100_000:])
             rest[:] = os.urandom(len(rest))  # the stuck copy's rest: other bytes
             _feed(p2, bytes(rest), [65536])
+            await until(lambda: p2.body_obj is None and not p2.queue)
             await asyncio.sleep(0.05)
             assert len(whole) == 2 and bytes(buffers[1]) == a  # nothing wrote into it
             assert 7 in drv.conns  # nobody blamed
