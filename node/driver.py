@@ -469,7 +469,9 @@ class Driver:
             self._timer = None
         if t is None or self.draining:
             return
-        t = max(t, self.now() + 0.001)
+        # the loop's own clock: a time already past would make uvloop hand back a plain
+        # Handle (``call_soon``), which has no ``when()`` to compare with above
+        t = max(t, self.loop.time() + 0.001)
         self._timer = self.loop.call_at(t, self._on_timer)
 
     def _on_timer(self) -> None:
