@@ -153,10 +153,14 @@ def pack_offer(token: bytes) -> bytes:
     return _OFFER.pack(OFFER_MAGIC, token)
 
 
-def unpack_offer(data: bytes | memoryview) -> bytes:
-    if len(data) != _OFFER.size or magic_of(data) != OFFER_MAGIC:
-        raise ProtocolError("malformed PST2 (lane offer) message")
+def _unpack_token(data: bytes | memoryview, magic: bytes, what: str) -> bytes:
+    if len(data) != _OFFER.size or magic_of(data) != magic:
+        raise ProtocolError(f"malformed {magic.decode()} ({what}) message")
     return _OFFER.unpack(data)[1]
+
+
+def unpack_offer(data: bytes | memoryview) -> bytes:
+    return _unpack_token(data, OFFER_MAGIC, "lane offer")
 
 
 def pack_ask(token: bytes) -> bytes:
@@ -164,9 +168,7 @@ def pack_ask(token: bytes) -> bytes:
 
 
 def unpack_ask(data: bytes | memoryview) -> bytes:
-    if len(data) != _OFFER.size or magic_of(data) != ASK_MAGIC:
-        raise ProtocolError("malformed PSA2 (lane ask) message")
-    return _OFFER.unpack(data)[1]
+    return _unpack_token(data, ASK_MAGIC, "lane ask")
 
 
 def pack_lane(token: bytes, lane: int) -> bytes:
