@@ -128,7 +128,7 @@ class NodeConfig:
     # connections a link that carries chunks to another region stripes them over, the
     # dialer's choice (1: one; docs/striped-links.md); they count against the other
     # side's max_connections and max_connections_per_ip. ``lanes_auto`` ("auto" in the
-    # TOML): ``lanes`` (node.tcp.AUTO_LANES) only on a link found capped by random loss
+    # TOML): ``lanes`` (stripes.AUTO_LANES) only on a link found capped by random loss
     lanes: int = AUTO_LANES
     lanes_auto: bool = True
     gateway: GatewayConfig | None = None  # the version-pinned request gateway (None: off)
