@@ -123,6 +123,9 @@ def status_dict(driver: Driver, model: str) -> dict[str, Any]:
         },
         # a border's RELAY orders: carried out at once, on the chunk's arrival, failed
         "relays": dict(counters.get("relays", {})),
+        # RELAY_ALIVE: a border, relays it reported on their way (acknowledged); the
+        # origin, relay deadlines those reports moved
+        "relay_alive": counters.get("relay_alive", 0),
     }
 
 
@@ -377,6 +380,12 @@ class _Collector:
                                 labels=[*labels, "outcome"])
         for outcome, n in sorted(st.get("relays", {}).items()):
             c.add_metric([*who, outcome], float(n))
+        yield c
+        c = CounterMetricFamily("patchswarm_relay_alive",
+                                "RELAY_ALIVE: relays a border reported on their way while "
+                                "acknowledged; on the origin, relay deadlines they moved",
+                                labels=labels)
+        c.add_metric(who, float(st.get("relay_alive", 0)))
         yield c
         yield from self._engine_metrics(labels, who)
         if self.gateway is not None:

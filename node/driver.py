@@ -224,10 +224,12 @@ class Conn:
     out: dict = field(default_factory=dict)
     resends: deque = field(default_factory=deque)
     stall_timer: asyncio.TimerHandle | None = None  # the receiver's next stalled() look
-    # the origin: after a chunk was handed over, whether its bytes are still being
-    # acknowledged (ev.Acked keeps the push alive); the next look, the count last seen
+    # whether its bytes are still being acknowledged (ev.Acked keeps a push or relay
+    # alive): the origin after a chunk was handed over, a border while it relays one to
+    # another region and after; the next look, the count last seen
     ack_timer: asyncio.TimerHandle | None = None
     ack_seen: int = 0
+    in_chunk: bool = False  # a chunk is being sent (the ack watch goes on meanwhile)
 
     def queued(self) -> int:
         return len(self.ctrl) + len(self.data)
@@ -703,6 +705,9 @@ class Driver:
                     v, i, arriving = c.data.popleft()
                     stream = self.arrivals.get((v, i)) if arriving else None
                     started = self.now()
+                    c.in_chunk = True
+                    if not self.core.cfg.is_origin and self._other_region(c):
+                        self._watch_acks(c)  # a relay: RELAY_ALIVE while it is acknowledged
                     striped, seq = bool(c.lanes), None
                     if not c.laning:
                         self._chunks_flow(c)
@@ -712,6 +717,7 @@ class Driver:
                         continue
                     payload = await self._chunk_bytes(v, i)
                     if payload is None:  # an arriving chunk that failed: nothing was sent
+                        c.in_chunk = False
                         if arriving:  # the peer may have asked for it: "it will not come"
                             self.wire_bytes["sent"] += await c.link.send(wire.pack_withdraw(v, i))
                         self.feed(ev.ChunkSent(self.now(), c.id, v, i, withdrawn=arriving))
@@ -1185,9 +1191,9 @@ class Driver:
         """``c``'s chunk is all handed to the kernel: look at the link's unacknowledged
         bytes later (``CongestionRestart.tail``), and on the origin whether they are
         still being acknowledged (``_ack_watch``)."""
-        if self.core.cfg.is_origin and c.ack_timer is None and self.loop is not None:
-            c.ack_seen = self._acked(c)
-            c.ack_timer = self.loop.call_later(ACK_WATCH_S, self._ack_watch, c)
+        c.in_chunk = False
+        if self.core.cfg.is_origin:
+            self._watch_acks(c)
         c.restart.chunk_ended(self.now())
         if self.congestion_restart_s > 0 and c.sock is not None:
             self._arm_restart_check(c)
@@ -1199,10 +1205,17 @@ class Driver:
     def _acked(self, c: Conn) -> int:
         return sum(acked_bytes(s) or 0 for s in self._socks(c))
 
+    def _watch_acks(self, c: Conn) -> None:
+        """Start ``_ack_watch`` on ``c`` unless it runs."""
+        if c.ack_timer is None and self.loop is not None:
+            c.ack_seen = self._acked(c)
+            c.ack_timer = self.loop.call_later(ACK_WATCH_S, self._ack_watch, c)
+
     def _ack_watch(self, c: Conn) -> None:
-        """The origin, a timer after a chunk was handed over on ``c``: its bytes are
-        being acknowledged still, so the push is on its way (``ev.Acked``: the core
-        keeps it from timing out). Looks again while bytes are unacknowledged."""
+        """A timer on ``c`` (the origin: after a chunk was handed over; a border: while
+        it relays a chunk to another region): bytes are being acknowledged still, so the
+        push or relay is on its way (``ev.Acked``: the core keeps it from timing out).
+        Looks again while a chunk is being sent or bytes are unacknowledged."""
         c.ack_timer = None
         if c.closing or self.conns.get(c.id) is not c or self.loop is None:
             return
@@ -1210,7 +1223,7 @@ class Driver:
         if seen > c.ack_seen:
             self.feed(ev.Acked(self.now(), c.id))
         c.ack_seen = seen
-        if any((unacked_bytes(s) or 0) > 0 for s in self._socks(c)):
+        if c.in_chunk or any((unacked_bytes(s) or 0) > 0 for s in self._socks(c)):
             c.ack_timer = self.loop.call_later(ACK_WATCH_S, self._ack_watch, c)
 
     def _arm_restart_check(self, c: Conn) -> None:

@@ -297,6 +297,58 @@ def test_relay_on_arrival_fails_when_the_chunk_does_not_come_in_time() -> None:
     assert not _sent_chunks(n.handle(ev.ChunkReceived(late, 1, 2, 2, True)))
 
 
+def test_a_border_reports_a_relay_alive_while_its_target_acknowledges_it() -> None:
+    """While the target's TCP acknowledges a relay's bytes (``Acked`` on its conn) the
+    border tells the origin (RELAY_ALIVE): during the send, and after the hand-off for
+    ``2 x request_timeout_s``. Nothing for other conns, withdrawn relays or a target
+    that left."""
+    n, o, b = _border_holding((0, 1))
+    q = Script(n, 3, node_id="q", region="r3")
+    q.handshake()
+    o.send(wire.Relay(2, 1, "b"))
+    rt = n.cfg.request_timeout_s
+    t0 = n.now
+    assert o.frames(n.handle(ev.Acked(t0 + 1, b.conn))) == [wire.RelayAlive(2, 1, "b")]
+    assert o.frames(n.handle(ev.Acked(t0 + 1, q.conn))) == []  # no relay on that conn
+    n.handle(ev.ChunkSent(t0 + 2, b.conn, 2, 1))  # handed over: still reported for 2 x rt
+    assert o.frames(n.handle(ev.Acked(t0 + 2 + 2 * rt - 0.5, b.conn))) == [
+        wire.RelayAlive(2, 1, "b")]
+    assert o.frames(n.handle(ev.Acked(t0 + 2 + 2 * rt + 0.5, b.conn))) == []
+    assert n.counters.relay_alive == 2
+    # two at once on one conn, one withdrawn (cut-through that failed): only the other
+    n2, o2, b2 = _border_holding((0, 1), cut_through=True, cut_through_after_s=0)
+    o2.send(wire.Relay(2, 3, "b"))
+    o2.send(wire.Relay(2, 0, "b"))
+    n2.handle(ev.ChunkArriving(n2.now, 1, 2, 3))
+    assert sorted(o2.frames(n2.handle(ev.Acked(n2.now, b2.conn))), key=lambda f: f.index) == [
+        wire.RelayAlive(2, 0, "b"), wire.RelayAlive(2, 3, "b")]
+    n2.handle(ev.ChunkReceived(n2.now, 1, 2, 3, False))
+    n2.handle(ev.ChunkSent(n2.now, b2.conn, 2, 3, withdrawn=True))
+    assert o2.frames(n2.handle(ev.Acked(n2.now, b2.conn))) == [wire.RelayAlive(2, 0, "b")]
+    n2.handle(ev.PeerDisconnected(n2.now, b2.conn, "gone"))
+    assert n2.role.out.by_conn == {}
+    # with no origin link, nothing is sent and nothing breaks
+    n.handle(ev.PeerDisconnected(n.now, o.conn, "gone"))
+    assert not [a for a in n.handle(ev.Acked(n.now, b.conn)) if isinstance(a, ev.SendFrame)]
+
+
+def test_relays_reported_alive_are_bounded_per_connection(monkeypatch: pytest.MonkeyPatch) -> None:
+    from swarm.protocol import relays
+
+    monkeypatch.setattr(relays, "MAX_PENDING", 3)
+    out = relays.RelaysOut()
+    for i in range(3):
+        out.started(5, 2, i)
+    out.handed(5, 2, 1, 10.0)
+    out.started(5, 2, 7)  # full: the handed-over one goes first
+    assert out.alive(5, 11.0, 20.0) == [(2, 0), (2, 2), (2, 7)]
+    out.started(5, 2, 8)  # full, none handed over: the oldest goes
+    assert out.alive(5, 11.0, 20.0) == [(2, 2), (2, 7), (2, 8)]
+    out.handed(9, 2, 2, 1.0)  # unknown conn or relay: nothing
+    out.ended(5, 2, 99)
+    assert len(out) == 3
+
+
 def test_relay_orders_waiting_for_chunks_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     from swarm.protocol import relays
 
@@ -439,6 +491,61 @@ def test_a_push_whose_bytes_are_still_acknowledged_does_not_time_out(acked: bool
         assert ia in [x["index"] for x in _logs(t.log, "region_transfer_timeout")
                       if x["region"] == "r1"]
         assert t.o.role.acked_until == {}
+
+
+def test_a_relay_reported_alive_does_not_time_out() -> None:
+    """A relay's deadline (``2 x request_timeout_s`` from the chunk reaching its border)
+    moves to ``request_timeout_s`` after each RELAY_ALIVE from that border for that
+    target; it times out once the reports stop. Reports from another border, for
+    another target or for no relay in flight move nothing."""
+    t = _Origin(4)
+    (ia,) = t.pushes(1)
+    assert t.relays(t.a) == [wire.Relay(2, ia, "b")]
+    t.handle(ev.ChunkSent(t.o.now, 1, 2, ia))
+    rt = t.o.cfg.request_timeout_s
+    t0 = t.o.now
+    t.send(t.a, wire.Have(2, (ia,)))  # a holds it: the relay's deadline is t0 + 2 rt
+    plan = t.o.role.plans[2]["r2"]
+    assert plan.inflight[ia][2] == t0 + 2 * rt
+    t.o.now = t0 + 2 * rt - 1
+    t.send(t.b, wire.RelayAlive(2, ia, "b"))  # not the relay's source
+    t.send(t.a, wire.RelayAlive(2, ia, "a"))  # not its target
+    t.send(t.a, wire.RelayAlive(2, 3 - ia, "b"))  # not a relay in flight
+    t.send(t.a, wire.RelayAlive(9, ia, "b"))  # no such version
+    assert plan.inflight[ia][2] == t0 + 2 * rt and t.o.counters.relay_alive == 0
+    t.send(t.a, wire.RelayAlive(2, ia, "b"))
+    assert plan.inflight[ia][2] == t0 + 3 * rt - 1 and t.o.counters.relay_alive == 1
+    assert not t.a.closed() and not t.b.closed()
+
+    def tick(now: float) -> None:  # the borders stay alive (their blocks, heartbeats)
+        for conn in (1, 2):
+            t.handle(ev.Progress(now, conn))
+        t.handle(ev.Tick(now))
+
+    def timed_out() -> list[int]:
+        return [x["index"] for x in _logs(t.log, "region_transfer_timeout") if x["region"] == "r2"]
+
+    tick(t0 + 2 * rt + 0.1)
+    assert ia not in timed_out()
+    tick(t0 + 3 * rt)
+    assert ia in timed_out()
+
+
+def test_relay_alive_keeps_a_relay_for_a_bounded_time() -> None:
+    from swarm.protocol.seeding import RELAY_ALIVE_MAX
+
+    t = _Origin(4)
+    (ia,) = t.pushes(1)
+    t.handle(ev.ChunkSent(t.o.now, 1, 2, ia))
+    t.send(t.a, wire.Have(2, (ia,)))
+    e = t.o.role.plans[2]["r2"].inflight[ia]
+    rt = t.o.cfg.request_timeout_s
+    t.o.now = e[3] + RELAY_ALIVE_MAX * rt - 1
+    t.send(t.a, wire.RelayAlive(2, ia, "b"))
+    assert e[2] == t.o.now + rt
+    t.o.now = e[3] + RELAY_ALIVE_MAX * rt + 1
+    t.send(t.a, wire.RelayAlive(2, ia, "b"))  # past the bound: the deadline stays
+    assert e[2] == e[3] + (RELAY_ALIVE_MAX + 1) * rt - 1
 
 
 def test_relay_fail_for_a_relay_never_ordered_changes_nothing() -> None:

@@ -31,6 +31,7 @@ def test_round_trip_every_frame_type() -> None:
         (wire.REJECT, 3, [1]),
         (wire.RELAY, 3, 1, "b"),
         (wire.RELAY_FAIL, 3, 1, "b"),
+        (wire.RELAY_ALIVE, 3, 1, "b"),
         (wire.LINKS, ["b", "c"]),
     ]
     for f in frames:
@@ -47,7 +48,9 @@ def test_round_trip_every_frame_type() -> None:
     wire.encode(wire.HELLO, 1, "m", "a", "r", "h", "king", b"n" * 16),
     wire.encode(wire.HELLO, 1, "m", "a" * 200, "r", "h", "node", b"n" * 16),
     wire.encode(wire.AUTH, b"short"), wire.encode(wire.PEERS, [["a", "r"]]),
-    wire.encode(wire.ROLE, 7), wire.encode(wire.ANNOUNCE, b""), wire.encode(wire.REQUEST, 1.5, [1]),
+    wire.encode(wire.ROLE, 7), wire.encode(wire.ANNOUNCE, b""),
+    wire.encode(wire.RELAY_ALIVE, 1, 0), wire.encode(wire.RELAY_ALIVE, 1, wire.MAX_CHUNKS, "b"),
+    wire.encode(wire.RELAY_ALIVE, 1, 0, ""), wire.encode(wire.REQUEST, 1.5, [1]),
     b"\x81\xa1a\x01",  # a map, not an array
     wire.encode(wire.PING) + b"x",  # trailing bytes
     wire.encode(wire.BITFIELD, 1, b"\x00" * (wire.MAX_CHUNKS // 8 + 1)),

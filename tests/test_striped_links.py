@@ -375,3 +375,54 @@ def test_the_origin_reports_a_handed_over_chunk_still_being_acknowledged() -> No
         asyncio.run(go())
     finally:
         driver_mod.ACK_WATCH_S = real
+
+
+@pytest.mark.parametrize("region", ["r2", "r"])
+def test_a_border_watches_acknowledgements_of_what_it_relays_to_another_region(region: str) -> None:
+    """A node sending a chunk to a peer of another region (a border relaying) watches the
+    link's acknowledged bytes from the chunk's start and tells the core (``ev.Acked``:
+    its RELAY_ALIVE keeps the origin from timing the relay out); the watch ends once all
+    is acknowledged. To a peer of its own region (an upload) it does not watch."""
+    import random
+
+    import node.driver as driver_mod
+    from swarm.protocol.config import CoreConfig
+    from swarm.protocol.core import NodeCore
+    from swarm.protocol.testing import MODEL, SECRET, Script
+
+    async def go() -> None:
+        driver_mod.ACK_WATCH_S = 0.05
+        async with _striped(1) as (drv, c, messages, _sent):
+            # the peer, handshaken with the driver's core, is of ``region``
+            drv.core = NodeCore(CoreConfig(node_id="a", region="r", model=MODEL,
+                                           listen_addr="127.0.0.1:1", swarm_secret=SECRET),
+                                verify_manifest=lambda raw: None, rng=random.Random(0))
+            drv.core.now = drv.now()  # the driver's clock: no heartbeat lapses
+            Script(drv.core, c.id, node_id="b", region=region).handshake()
+            drv.conns[c.id] = c
+            acked: list[ev.Acked] = []
+            feed = drv.feed
+
+            def spy(e: ev.Event) -> None:
+                if isinstance(e, ev.Acked):
+                    acked.append(e)
+                feed(e)
+
+            drv.feed = spy  # type: ignore[method-assign]
+            c.data.append((2, 0, False))
+            c.wake.set()
+            await asyncio.wait_for(messages.get(), 5)  # the chunk's first block
+            rest = await _drain(messages)  # and the rest, until the link is quiet
+            assert sum(len(m) for _n, m in rest) >= N - BLOCK_BYTES
+            await asyncio.sleep(0.3)
+            if region == "r2":
+                assert acked and {e.conn for e in acked} == {c.id}
+            else:
+                assert acked == []
+            assert c.ack_timer is None and not c.in_chunk
+
+    real = driver_mod.ACK_WATCH_S
+    try:
+        asyncio.run(go())
+    finally:
+        driver_mod.ACK_WATCH_S = real

@@ -9,7 +9,7 @@ from swarm.protocol.peer import KINDS, PeerKind
 
 class Counters:
     __slots__ = ("bad_chunks", "dup_chunks", "local_faults", "recv_bytes", "recv_chunks", "region_recv",
-                 "region_sent", "relays", "sent_bytes", "sent_chunks", "served_arriving", "withdrawn")
+                 "region_sent", "relay_alive", "relays", "sent_bytes", "sent_chunks", "served_arriving", "withdrawn")
 
     def __init__(self) -> None:
         self.sent_bytes = dict.fromkeys(KINDS, 0)
@@ -25,6 +25,9 @@ class Counters:
         # the chunk was stored (relay on arrival), started while the chunk was still
         # arriving (cut-through), failed (RELAY_FAIL sent; withdrawn cut-throughs included)
         self.relays = {"at_once": 0, "on_arrival": 0, "cut_through": 0, "failed": 0}
+        # RELAY_ALIVE: a border, relays it reported on their way; the origin, relay
+        # deadlines those reports moved
+        self.relay_alive = 0
         self.withdrawn = 0  # chunks a peer withdrew while sending them to us (not its fault)
         self.served_arriving = 0  # answers we started while the chunk still arrived here
 
@@ -52,5 +55,6 @@ class Counters:
             "region_recv": {f"{a}->{b}": n for (a, b), n in self.region_recv.items()},
             "dup_chunks": self.dup_chunks, "bad_chunks": self.bad_chunks,
             "local_faults": self.local_faults, "relays": dict(self.relays),
+            "relay_alive": self.relay_alive,
             "withdrawn": self.withdrawn, "served_arriving": self.served_arriving,
         }

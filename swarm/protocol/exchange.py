@@ -314,6 +314,8 @@ class ChunkExchange:
         if self.uploads.finish_relay(key):
             if e.withdrawn:
                 self.host.role.on_withdrawn(*key)
+            else:
+                self.host.role.on_relay_sent(*key)
         elif not self.host.role.on_sent(*key):
             self.uploads.finish(key)
         # a withdrawn chunk's last block never left: no chunk was delivered

@@ -61,3 +61,60 @@ class PendingRelays:
 
     def clear(self) -> None:
         self.orders.clear()
+
+
+class RelaysOut:
+    """The relays a border is carrying out, per target connection: ``(version, index)
+    -> None`` while the chunk is being sent, the hand-off time once its last byte went
+    to the kernel. While the target's TCP acknowledges bytes on that connection
+    (``ev.Acked``) the border tells the origin these relays are alive (RELAY_ALIVE), so
+    a relay over a long lossy path is not timed out and sent into the region twice.
+
+    A handed-over relay is forgotten ``keep_s`` after its hand-off (the border never
+    hears the target's HAVE: HAVEs go only to peers that lack the chunk), when it was
+    withdrawn, or with its connection. Bounded: at most ``MAX_PENDING`` relays per
+    connection, the oldest handed-over ones go first."""
+
+    __slots__ = ("by_conn",)
+
+    def __init__(self) -> None:
+        self.by_conn: dict[int, dict[Key, float | None]] = {}
+
+    def __len__(self) -> int:
+        return sum(len(d) for d in self.by_conn.values())
+
+    def started(self, conn: int, v: int, i: int) -> None:
+        d = self.by_conn.setdefault(conn, {})
+        d.pop((v, i), None)
+        if len(d) >= MAX_PENDING:
+            handed = [k for k, t in d.items() if t is not None]
+            del d[handed[0] if handed else next(iter(d))]
+        d[(v, i)] = None
+
+    def handed(self, conn: int, v: int, i: int, now: float) -> None:
+        d = self.by_conn.get(conn)
+        if d is not None and (v, i) in d:
+            d[(v, i)] = now
+
+    def ended(self, conn: int, v: int, i: int) -> None:
+        d = self.by_conn.get(conn)
+        if d is not None:
+            d.pop((v, i), None)
+            if not d:
+                del self.by_conn[conn]
+
+    def drop(self, conn: int) -> None:
+        self.by_conn.pop(conn, None)
+
+    def alive(self, conn: int, now: float, keep_s: float) -> list[Key]:
+        """The relays on ``conn`` to report alive now (forgets those handed over more
+        than ``keep_s`` ago)."""
+        d = self.by_conn.get(conn)
+        if not d:
+            return []
+        for k in [k for k, t in d.items() if t is not None and now - t > keep_s]:
+            del d[k]
+        if not d:
+            del self.by_conn[conn]
+            return []
+        return list(d)

@@ -20,7 +20,7 @@ from swarm.protocol.counters import Counters
 from swarm.protocol.fleet import FleetEntry, StatusReporter
 from swarm.protocol.membership import AddressBook
 from swarm.protocol.peer import CROSS, SAME, Peer
-from swarm.protocol.relays import PendingRelays
+from swarm.protocol.relays import PendingRelays, RelaysOut
 from swarm.protocol.versions import VersionState
 
 
@@ -117,6 +117,9 @@ class Role:
     def on_acked(self, conn: int) -> None:
         """What we sent on ``conn`` is being acknowledged (``ev.Acked``)."""
 
+    def on_relay_sent(self, conn: int, v: int, i: int) -> None:
+        """A relay we carried out to ``conn`` was handed over whole (``ChunkSent``)."""
+
     def on_stored(self, v: int, i: int) -> None:
         """We stored chunk ``i`` of ``v`` (verified; we did not hold it before)."""
 
@@ -173,6 +176,7 @@ class NodeRole(Role):
         self.status = StatusReporter(host)
         self.status.changed()  # the first report goes at our first origin link
         self.pending = PendingRelays()  # RELAY orders for chunks still on their way (relays)
+        self.out = RelaysOut()  # relays being carried out: reported alive while acknowledged
         # cut-through that waits ``cut_through_after_s`` for the chunk: (v, i) -> when to go
         self._cut_due: dict[tuple[int, int], float] = {}
 
@@ -205,7 +209,7 @@ class NodeRole(Role):
             self._relay_fail(v, i, target)
         else:
             self.host.counters.relays["on_arrival"] += 1
-            self.host.relay_chunk(tc, v, i)
+            self._relay(tc, v, i)
 
     def on_arriving(self, v: int, i: int) -> None:
         if not self.cfg.cut_through or not self.pending or (v, i) not in self.pending.orders:
@@ -243,11 +247,32 @@ class NodeRole(Role):
             self._relay_fail(v, i, target)
             return
         self.host.counters.relays["cut_through"] += 1
-        self.host.relay_chunk(tc, v, i, arriving=True)
+        self._relay(tc, v, i, arriving=True)
+
+    def _relay(self, conn: int, v: int, i: int, arriving: bool = False) -> None:
+        self.out.started(conn, v, i)
+        self.host.relay_chunk(conn, v, i, arriving)
+
+    def on_relay_sent(self, conn: int, v: int, i: int) -> None:
+        self.out.handed(conn, v, i, self.host.now)
+
+    def on_acked(self, conn: int) -> None:
+        """The target on ``conn`` is acknowledging our bytes: the relays we carry out to
+        it (being sent, or handed over up to ``2 x request_timeout_s`` ago) are on their
+        way. Tell the origin (RELAY_ALIVE), which keeps them from timing out."""
+        keys = self.out.alive(conn, self.host.now, 2 * self.cfg.request_timeout_s)
+        p = self.host.peers.get(conn)
+        o = self._origin_link() if keys else None
+        if o is None or p is None or not p.node_id:
+            return
+        for v, i in keys:
+            self.host.send(o, wire.RelayAlive(v, i, p.node_id).encode())
+        self.host.counters.relay_alive += len(keys)
 
     def on_withdrawn(self, conn: int, v: int, i: int) -> None:
         p = self.host.peers.get(conn)
         target = p.node_id if p is not None else ""
+        self.out.ended(conn, v, i)
         self.host.log("info", "relay_withdrawn", version=v, index=i, peer=target)
         self._relay_fail(v, i, target)
 
@@ -313,6 +338,7 @@ class NodeRole(Role):
         host.fill(p)
 
     def on_leave(self, p: Peer) -> None:
+        self.out.drop(p.conn)
         if p.is_origin and p.kept:
             # the origin went away (restart, one-shot publish, network): come back to it
             self._want_origin = True
@@ -412,7 +438,7 @@ class NodeRole(Role):
             self._relay_fail(v, i, target)
         elif (st.have >> i) & 1:
             host.counters.relays["at_once"] += 1
-            host.relay_chunk(tc, v, i)
+            self._relay(tc, v, i)
         elif self.cfg.cut_through and host.is_arriving(v, i) and self._arrived_long(v, i):
             self._cut_through(v, i, target)
         elif not self.pending.add(v, i, target, host.now + self.cfg.request_timeout_s):

@@ -231,13 +231,27 @@ class Coming(Frame):
     indices: tuple[int, ...] | list[int]
 
 
+@dataclass(frozen=True, slots=True)
+class RelayAlive(Frame):
+    """border -> origin: the relay of chunk ``index`` of ``version`` to ``target`` is on
+    its way (the target's TCP is acknowledging its bytes): do not time it out yet.
+    On a long lossy path one chunk may take longer than the relay's deadline."""
+
+    TYPE: ClassVar[int] = 18
+    NAME: ClassVar[str] = "RELAY_ALIVE"
+    version: int
+    index: int
+    target: str
+
+
 FRAME_TYPES: dict[int, type[Frame]] = {
     cls.TYPE: cls for cls in (Hello, Auth, Ping, Peers, Role, Announce, Bitfield, Have, Request,
-                              Cancel, Reject, Relay, RelayFail, Links, Report, Status, Coming)
+                              Cancel, Reject, Relay, RelayFail, Links, Report, Status, Coming,
+                              RelayAlive)
 }
 # the integer type codes, for tests and tools that build raw frames
 HELLO, AUTH, PING, PEERS, ROLE, ANNOUNCE, BITFIELD, HAVE, REQUEST, CANCEL, REJECT, RELAY, \
-    RELAY_FAIL, LINKS, REPORT, STATUS, COMING = range(1, 18)
+    RELAY_FAIL, LINKS, REPORT, STATUS, COMING, RELAY_ALIVE = range(1, 19)
 MAX_STATUS_FIELDS = 16  # a later STATUS format may append up to this many fields
 NAMES = {t: cls.NAME for t, cls in FRAME_TYPES.items()}
 
@@ -373,7 +387,7 @@ def _decode(frame: bytes) -> Frame:
         _arity(f, 3, name)
         _uint(f[1], MAX_VERSION, "version")
         _bin(f[2], None, MAX_CHUNKS // 8, "bitfield")
-    elif cls is Relay or cls is RelayFail:
+    elif cls is Relay or cls is RelayFail or cls is RelayAlive:
         _arity(f, 4, name)
         _uint(f[1], MAX_VERSION, "version")
         _uint(f[2], MAX_CHUNKS - 1, "index")
