@@ -26,7 +26,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import node.driver as driver_mod
+import node.striping as driver_mod
 from node.driver import Conn, Driver
 from node.tcp import LOSS_PROBE_S, QUEUE_FACTOR, RandomLoss, path_sample
 from swarm.protocol import stripes, wire

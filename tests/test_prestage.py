@@ -153,7 +153,7 @@ def test_prestage_feeds_in_slices_and_goes_on_from_inside_a_chunk(tmp_path,
     """Prestage feeds a chunk slice by slice (an apply waits for one slice at most) and
     goes on from inside a chunk, where an earlier prestage stopped; the weights end
     bitwise at the target."""
-    import node.driver as drv_mod
+    import node.applying as drv_mod
 
     monkeypatch.setattr(drv_mod, "PRESTAGE_SLICE", 700)  # does not divide the chunk size
     _, ahead = _apply_after(tmp_path, 2048 + 300, prestage=True)

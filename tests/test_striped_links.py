@@ -329,7 +329,7 @@ def test_the_origin_reports_a_handed_over_chunk_still_being_acknowledged() -> No
     import random
     import socket
 
-    import node.driver as driver_mod
+    import node.tcp_watch as driver_mod
     from swarm.protocol.config import CoreConfig
     from swarm.protocol.core import NodeCore
 
@@ -385,7 +385,7 @@ def test_a_border_watches_acknowledgements_of_what_it_relays_to_another_region(r
     is acknowledged. To a peer of its own region (an upload) it does not watch."""
     import random
 
-    import node.driver as driver_mod
+    import node.tcp_watch as driver_mod
     from swarm.protocol.config import CoreConfig
     from swarm.protocol.core import NodeCore
     from swarm.protocol.testing import MODEL, SECRET, Script

@@ -1,0 +1,106 @@
+"""A link's state in the driver (``Conn``): its connections, send queues, reassembly,
+striping and the watches on its sockets; and ``Arrival``, a chunk arriving for
+cut-through relays. Plain data: the driver and its parts (``node.striping``,
+``node.tcp_watch``) act on it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from node.link import Link
+from node.store import aligned_buffer
+from node.tcp import CongestionRestart, RandomLoss
+from swarm.protocol import stripes, wire
+
+MAX_LINK_MESSAGE = wire.CHUNK_HEADER_LEN + wire.MAX_CHUNK_BYTES  # a chunk block's message
+CONNECT_TIMEOUT_S = 5.0
+
+
+@dataclass
+class Arrival:
+    """A chunk whose blocks are arriving on link ``conn``, for cut-through relays: its
+    first ``got`` bytes in ``buf`` are final; ``state`` becomes ``stored`` once the whole
+    chunk was verified and kept, ``failed`` if it was not (corrupt, withdrawn, the link
+    closed, a local fault). Every change wakes the writers of the links relaying it."""
+
+    conn: int
+    buf: memoryview
+    length: int
+    got: int = 0
+    state: str = "arriving"  # arriving | stored | failed
+    t0: float = 0.0  # when its first block came (loop time; the debug log's transfer times)
+    watchers: list = field(default_factory=list)  # Conns whose writers stream it
+
+    def changed(self) -> None:
+        for w in self.watchers:
+            w.wake.set()
+
+
+@dataclass
+class Lane:
+    """An extra connection of a striped link (``swarm.protocol.stripes``): blocks only."""
+
+    n: int
+    link: Link
+    sock: Any = None
+    reader: asyncio.Task | None = None
+
+
+@dataclass
+class Conn:
+    """One link to a peer, with its ordered send queue."""
+
+    id: int
+    link: Link
+    outbound: bool
+    addr: str
+    # Control frames go before the next block of a chunk (see _writer): they wait for
+    # one block on the wire, never for a whole chunk.
+    ctrl: deque = field(default_factory=deque)
+    data: deque = field(default_factory=deque)  # (version, index, arriving) chunks to send
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    # Chunks are reassembled in aligned, not zero-filled buffers (the assembler writes
+    # every byte it returns): the store writes them to disk with O_DIRECT, no page cache.
+    blocks: wire.BlockAssembler = field(
+        default_factory=lambda: wire.BlockAssembler(alloc=aligned_buffer))
+    heard_at: float = 0.0  # last Progress fed to the core (rate-limited)
+    writer: asyncio.Task | None = None
+    closing: bool = False
+    sock: Any = None  # the TCP socket under the link (options, BBR restarts), if known
+    restart: CongestionRestart = field(default_factory=CongestionRestart)
+    restart_timer: asyncio.TimerHandle | None = None  # the next CongestionRestart.next_check
+    cut_through: bool = False  # the chunk being sent is forwarded as it arrives
+    # striped links (docs/striped-links.md): the extra connections, the token they carry,
+    # the receiving assembler, and the sender's seq counter and unfinished window
+    identity: tuple[str, str, str] | None = None
+    lanes: list[Lane] = field(default_factory=list)
+    lane_token: bytes | None = None
+    laning: bool = False  # the dialer asked for lanes (once per link)
+    offer_taken: bool = False  # the dialer: the peer echoed our lane offer
+    stripes: stripes.StripedAssembler | None = None
+    seq: int = 0
+    unfinished: set = field(default_factory=set)
+    next_lane: int = 0  # where the next look for a lane with room starts
+    # ``[network] lanes = "auto"``: whether this link's sender is capped by random loss
+    # (None: not looked into, or not a link that could be; ``loss_checked``: decided so)
+    loss: RandomLoss | None = None
+    loss_checked: bool = False
+    asked: bool = False  # the acceptor asked the dialer for lanes (PSA2, its own token)
+    # the sender's striped chunks the peer has not finished: seq -> [v, i, payload, the
+    # blocks sent again (bits), bytes handed over so far], and blocks the peer asked for
+    # again (PSQ2), to send
+    out: dict = field(default_factory=dict)
+    resends: deque = field(default_factory=deque)
+    stall_timer: asyncio.TimerHandle | None = None  # the receiver's next stalled() look
+    # whether its bytes are still being acknowledged (ev.Acked keeps a push or relay
+    # alive): the origin after a chunk was handed over, a border while it relays one to
+    # another region and after; the next look, the count last seen
+    ack_timer: asyncio.TimerHandle | None = None
+    ack_seen: int = 0
+    in_chunk: bool = False  # a chunk is being sent (the ack watch goes on meanwhile)
+
+    def queued(self) -> int:
+        return len(self.ctrl) + len(self.data)

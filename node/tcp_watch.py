@@ -1,0 +1,104 @@
+"""What the node driver watches on a link's TCP sockets around a chunk: whether the
+bytes it handed over are still being acknowledged (``ev.Acked``: the origin's pushes,
+a border's relays, which then do not time out), and when to restart the congestion
+window (``CongestionRestart``). ``TcpWatch`` is a part of ``node.driver.Driver`` (a
+mixin: it uses the driver's loop, core and connections)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from node.conn import Conn
+from node.tcp import (
+    acked_bytes,
+    keeps_window_across_idle,
+    restart_congestion,
+    unacked_bytes,
+)
+from swarm.protocol import events as ev
+
+log = logging.getLogger("patchswarm.node")
+
+# how often a watched link's acknowledged bytes are looked at (``TcpWatch._ack_watch``)
+ACK_WATCH_S = 1.0
+
+
+class TcpWatch:
+    """The part of ``Driver`` that watches a link's sockets (module docstring)."""
+
+    def _chunk_ended(self, c: Conn) -> None:
+        """``c``'s chunk is all handed to the kernel: look at the link's unacknowledged
+        bytes later (``CongestionRestart.tail``), and on the origin whether they are
+        still being acknowledged (``_ack_watch``)."""
+        c.in_chunk = False
+        if self.core.cfg.is_origin:
+            self._watch_acks(c)
+        c.restart.chunk_ended(self.now())
+        if self.congestion_restart_s > 0 and c.sock is not None:
+            self._arm_restart_check(c)
+
+    @staticmethod
+    def _socks(c: Conn) -> list[Any]:
+        return [s for s in (c.sock, *(lane.sock for lane in c.lanes)) if s is not None]
+
+    def _acked(self, c: Conn) -> int:
+        return sum(acked_bytes(s) or 0 for s in self._socks(c))
+
+    def _watch_acks(self, c: Conn) -> None:
+        """Start ``_ack_watch`` on ``c`` unless it runs."""
+        if c.ack_timer is None and self.loop is not None:
+            c.ack_seen = self._acked(c)
+            c.ack_timer = self.loop.call_later(ACK_WATCH_S, self._ack_watch, c)
+
+    def _ack_watch(self, c: Conn) -> None:
+        """A timer on ``c`` (the origin: after a chunk was handed over; a border: while
+        it relays a chunk to another region): bytes are being acknowledged still, so the
+        push or relay is on its way (``ev.Acked``: the core keeps it from timing out).
+        Looks again while a chunk is being sent or bytes are unacknowledged."""
+        c.ack_timer = None
+        if c.closing or self.conns.get(c.id) is not c or self.loop is None:
+            return
+        seen = self._acked(c)
+        if seen > c.ack_seen:
+            self.feed(ev.Acked(self.now(), c.id))
+        c.ack_seen = seen
+        if c.in_chunk or any((unacked_bytes(s) or 0) > 0 for s in self._socks(c)):
+            c.ack_timer = self.loop.call_later(ACK_WATCH_S, self._ack_watch, c)
+
+    def _arm_restart_check(self, c: Conn) -> None:
+        if c.restart_timer is not None:
+            c.restart_timer.cancel()
+            c.restart_timer = None
+        t = c.restart.next_check()
+        if t is None or self.loop is None or c.closing:
+            return
+        c.restart_timer = self.loop.call_at(max(t, self.now() + 0.001), self._restart_check, c)
+
+    def _restart_check(self, c: Conn) -> None:
+        """A timer: a chunk sending long, or a sent one's bytes stuck in the kernel. Runs
+        off the writer, which may be waiting for the socket to drain all that time."""
+        c.restart_timer = None
+        if c.closing or self.conns.get(c.id) is not c:
+            return
+        now = self.now()
+        if c.restart.started is not None:
+            # a chunk forwarded as it arrives goes at its source's pace: not restarted
+            why = "long_chunk" if not c.cut_through and c.restart.block(now) else None
+        else:
+            unacked = unacked_bytes(c.sock)
+            why = f"tail ({unacked} bytes unacknowledged)" if c.restart.tail(now, unacked) else None
+        if why is not None:
+            self._restart_congestion(c, why)
+        self._arm_restart_check(c)
+
+    def _restart_congestion(self, c: Conn, why: str) -> None:
+        """Start BBR over on ``c``'s socket (``node.tcp.CongestionRestart`` says when);
+        nothing where the link does not run BBR."""
+        in_use = self.congestion_in_use
+        if c.sock is None or in_use is None or not keeps_window_across_idle(in_use):
+            return
+        if restart_congestion(c.sock, in_use):
+            self.congestion_restarts += 1
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("congestion_restart", extra={"fields": {"peer": c.addr, "why": why}})
