@@ -115,6 +115,9 @@ def status_dict(driver: Driver, model: str) -> dict[str, Any]:
             # again (sender)
             "stripe_wants": driver.stripe_wants,
             "blocks_resent": driver.blocks_resent,
+            # chunks this node restarted over lanes that came up while they went on
+            # the link alone
+            "chunks_restriped": driver.chunks_restriped,
             "connections": driver.guard.stats.open,
             "refused": driver.guard.stats.refused,
             "timed_out": driver.guard.stats.timed_out,
@@ -361,7 +364,10 @@ class _Collector:
                 ("patchswarm_stripe_wants", "stripe_wants",
                  "Striped chunks stuck on a lane that this node asked for again"),
                 ("patchswarm_blocks_resent", "blocks_resent",
-                 "Striped blocks this node sent again, asked by a peer whose copy was stuck")):
+                 "Striped blocks this node sent again, asked by a peer whose copy was stuck"),
+                ("patchswarm_chunks_restriped", "chunks_restriped",
+                 "Chunks this node restarted striped: lanes came up while they went on the "
+                 "link alone")):
             c = CounterMetricFamily(name, help_text, labels=labels)
             c.add_metric(who, float(tr[key]))
             yield c

@@ -17,6 +17,9 @@ from swarm.protocol import stripes, wire
 
 MAX_LINK_MESSAGE = wire.CHUNK_HEADER_LEN + wire.MAX_CHUNK_BYTES  # a chunk block's message
 CONNECT_TIMEOUT_S = 5.0
+# lanes came up while a chunk went on one connection: it is restarted over all of them
+# while at least this much of it is left and at most half of it was sent
+RESTRIPE_MIN_LEFT = 2 * wire.BLOCK_BYTES
 
 
 @dataclass
@@ -101,6 +104,9 @@ class Conn:
     ack_timer: asyncio.TimerHandle | None = None
     ack_seen: int = 0
     in_chunk: bool = False  # a chunk is being sent (the ack watch goes on meanwhile)
+    # the receiver: chunks whose copy on the link itself (PSB1) the sender restarted
+    # striped, once lanes came up mid-chunk; that copy's withdrawal is expected, not news
+    restriped: set = field(default_factory=set)
 
     def queued(self) -> int:
         return len(self.ctrl) + len(self.data)

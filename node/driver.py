@@ -72,6 +72,7 @@ from node.applying import (  # noqa: F401 (re-exported)
 from node.conn import (  # noqa: F401 (Arrival, Lane, MAX_LINK_MESSAGE re-exported)
     CONNECT_TIMEOUT_S,
     MAX_LINK_MESSAGE,
+    RESTRIPE_MIN_LEFT,
     Arrival,
     Conn,
     Lane,
@@ -156,6 +157,7 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
         self.lanes_opened = 0
         self.stripe_wants = 0  # striped chunks we asked for again (stuck on a lane)
         self.blocks_resent = 0  # striped blocks we sent again, asked by the peer
+        self.chunks_restriped = 0  # chunks restarted over lanes that came up mid-chunk
         self.lanes_refused = 0
         self.read_coalesce_s = read_coalesce_s
         self.unsent_limit = unsent_limit
@@ -599,8 +601,24 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
                         continue
                     sending, offset = (v, i, payload), 0
                 v, i, payload = sending
+                if stream is not None:  # its buffer may change (``_stripe_block``: restriped)
+                    payload = stream.buf
                 n = len(payload)
                 end = min(n, offset + wire.BLOCK_BYTES)
+                if (not striped and c.lanes and stream is None and n - offset >= RESTRIPE_MIN_LEFT
+                        and offset <= n // 2):
+                    # Lanes came up while this chunk went on the link alone (a lossy path
+                    # found mid-chunk): withdraw that copy (PSW1; the peer drops its
+                    # blocks, blames nobody) and send the whole chunk striped over all
+                    # of them, instead of the rest crawling on one capped flow.
+                    if offset:
+                        self.wire_bytes["sent"] += await c.link.send(wire.pack_withdraw(v, i))
+                        self.chunks_restriped += 1
+                        log.info("chunk_restriped", extra={"fields": {
+                            "peer": c.addr, "version": v, "index": i, "sent": offset,
+                            "lanes": 1 + len(c.lanes)}})
+                    striped, offset = True, 0
+                    continue
                 if stream is not None:
                     if stream.state == "failed":
                         # the chunk did not arrive whole and verified: withdraw what we sent
@@ -719,7 +737,7 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
                 a = self.arrivals[key] = Arrival(c.id, c.blocks.buffer, c.blocks.length,  # type: ignore[index,arg-type]
                                                  t0=self.now())
                 self.feed(ev.ChunkArriving(self.now(), c.id, *key))  # type: ignore[misc]
-            if a.conn == c.id:
+            if a.conn == c.id and a.buf is c.blocks.buffer:  # not its striped copy
                 a.got = c.blocks.received
                 if a.watchers:
                     a.changed()
@@ -728,6 +746,8 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
                 c.heard_at = now
                 self.feed(ev.Progress(now, c.id))
             return
+        if c.restriped:
+            c.restriped.discard(whole[:2])  # that copy came whole after all (no PSW1 now)
         await self._on_chunk(c, whole)
 
     async def _on_withdraw(self, c: Conn, data: bytes) -> None:
@@ -737,14 +757,20 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
         if not self.core.authenticated(c.id):
             await self._drop(c, "withdrawal before the handshake")
             return
+        buf = c.blocks.buffer
         try:
             v, i = c.blocks.withdraw(data)
         except ProtocolError as exc:
             await self._drop(c, str(exc))
             return
+        if (v, i) in c.restriped:
+            # the sender restarted it striped (``_stripe_block``): it is still coming
+            c.restriped.discard((v, i))
+            log.debug("peer %s restarted chunk %d of version %d over lanes", c.addr, i, v)
+            return
         log.info("peer %s withdrew chunk %d of version %d", c.addr, i, v)
         a = self.arrivals.get((v, i))
-        if a is not None and a.conn == c.id:
+        if a is not None and a.conn == c.id and a.buf is buf:  # that copy, not another
             self._arrival_failed((v, i), a)
         self.feed(ev.ChunkWithdrawn(self.now(), c.id, v, i))
 
@@ -773,10 +799,12 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
             await self._drop(c, "chunk before the handshake")
             return
         a = self.arrivals.get((v, i))
-        if a is not None and a.conn == c.id:
+        if a is not None and (a.conn != c.id or a.buf is not payload):
+            a = None  # another copy's (another link's, or the one restarted striped)
+        if a is not None:
             a.got = a.length  # every byte is here; the last block waits for the verdict
         verdict = await asyncio.to_thread(self._check_and_store, v, i, payload)
-        if a is not None and a.conn == c.id:
+        if a is not None:
             self.arrivals.pop((v, i), None)
             a.state = "stored" if verdict is None else "failed"
             a.changed()

@@ -414,11 +414,19 @@ class StripedLinks:
         key = (v, where >> stripes.BLOCK_BITS)
         ch = asm.open.get(seq)
         if ch is not None:  # not a late block of a withdrawn chunk
+            if c.blocks.pending == key:
+                # the sender restarted, striped, the chunk it was sending on the link
+                # itself (lanes came up mid-chunk); that copy's PSW1 follows
+                c.restriped.add(key)
             a = self.arrivals.get(key)
             if a is None:  # its first block: a RELAY may go on from here
                 a = self.arrivals[key] = Arrival(c.id, ch.buf, ch.length, t0=self.now())
                 self.feed(ev.ChunkArriving(self.now(), c.id, *key))
-            if a.conn == c.id:
+            elif a.conn == c.id and a.buf is not ch.buf and key in c.restriped:
+                # relays cut through from the copy on the link go on from this one:
+                # the same bytes, verified the same (they wait while its prefix is shorter)
+                a.buf = ch.buf
+            if a.conn == c.id and a.buf is ch.buf:
                 a.got = asm.prefix(seq)
                 if a.watchers:
                     a.changed()

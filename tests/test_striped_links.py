@@ -21,7 +21,7 @@ from node.driver import MAX_LINK_MESSAGE, Arrival, Conn, Driver, Lane
 from node.guard import ConnectionGuard
 from node.link import Link, LinkServer, dial
 from swarm.protocol import events as ev
-from swarm.protocol import stripes
+from swarm.protocol import stripes, wire
 from swarm.protocol.wire import BLOCK_BYTES
 from tests.test_cut_through import _driver
 
@@ -426,3 +426,162 @@ def test_a_border_watches_acknowledgements_of_what_it_relays_to_another_region(r
         asyncio.run(go())
     finally:
         driver_mod.ACK_WATCH_S = real
+
+
+@pytest.mark.parametrize("lanes_after_blocks", [1, 4])
+def test_a_chunk_going_on_one_connection_is_restarted_striped_when_lanes_come_up(
+        lanes_after_blocks: int) -> None:
+    """Lanes come up while a chunk goes on the link alone (``lanes = "auto"`` found the
+    path lossy mid-chunk). With at most half of it sent, the writer withdraws that copy
+    (PSW1, after its blocks on the link) and sends the whole chunk striped over every
+    connection; with more than half sent it finishes the chunk on the link. Either way
+    the chunk is handed over once, and the next one goes striped."""
+
+    async def go() -> None:
+        async with _striped(3) as (drv, c, messages, sent):
+            lanes, c.lanes = c.lanes, []
+            send, blocks_out = c.link.send, [0]
+
+            async def send_then_lanes(*parts: Any) -> int:
+                n = await send(*parts)
+                if bytes(parts[0][:4]) == b"PSB1":
+                    blocks_out[0] += 1
+                    if blocks_out[0] == lanes_after_blocks:
+                        c.lanes = lanes  # they came up now
+                return n
+
+            c.link.send = send_then_lanes  # type: ignore[method-assign]
+            for i in (0, 1):
+                c.data.append((2, i, False))
+            c.wake.set()
+            got = await _drain(messages)
+            main = [m for k, m in got if m[:4] in (b"PSB1", b"PSW1")]
+            striped: dict[tuple[int, int], dict[int, bytes]] = {}
+            for _k, m in got:
+                if m[:4] == b"PSB2":
+                    _seq, v, where = stripes.unpack_where(m)
+                    striped.setdefault((v, where >> stripes.BLOCK_BITS), {})[
+                        where & ((1 << stripes.BLOCK_BITS) - 1)] = m[stripes.STRIPE_HEADER_LEN:]
+            assert [(e.version, e.index, e.withdrawn) for e in sent] == [(2, 0, False), (2, 1, False)]
+            if lanes_after_blocks == 1:  # 1 of 6 blocks sent: restarted
+                assert [m[:4] for m in main] == [b"PSB1", b"PSW1"]
+                assert drv.chunks_restriped == 1
+                assert set(striped) == {(2, 0), (2, 1)}
+            else:  # 4 of 6 sent: finished on the link
+                assert [m[:4] for m in main] == [b"PSB1"] * 6
+                assert drv.chunks_restriped == 0
+                assert set(striped) == {(2, 1)}
+            for key, blocks in striped.items():
+                assert b"".join(blocks[k] for k in sorted(blocks)) == CHUNKS[key]
+            used = {k for k, m in got if m[:4] == b"PSB2"}
+            assert len(used) > 1  # spread over more than one connection
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("order", ["striped_first", "withdrawal_first"])
+def test_a_receiver_takes_a_chunk_restarted_striped_without_losing_its_relays(order: str) -> None:
+    """The receiving side of a restart: chunk 0 came partly on the link (PSB1, relays may
+    be cutting through from it), then comes striped, and the link's copy is withdrawn.
+    When the striped blocks come before the withdrawal, the arrival carries on from the
+    striped buffer (its relays wait while that prefix is shorter), the core hears of no
+    withdrawal, and a late block of the link's copy moves nothing. When the withdrawal
+    comes first, it is an ordinary one (the arrival fails, the core hears it) and the
+    striped copy arrives anew. Either way the chunk is whole and right once."""
+    from node.link import HEADER, PREFACE, LinkProtocol
+    from tests.test_link import _feed, _Transport
+
+    a = os.urandom(4 * BLOCK_BYTES)
+    psb1 = [wire_block(2, 0, len(a), k * BLOCK_BYTES, a[k * BLOCK_BYTES:(k + 1) * BLOCK_BYTES])
+            for k in range(4)]
+    psb2 = [stripes.pack_stripe_header(0, 2, 0, k, len(a)) + a[k * BLOCK_BYTES:(k + 1) * BLOCK_BYTES]
+            for k in range(4)]
+
+    def frame(msg: bytes) -> bytes:
+        return HEADER.pack(len(msg)) + msg
+
+    async def go() -> None:
+        drv = _driver([])
+        drv.core.authenticated = lambda cid: True  # type: ignore[method-assign]
+        events: list[ev.Event] = []
+        feed = drv.feed
+        drv.feed = lambda e: (events.append(e), feed(e))[1]  # type: ignore[method-assign,func-returns-value]
+        drv._check_and_store = lambda v, i, payload: None  # type: ignore[method-assign]  # verified
+        drv._prestage_kick = lambda v: None  # type: ignore[method-assign]
+        whole: list[bytes] = []
+        on_chunk = drv._on_chunk
+
+        async def record(c: Any, data: Any) -> None:
+            whole.append(bytes(data[2]))
+            await on_chunk(c, data)
+
+        drv._on_chunk = record  # type: ignore[method-assign]
+
+        async def until(cond: Any) -> None:
+            for _ in range(500):
+                if cond():
+                    return
+                await asyncio.sleep(0.01)
+            raise AssertionError("the driver did not take the fed messages")
+
+        def kinds(t: type) -> list[ev.Event]:
+            return [e for e in events if isinstance(e, t)]
+
+        p0, p2 = LinkProtocol(MAX_LINK_MESSAGE), LinkProtocol(MAX_LINK_MESSAGE)
+        for p in (p0, p2):
+            p.connection_made(_Transport())  # type: ignore[arg-type]
+        c = Conn(id=7, link=p0.link, outbound=True, addr="peer")
+        drv.conns[7] = c
+        p0.link.place_with(lambda h, n: drv._place(c, h, n), stripes.STRIPE_HEADER_LEN)
+        lane = drv._attach_lane(c, 2, p2.link)
+        tasks = [asyncio.create_task(drv._reader(c)), asyncio.create_task(drv._lane_reader(c, lane))]
+        try:
+            _feed(p0, PREFACE + frame(psb1[0]) + frame(psb1[1]), [65536])
+            await until(lambda: c.blocks.received == 2 * BLOCK_BYTES)
+            arrival = drv.arrivals[(2, 0)]
+            assert arrival.got == 2 * BLOCK_BYTES and len(kinds(ev.ChunkArriving)) == 1
+
+            class Watcher:  # a relay cutting through from it
+                wake = asyncio.Event()
+
+            arrival.watchers.append(Watcher)
+            if order == "striped_first":
+                _feed(p2, PREFACE + frame(psb2[0]), [65536])
+                await until(lambda: arrival.buf is not c.blocks.buffer)
+                assert arrival.got == BLOCK_BYTES and Watcher.wake.is_set()
+                assert (2, 0) in c.restriped
+                _feed(p0, frame(psb1[2]), [65536])  # a late block of the link's copy
+                await until(lambda: c.blocks.received == 3 * BLOCK_BYTES)
+                assert arrival.got == BLOCK_BYTES  # moves nothing
+                _feed(p0, frame(wire.pack_withdraw(2, 0)), [65536])
+                await until(lambda: c.blocks.pending is None)
+                assert not c.restriped and drv.arrivals[(2, 0)] is arrival
+                assert arrival.state == "arriving" and not kinds(ev.ChunkWithdrawn)
+                _feed(p2, b"".join(frame(m) for m in psb2[1:]), [65536])
+                await until(lambda: arrival.state != "arriving")
+                assert len(kinds(ev.ChunkArriving)) == 1
+            else:
+                _feed(p0, frame(wire.pack_withdraw(2, 0)), [65536])
+                await until(lambda: arrival.state == "failed")
+                assert [(e.version, e.index) for e in kinds(ev.ChunkWithdrawn)] == [(2, 0)]
+                _feed(p2, PREFACE + b"".join(frame(m) for m in psb2), [65536])
+                await until(lambda: len(whole) == 1)
+                assert len(kinds(ev.ChunkArriving)) == 2
+            await until(lambda: len(whole) == 1 and kinds(ev.ChunkReceived))
+            assert whole == [a]
+            assert [(e.version, e.index, e.valid) for e in kinds(ev.ChunkReceived)] == [(2, 0, True)]
+            if order == "striped_first":
+                assert arrival.state == "stored" and arrival.got == len(a)
+            assert (2, 0) not in drv.arrivals and 7 in drv.conns  # nobody blamed
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(go())
+
+
+def wire_block(v: int, i: int, n: int, offset: int, payload: bytes) -> bytes:
+    from swarm.protocol import wire
+
+    return wire.pack_block_header(v, i, n, offset) + payload
