@@ -576,6 +576,10 @@ def _figures(fleet: Any, meter: Meter, sts: dict[str, dict[str, Any]],
                             "loss_capped_links": (st.get("transport") or {}).get(
                                 "loss_capped_links"),
                             "stripe_wants": (st.get("transport") or {}).get("stripe_wants"),
+                            "chunks_restriped": (st.get("transport") or {}).get(
+                                "chunks_restriped"),
+                            # RELAY_ALIVE reports this border sent (cumulative)
+                            "relay_alive": st.get("relay_alive"),
                             "proc": {k: io1[n.name].get(k, 0) - io0[n.name].get(k, 0)
                                      for k in io1[n.name]}}
         regions[r] = max(regions.get(r, 0.0), t_act - t0)
