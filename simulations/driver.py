@@ -70,6 +70,9 @@ PORT = 7000
 # versions from 1, and a patch's parent is >= 1); the scenario's k-th published
 # version is BASE_VERSION + k. Reports number them k = 1..versions.
 BASE_VERSION = 1
+# how often a node's driver looks whether a link's bytes are being acknowledged
+# (node.tcp_watch.ACK_WATCH_S; the simulator may not import the node)
+ACK_WATCH_S = 1.0
 
 def _slow_start_time(nbytes: float, cwnd: float, rtt: float, ceil: float, most: float) -> float:
     """Time to send ``nbytes`` from window ``cwnd`` doubling every ``rtt`` (at most ``most``)."""
@@ -755,6 +758,11 @@ class Simulation:
             n, p = half.node, peer.node
             self.timeline.started(id(item), now, (n.node_id, n.region), (p.node_id, p.region),
                                   item[1], item[2], item[3], bool(item[7]))
+        if not half.node.origin and src.site != dst.site:
+            # a border relaying into another region: its driver tells its core every
+            # ACK_WATCH_S that the target acknowledges bytes (``ev.Acked``), and the core
+            # tells the origin (RELAY_ALIVE), which keeps a long relay from timing out
+            self.engine.schedule(now + ACK_WATCH_S, self._acked, item)
         if item[7]:
             # sent while it arrives here: it cannot leave faster than it comes in (it
             # follows the rate of the flow bringing it in until it is verified here)
@@ -770,6 +778,13 @@ class Simulation:
             if key not in self.incoming or not self.incoming[key].open:
                 self.incoming[key] = peer
             self.engine.schedule(now + half.lat, self._arriving, (peer, item[1], item[2]))
+
+    def _acked(self, item: list[Any]) -> None:
+        half = item[0]
+        if half.cur is not item or not half.open or half.node.inc != half.inc:
+            return  # the chunk left (its arrival is one latency on) or the link is gone
+        self._deliver(half.node, half.inc, ev.Acked(self.engine.now, half.cid))
+        self.engine.schedule(self.engine.now + ACK_WATCH_S, self._acked, item)
 
     def _idle_restart(self, half: Half, cap: float, res: list[Resource]) -> None:
         """A connection's window decays while it carries no chunk: Linux halves a window

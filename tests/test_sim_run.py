@@ -268,3 +268,25 @@ def test_a_region_that_relays_out_slowly_is_no_source_once_measured(seed):
     later = [sum(pv["t_p100_s"] for pv in f["per_version"][1:]) for f in (on, off)]
     assert later[0] < later[1] * 0.9, later
     assert on["cross_region_ratio"] == off["cross_region_ratio"] == 1.0
+
+
+def test_a_relay_whose_bytes_are_acknowledged_is_not_sent_twice(monkeypatch):
+    """1 % loss over 150 ms on one flow: a 4 MiB relay takes longer than its deadline.
+    The simulated border reports it alive while it runs (``ev.Acked`` every
+    ``ACK_WATCH_S`` -> RELAY_ALIVE, as the node's driver does), so each region takes in
+    one copy; without the reports the origin times relays out and sends chunks twice."""
+    import simulations.driver as sim_driver
+
+    def lossy():
+        return tiny(payload={"patch": "16 MiB", "chunk": "4 MiB", "full": "32 MiB", "start_s": 1.0},
+                    links={"mbps": 1000, "latency_ms": 75, "loss": 0.01},
+                    network={"lanes": 1, "congestion": "cubic", "slow_start": True},
+                    max_time_s=2000)
+
+    sc = lossy()
+    alive = run_strategy(sc, "patchswarm")[1]
+    check_invariants(sc, alive)
+    assert alive["cross_region_ratio"] == pytest.approx(1.0, abs=1e-3)
+    monkeypatch.setattr(sim_driver, "ACK_WATCH_S", float("inf"))  # a driver that never looks
+    silent = run_strategy(lossy(), "patchswarm")[1]
+    assert silent["cross_region_ratio"] > 1.2
