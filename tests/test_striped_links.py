@@ -70,6 +70,46 @@ async def _striped(lanes: int) -> AsyncIterator[tuple[Driver, Conn, asyncio.Queu
         await server.close()
 
 
+async def _until(cond: Any) -> None:
+    """Wait (5 s at most) until the driver's reader tasks took what was fed."""
+    for _ in range(500):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the driver did not take the fed messages")
+
+
+def _receiving(drv: Driver) -> tuple[Conn, Any, Any, list[asyncio.Task]]:
+    """A link (conn 7) and its lane 2 on the receiving driver, fed by hand as a socket
+    would feed them: ``(conn, link protocol, lane protocol, reader tasks)``."""
+    from node.link import LinkProtocol
+    from tests.test_link import _Transport
+
+    p0, p2 = LinkProtocol(MAX_LINK_MESSAGE), LinkProtocol(MAX_LINK_MESSAGE)
+    for p in (p0, p2):
+        p.connection_made(_Transport())  # type: ignore[arg-type]
+    c = Conn(id=7, link=p0.link, outbound=True, addr="peer")
+    drv.conns[7] = c
+    p0.link.place_with(lambda h, n: drv._place(c, h, n), stripes.STRIPE_HEADER_LEN)
+    lane = drv._attach_lane(c, 2, p2.link)
+    return c, p0, p2, [asyncio.create_task(drv._reader(c)),
+                       asyncio.create_task(drv._lane_reader(c, lane))]
+
+
+def _spy(drv: Driver, *kinds: type) -> list[ev.Event]:
+    """The events of ``kinds`` the driver feeds its core from now on (still fed)."""
+    seen: list[ev.Event] = []
+    feed = drv.feed
+
+    def spy(e: ev.Event) -> None:
+        if isinstance(e, kinds):
+            seen.append(e)
+        feed(e)
+
+    drv.feed = spy  # type: ignore[method-assign]
+    return seen
+
+
 async def _drain(messages: asyncio.Queue, quiet_s: float = 0.3) -> list[tuple[int, bytes]]:
     out = []
     while True:
@@ -236,8 +276,8 @@ def test_a_receiver_asks_again_for_a_chunk_stuck_on_a_lane() -> None:
     it) arrives on lane 0. After ``STALL_S`` the driver turns lane 2's copy away from the
     chunk's buffer and asks once for blocks 1 and 2; their copies on lane 0 make the
     chunk whole and right, and the rest of the stuck copy (other bytes) lands nowhere."""
-    from node.link import HEADER, PREFACE, LinkProtocol
-    from tests.test_link import _feed, _Transport
+    from node.link import HEADER, PREFACE
+    from tests.test_link import _feed
 
     a = os.urandom(3 * BLOCK_BYTES)
     blk = [stripes.pack_stripe_header(0, 2, 0, k, len(a)) + a[k * BLOCK_BYTES:(k + 1) * BLOCK_BYTES]
@@ -255,13 +295,7 @@ def test_a_receiver_asks_again_for_a_chunk_stuck_on_a_lane() -> None:
         clock = [asyncio.get_running_loop().time()]
         drv.now = lambda: clock[0]  # type: ignore[method-assign]
 
-        async def until(cond: Any) -> None:  # the reader tasks took what was fed
-            for _ in range(500):
-                if cond():
-                    return
-                await asyncio.sleep(0.01)
-            raise AssertionError("the driver did not take the fed messages")
-
+        until = _until
         whole: list[tuple[int, int, bytes]] = []
         buffers: list[memoryview] = []
 
@@ -270,14 +304,7 @@ def test_a_receiver_asks_again_for_a_chunk_stuck_on_a_lane() -> None:
             buffers.append(data[2])  # the chunk's own buffer, as handed on
 
         drv._on_chunk = on_chunk  # type: ignore[method-assign]
-        p0, p2 = LinkProtocol(MAX_LINK_MESSAGE), LinkProtocol(MAX_LINK_MESSAGE)
-        for p in (p0, p2):
-            p.connection_made(_Transport())  # type: ignore[arg-type]
-        c = Conn(id=7, link=p0.link, outbound=True, addr="peer")
-        drv.conns[7] = c
-        p0.link.place_with(lambda h, n: drv._place(c, h, n), stripes.STRIPE_HEADER_LEN)
-        lane = drv._attach_lane(c, 2, p2.link)
-        tasks = [asyncio.create_task(drv._reader(c)), asyncio.create_task(drv._lane_reader(c, lane))]
+        c, p0, p2, tasks = _receiving(drv)
         try:
             _feed(p0, PREFACE + frame(blk[0]), [65536])
             stuck = frame(blk[1])
@@ -400,15 +427,7 @@ def test_a_border_watches_acknowledgements_of_what_it_relays_to_another_region(r
             drv.core.now = drv.now()  # the driver's clock: no heartbeat lapses
             Script(drv.core, c.id, node_id="b", region=region).handshake()
             drv.conns[c.id] = c
-            acked: list[ev.Acked] = []
-            feed = drv.feed
-
-            def spy(e: ev.Event) -> None:
-                if isinstance(e, ev.Acked):
-                    acked.append(e)
-                feed(e)
-
-            drv.feed = spy  # type: ignore[method-assign]
+            acked = _spy(drv, ev.Acked)
             c.data.append((2, 0, False))
             c.wake.set()
             await asyncio.wait_for(messages.get(), 5)  # the chunk's first block
@@ -488,8 +507,8 @@ def test_a_receiver_takes_a_chunk_restarted_striped_without_losing_its_relays(or
     withdrawal, and a late block of the link's copy moves nothing. When the withdrawal
     comes first, it is an ordinary one (the arrival fails, the core hears it) and the
     striped copy arrives anew. Either way the chunk is whole and right once."""
-    from node.link import HEADER, PREFACE, LinkProtocol
-    from tests.test_link import _feed, _Transport
+    from node.link import HEADER, PREFACE
+    from tests.test_link import _feed
 
     a = os.urandom(4 * BLOCK_BYTES)
     psb1 = [wire_block(2, 0, len(a), k * BLOCK_BYTES, a[k * BLOCK_BYTES:(k + 1) * BLOCK_BYTES])
@@ -503,9 +522,7 @@ def test_a_receiver_takes_a_chunk_restarted_striped_without_losing_its_relays(or
     async def go() -> None:
         drv = _driver([])
         drv.core.authenticated = lambda cid: True  # type: ignore[method-assign]
-        events: list[ev.Event] = []
-        feed = drv.feed
-        drv.feed = lambda e: (events.append(e), feed(e))[1]  # type: ignore[method-assign,func-returns-value]
+        events = _spy(drv, ev.Event)
         drv._check_and_store = lambda v, i, payload: None  # type: ignore[method-assign]  # verified
         drv._prestage_kick = lambda v: None  # type: ignore[method-assign]
         whole: list[bytes] = []
@@ -517,24 +534,12 @@ def test_a_receiver_takes_a_chunk_restarted_striped_without_losing_its_relays(or
 
         drv._on_chunk = record  # type: ignore[method-assign]
 
-        async def until(cond: Any) -> None:
-            for _ in range(500):
-                if cond():
-                    return
-                await asyncio.sleep(0.01)
-            raise AssertionError("the driver did not take the fed messages")
+        until = _until
 
         def kinds(t: type) -> list[ev.Event]:
             return [e for e in events if isinstance(e, t)]
 
-        p0, p2 = LinkProtocol(MAX_LINK_MESSAGE), LinkProtocol(MAX_LINK_MESSAGE)
-        for p in (p0, p2):
-            p.connection_made(_Transport())  # type: ignore[arg-type]
-        c = Conn(id=7, link=p0.link, outbound=True, addr="peer")
-        drv.conns[7] = c
-        p0.link.place_with(lambda h, n: drv._place(c, h, n), stripes.STRIPE_HEADER_LEN)
-        lane = drv._attach_lane(c, 2, p2.link)
-        tasks = [asyncio.create_task(drv._reader(c)), asyncio.create_task(drv._lane_reader(c, lane))]
+        c, p0, p2, tasks = _receiving(drv)
         try:
             _feed(p0, PREFACE + frame(psb1[0]) + frame(psb1[1]), [65536])
             await until(lambda: c.blocks.received == 2 * BLOCK_BYTES)
