@@ -92,6 +92,7 @@ class Conn:
     loss: RandomLoss | None = None
     loss_checked: bool = False
     asked: bool = False  # the acceptor asked the dialer for lanes (PSA2, its own token)
+    want_lanes: int = 0  # connections the link is to have once striped (0: the node's count)
     # the sender's striped chunks the peer has not finished: seq -> [v, i, payload, the
     # blocks sent again (bits), bytes handed over so far], and blocks the peer asked for
     # again (PSQ2), to send

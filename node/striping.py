@@ -22,6 +22,7 @@ from node.tcp import (
     RandomLoss,
     keeps_window_across_idle,
     limit_unsent,
+    loss_share,
     path_sample,
     unacked_bytes,
 )
@@ -194,16 +195,19 @@ class StripedLinks:
             return  # the dialer offered meanwhile
         self.loss_capped += 1
         retrans, srtt, floor = sample
-        log.info("peer %s: capped by random loss (%d retransmitted, round trip %.1f ms, "
-                 "floor %.1f ms): %s %d lanes", c.addr, retrans, srtt / 1000, floor / 1000,
-                 "opening" if c.outbound else "asking for", self.lanes - 1)
+        share = loss_share(c.sock)
+        c.want_lanes = stripes.lanes_for_loss(share)
+        log.info("peer %s: capped by random loss (%d retransmitted, %.2f %% of segments, "
+                 "round trip %.1f ms, floor %.1f ms): %s %d lanes", c.addr, retrans,
+                 100 * (share or 0.0), srtt / 1000, floor / 1000,
+                 "opening" if c.outbound else "asking for", c.want_lanes - 1)
         if c.outbound:
             self._offer_lanes(c)
             return
         # the acceptor names the token: the dialer dials at once, no offer and echo
         c.lane_token, c.asked = os.urandom(stripes.TOKEN_BYTES), True
         self.lane_tokens[c.lane_token] = c.id
-        c.ctrl.append(stripes.pack_ask(c.lane_token))
+        c.ctrl.append(stripes.pack_ask(c.lane_token, c.want_lanes))
         c.wake.set()
 
     async def _open_lanes(self, c: Conn, token: bytes, lanes: int) -> None:
@@ -365,22 +369,25 @@ class StripedLinks:
                             c.resends.append((seq, b))
                     c.wake.set()
             elif magic == stripes.ASK_MAGIC:
-                token = stripes.unpack_ask(data)
+                token, wanted = stripes.unpack_ask(data)
                 if not c.outbound:
                     raise ProtocolError("a lane ask from the dialer (it offers)")
                 # a dialer that stripes no links lets it be; one that offered already
-                # waits for its echo (the acceptor takes our offer over its ask)
+                # waits for its echo (the acceptor takes our offer over its ask). With
+                # lanes = "auto" it opens as many as the acceptor measured a need for.
                 if self.lanes > 1 and c.lane_token is None and not c.closing:
                     c.laning = c.offer_taken = True
                     c.lane_token = token
-                    self._spawn(self._open_lanes(c, token, self.lanes))
+                    if self.lanes_auto and wanted is not None:
+                        c.want_lanes = wanted
+                    self._spawn(self._open_lanes(c, token, c.want_lanes or self.lanes))
             elif magic == stripes.OFFER_MAGIC:
                 token = stripes.unpack_offer(data)
                 if c.outbound:  # the peer took our offer: dial the lanes now
                     if c.lane_token is None or token != c.lane_token or c.offer_taken:
                         raise ProtocolError("a lane offer echo that answers no offer")
                     c.offer_taken = True
-                    self._spawn(self._open_lanes(c, token, self.lanes))
+                    self._spawn(self._open_lanes(c, token, c.want_lanes or self.lanes))
                     return
                 if c.lane_token is not None:
                     if not c.asked or c.lanes:

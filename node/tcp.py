@@ -273,6 +273,17 @@ def acked_bytes(sock: Any) -> int | None:
     return None if raw is None else struct.unpack_from("=Q", raw, 120)[0]
 
 
+def loss_share(sock: Any) -> float | None:
+    """Retransmitted segments per segment sent on ``sock`` since it opened
+    (``tcpi_total_retrans / tcpi_segs_out``), or None where it cannot be read."""
+    raw = _tcp_info(sock)
+    if raw is None:
+        return None
+    (retrans,) = struct.unpack_from("=I", raw, 100)
+    (segs_out,) = struct.unpack_from("=I", raw, 136)
+    return retrans / segs_out if segs_out else None
+
+
 def path_sample(sock: Any) -> tuple[int, int, int] | None:
     """``(total retransmitted segments, smoothed round trip us, round-trip floor us)`` of a
     TCP socket (Linux ``TCP_INFO``), or None where it cannot be read."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from simulations.network import INF, Resource, flow_ceiling, mbps
 from simulations.scenario import TRAINER_SITE, Scenario
+from swarm.protocol.stripes import lanes_for_loss
 
 
 @dataclass
@@ -83,8 +84,12 @@ class Topology:
                 topo.loss[(a, b)] = link.loss
                 # a flow's RTT: this link's one-way latency there and back; a link striped
                 # over ``lanes`` connections has as many ceilings (Scenario.lanes; "auto":
-                # only a link that loses segments at random)
-                lanes = sc.lanes if not sc.lanes_auto or link.loss > 0 else 1
+                # only a link that loses segments at random, as many as its loss calls
+                # for, as a node's probe finds: stripes.lanes_for_loss)
+                if not sc.lanes_auto:
+                    lanes = sc.lanes
+                else:
+                    lanes = lanes_for_loss(link.loss) if link.loss > 0 else 1
                 topo.flow_cap[(a, b)] = lanes * flow_ceiling(sc.congestion, sc.mss, 2 * lat,
                                                              link.loss)
         return topo

@@ -107,17 +107,19 @@ class _Store:
 
 
 @contextlib.contextmanager
-def _kernel_says(srtt_us: int, floor_us: int) -> Iterator[None]:
+def _kernel_says(srtt_us: int, floor_us: int, share: float | None = 0.001) -> Iterator[None]:
     """``path_sample`` as a lossy socket would answer: one more retransmission per look;
-    looks at every block (loopback sends a chunk's blocks within the probe's period)."""
+    looks at every block (loopback sends a chunk's blocks within the probe's period);
+    ``share`` of its segments retransmitted (``loss_share``)."""
     count = itertools.count()
-    real = driver_mod.path_sample, driver_mod.RandomLoss
+    real = driver_mod.path_sample, driver_mod.RandomLoss, driver_mod.loss_share
     driver_mod.path_sample = lambda sock: (next(count), srtt_us, floor_us)  # type: ignore[assignment]
     driver_mod.RandomLoss = functools.partial(RandomLoss, every_s=0.0)  # type: ignore[assignment,misc]
+    driver_mod.loss_share = lambda sock: share  # type: ignore[assignment]
     try:
         yield
     finally:
-        driver_mod.path_sample, driver_mod.RandomLoss = real  # type: ignore[assignment,misc]
+        driver_mod.path_sample, driver_mod.RandomLoss, driver_mod.loss_share = real  # type: ignore[assignment,misc]
 
 
 @contextlib.asynccontextmanager
@@ -163,13 +165,16 @@ async def _send_chunks(c: Conn, messages: asyncio.Queue, k: int, gap_s: float) -
     return out
 
 
-@pytest.mark.parametrize("outbound", [True, False])
-def test_a_lossy_link_gets_lanes_once(outbound: bool) -> None:
+@pytest.mark.parametrize(("outbound", "share", "lanes"),
+                         [(True, 0.001, 4), (False, 0.001, 4), (True, 0.01, 13), (False, 0.01, 13),
+                          (False, None, 4)])
+def test_a_lossy_link_gets_lanes_once(outbound: bool, share: float | None, lanes: int) -> None:
     """Retransmissions at the round-trip floor: the dialer offers a token, the acceptor
     asks the dialer to open lanes with one it holds for them; once, however long the
-    link goes on losing."""
+    link goes on losing. As many as its share of retransmitted segments calls for
+    (``stripes.lanes_for_loss``): the acceptor names the count in its ask."""
     async def go() -> None:
-        with _kernel_says(srtt_us=80_000, floor_us=79_000):
+        with _kernel_says(srtt_us=80_000, floor_us=79_000, share=share):
             async with _sender(outbound) as (drv, c, messages):
                 got = await _send_chunks(c, messages, 6, 0.05)
         magic = stripes.OFFER_MAGIC if outbound else stripes.ASK_MAGIC
@@ -177,9 +182,9 @@ def test_a_lossy_link_gets_lanes_once(outbound: bool) -> None:
         if outbound:
             assert stripes.unpack_offer(got[0]) == c.lane_token
         else:
-            assert stripes.unpack_ask(got[0]) == c.lane_token and c.asked
+            assert stripes.unpack_ask(got[0]) == (c.lane_token, lanes) and c.asked
             assert drv.lane_tokens == {c.lane_token: c.id}  # a lane with it is taken
-        assert drv.loss_capped == 1
+        assert drv.loss_capped == 1 and c.want_lanes == lanes
     asyncio.run(go())
 
 
@@ -220,10 +225,16 @@ def test_a_dialer_answers_an_ask() -> None:
             await asyncio.sleep(0.05)
             assert dialed == [(asked, stripes.AUTO_LANES)] and c.lane_token == asked
             assert await _send_chunks(c, messages, 0, 0) == []  # nothing to echo
+            # an ask that names a count: auto dials that many, a fixed count its own
+            for auto, want in ((True, 13), (False, stripes.AUTO_LANES)):
+                drv.lanes_auto, c.lane_token, c.want_lanes = auto, None, 0
+                await drv._on_striped(c, stripes.pack_ask(asked, 13))
+                await asyncio.sleep(0.05)
+                assert dialed[-1] == (asked, want)
             drv.lanes, c.lane_token = 1, None
             await drv._on_striped(c, stripes.pack_ask(asked))
             await asyncio.sleep(0.05)
-            assert c.lane_token is None and len(dialed) == 1
+            assert c.lane_token is None and len(dialed) == 3
         async with _sender(False) as (drv, c, messages):
             drv.core.authenticated = lambda cid: True  # type: ignore[method-assign]
             dropped: list[str] = []

@@ -23,7 +23,7 @@ from simulations.network import mathis_cap, mbps
 from simulations.scenario import parse_scenario
 from swarm.errors import ConfigError
 from swarm.protocol import events as ev
-from swarm.protocol.stripes import AUTO_LANES
+from swarm.protocol.stripes import AUTO_LANES, lanes_for_loss
 
 MiB = 2**20
 
@@ -269,18 +269,21 @@ def test_a_striped_link_has_a_loss_ceiling_per_lane(lanes):
 
 
 def test_auto_lanes_stripe_only_lossy_links_and_open_no_windows_early():
-    """``network.lanes = "auto"`` (the node's): a lossy cross-region link gets
-    ``AUTO_LANES`` ceilings, a clean one stays one connection, and no connection opens
-    extra initial windows (the node opens lanes only after looking at a sending socket)."""
+    """``network.lanes = "auto"`` (the node's): a lossy cross-region link gets as many
+    ceilings as its loss calls for (``lanes_for_loss``: 13 at 1 %), a clean one stays
+    one connection, and no connection opens extra initial windows (the node opens lanes
+    only after looking at a sending socket)."""
     sc = lossy(lanes="auto")
     cap = mathis_cap(1460, 0.150, 0.01)
     assert (sc.lanes, sc.lanes_auto) == (AUTO_LANES, True)
+    k = lanes_for_loss(0.01)
+    assert k == 13
     w = Wire(sc)
     a0, b0 = w.node("a", 0), w.node("b", 0)
     w.connect(a0, b0)
     w.chunk(a0, MiB)
     w.run()
-    assert w.chunks[0][0] == pytest.approx(MiB / (AUTO_LANES * cap) + 0.075, rel=1e-3)
+    assert w.chunks[0][0] == pytest.approx(MiB / (k * cap) + 0.075, rel=1e-3)
     assert w.sim._initial_window(a0, b0) == 10 * 1460
     clean = two_site(network={"congestion": "cubic", "lanes": "auto"})
     assert Wire(clean).sim.topo.flow_cap[("a", "b")] == math.inf

@@ -156,7 +156,11 @@ def test_malformed_blocks_are_refused(header, n, msg):
 def test_control_messages_round_trip_and_refuse_garbage():
     tok = bytes(range(16))
     assert S.unpack_offer(S.pack_offer(tok)) == tok
-    assert S.unpack_ask(S.pack_ask(tok)) == tok
+    assert S.unpack_ask(S.pack_ask(tok)) == (tok, None)
+    assert S.unpack_ask(S.pack_ask(tok, 13)) == (tok, 13)
+    for bad in (0, 1, S.MAX_LANES + 1):
+        with pytest.raises(ProtocolError, match="PSA2"):
+            S.unpack_ask(S.pack_ask(tok, bad))
     assert S.unpack_lane(S.pack_lane(tok, 3)) == (tok, 3)
     assert S.unpack_done(S.pack_done(2**32 - 1)) == 2**32 - 1
     assert S.unpack_withdraw(S.pack_withdraw(5, 2**40, 7)) == (5, 2**40, 7)
@@ -231,3 +235,16 @@ def test_want_messages_round_trip_and_refuse_garbage():
                 S.pack_want(1, [S.MAX_BLOCKS]), S.pack_done(1)):
         with pytest.raises(ProtocolError):
             S.unpack_want(bad)
+
+
+def test_lanes_for_loss_follow_the_square_root_of_the_loss() -> None:
+    """4 at 0.1 % loss or less (and when the share is unknown), 4 x sqrt(loss / 0.1 %)
+    above, 16 at most: a flow's cap falls as 1 / sqrt(loss) (Mathis et al.)."""
+    assert [S.lanes_for_loss(p) for p in (None, float("nan"), 0.0, 0.0005, 0.001)] == [4] * 5
+    assert [S.lanes_for_loss(p) for p in (0.002, 0.004, 0.01, 0.016, 0.5)] == [6, 8, 13, 16, 16]
+
+
+@given(st.floats(min_value=0.0, max_value=1.0), st.floats(min_value=0.0, max_value=1.0))
+def test_lanes_for_loss_grow_with_the_loss_and_stay_in_range(a: float, b: float) -> None:
+    lo, hi = sorted((a, b))
+    assert S.AUTO_LANES <= S.lanes_for_loss(lo) <= S.lanes_for_loss(hi) <= S.MAX_LANES

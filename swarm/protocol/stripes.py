@@ -38,6 +38,7 @@ Messages (sans-I/O: formats and the receiver's state machine; ``node.driver`` mo
 
 from __future__ import annotations
 
+import math
 import struct
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -65,10 +66,14 @@ LANE_MAGIC = b"PSL2"
 TOKEN_BYTES = 16
 _OFFER = struct.Struct(f">4s{TOKEN_BYTES}s")
 _LANE = struct.Struct(f">4s{TOKEN_BYTES}sB")
+_ASK_N = struct.Struct(f">4s{TOKEN_BYTES}sB")  # PSA2 with the connections wanted
 MAX_LANES = 16  # connections a link may have, lane 0 included
 # ``[network] lanes = "auto"``: connections a link gets once its sender finds it capped by
 # random loss (node.tcp.RandomLoss; docs/striped-links.md)
 AUTO_LANES = 4
+# ... at a measured loss of 0.1 % (where 4 were measured as fast as 8); more where a flow's
+# loss is higher (``lanes_for_loss``)
+AUTO_LOSS_REF = 0.001
 WINDOW = 4  # chunks a sender may have unfinished on one link
 REMEMBER_DROPPED = 256  # withdrawn seqs kept, to drop their late blocks without blame
 MAX_SEQ = 2**32 - 1
@@ -163,12 +168,34 @@ def unpack_offer(data: bytes | memoryview) -> bytes:
     return _unpack_token(data, OFFER_MAGIC, "lane offer")
 
 
-def pack_ask(token: bytes) -> bytes:
-    return _OFFER.pack(ASK_MAGIC, token)
+def lanes_for_loss(loss: float | None) -> int:
+    """Connections for a link found capped by random loss, from the share of its
+    segments retransmitted: ``AUTO_LANES`` at ``AUTO_LOSS_REF`` or less, more as the
+    square root of the loss above it (one flow's cap falls as 1 / sqrt(loss), Mathis et
+    al.: the link's rate stays what ``AUTO_LANES`` give at the reference), at most
+    ``MAX_LANES``."""
+    if loss is None or not loss > AUTO_LOSS_REF:  # also NaN
+        return AUTO_LANES
+    return min(MAX_LANES, max(AUTO_LANES, round(AUTO_LANES * math.sqrt(loss / AUTO_LOSS_REF))))
 
 
-def unpack_ask(data: bytes | memoryview) -> bytes:
-    return _unpack_token(data, ASK_MAGIC, "lane ask")
+def pack_ask(token: bytes, lanes: int | None = None) -> bytes:
+    """An acceptor's lane ask: the token it registered, and how many connections it
+    wants the link to have (lane 0 included; none: the dialer's own count)."""
+    if lanes is None:
+        return _OFFER.pack(ASK_MAGIC, token)
+    return _ASK_N.pack(ASK_MAGIC, token, lanes)
+
+
+def unpack_ask(data: bytes | memoryview) -> tuple[bytes, int | None]:
+    """``(token, connections wanted or None)`` of a lane ask; ``ProtocolError`` if
+    malformed (a count outside 2..``MAX_LANES`` included)."""
+    if len(data) == _ASK_N.size and magic_of(data) == ASK_MAGIC:
+        _, token, lanes = _ASK_N.unpack(data)
+        if not 2 <= lanes <= MAX_LANES:
+            raise ProtocolError(f"PSA2 (lane ask) for {lanes} connections")
+        return token, lanes
+    return _unpack_token(data, ASK_MAGIC, "lane ask"), None
 
 
 def pack_lane(token: bytes, lane: int) -> bytes:
