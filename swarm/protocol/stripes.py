@@ -66,7 +66,7 @@ LANE_MAGIC = b"PSL2"
 TOKEN_BYTES = 16
 _OFFER = struct.Struct(f">4s{TOKEN_BYTES}s")
 _LANE = struct.Struct(f">4s{TOKEN_BYTES}sB")
-_ASK_N = struct.Struct(f">4s{TOKEN_BYTES}sB")  # PSA2 with the connections wanted
+_ASK_N = _LANE  # PSA2 with the connections wanted: the same layout (magic, token, count)
 MAX_LANES = 16  # connections a link may have, lane 0 included
 # ``[network] lanes = "auto"``: connections a link gets once its sender finds it capped by
 # random loss (node.tcp.RandomLoss; docs/striped-links.md)
