@@ -68,6 +68,9 @@ def status_dict(driver: Driver, model: str) -> dict[str, Any]:
         "region": st["region"],
         "model": model,
         "role": st["role"],
+        # the protocol versions this release speaks, oldest and newest (each peer in
+        # ``peers`` shows the one its link speaks: ``proto``)
+        "protocol": st["protocol"],
         "active_version": st["active_version"],
         "active_digest": digest,
         "staged_versions": st["staged_versions"],
@@ -122,6 +125,9 @@ def status_dict(driver: Driver, model: str) -> dict[str, Any]:
             "refused": driver.guard.stats.refused,
             "timed_out": driver.guard.stats.timed_out,
             "local_faults": counters.get("local_faults", 0),
+            # links closed at the HELLO: the peer runs a release with no protocol
+            # version in common (docs/operations.md, upgrades)
+            "version_refused": counters.get("version_refused", 0),
             "store_fault": driver.store_fault,
         },
         # a border's RELAY orders: carried out at once, on the chunk's arrival, failed
@@ -392,6 +398,11 @@ class _Collector:
                                 "acknowledged; on the origin, relay deadlines they moved",
                                 labels=labels)
         c.add_metric(who, float(st.get("relay_alive", 0)))
+        yield c
+        c = CounterMetricFamily("patchswarm_version_refused",
+                                "Links closed at the handshake: the peer's release speaks no "
+                                "protocol version in common with ours", labels=labels)
+        c.add_metric(who, float(st["transport"].get("version_refused", 0)))
         yield c
         yield from self._engine_metrics(labels, who)
         if self.gateway is not None:

@@ -56,6 +56,18 @@ async def _rogue_announce(addr: str, secret: bytes, manifest: bytes) -> str:
         await link.close()
 
 
+async def _old_release_hello(addr: str) -> str:
+    """A node of a release before protocol negotiation (version 1) says HELLO."""
+    link = await connect(addr)
+    try:
+        await link.send(hs.hello_frame(model=MODEL, node_id="old-release", region="region-0",
+                                       addr="127.0.9.9:1", role="node", nonce=os.urandom(16),
+                                       proto=1))
+        return await asyncio.wait_for(ending(link), 10)
+    finally:
+        await link.close()
+
+
 async def _claim_trainer_and_send_garbage(addr: str, version: int) -> str:
     """Attack 1 of the audit (issue #10): HELLO claiming node id "trainer", never
     AUTH, then two garbage chunks. It used to ban the trainer on every node."""
@@ -124,10 +136,17 @@ def test_fleet_converges_bitwise_with_one_copy_per_region() -> None:
         for n in fleet.nodes:
             ended = asyncio.run(_claim_trainer_and_send_garbage(n.addr, pub["version"]))
             assert "chunk before the handshake" in ended, ended
+        # a node of an older release (no protocol version in common) is refused at its
+        # HELLO, with the versions named, and counted
+        ended = asyncio.run(_old_release_hello(fleet.nodes[0].addr))
+        assert "protocol version 1 is too old" in ended, ended
         pub = fleet.publish()
         statuses = fleet.wait_version(pub["version"], timeout=60)
         assert {st["active_digest"] for st in statuses.values()} == {pub["digest"]}
         assert all(st["bad_chunks"] == 0 for st in statuses.values())
+        st0 = statuses[fleet.nodes[0].name]
+        assert st0["transport"]["version_refused"] == 1 and st0["protocol"] == list(hs.SPEAKS)
+        assert {p["proto"] for p in st0["peers"]} == {wire.PROTOCOL_VERSION}
 
 
 @pytest.mark.slow

@@ -112,7 +112,7 @@ def test_a_local_store_fault_blames_nobody_and_backs_off():
                for a in acts)
 
 
-def test_redials_back_off_exponentially_with_jitter_and_reset_on_success():
+def test_redials_back_off_exponentially_with_jitter_and_reset_once_ready():
     n = _core(redial_s=1.0)
     delays = []
     for k in range(8):
@@ -125,8 +125,16 @@ def test_redials_back_off_exponentially_with_jitter_and_reset_on_success():
         assert 0.5 * base <= d <= 1.5 * base, (k, d)
     assert len(set(delays)) == len(delays)  # jittered
     n.dial("x:1")
-    n.handle(ev.PeerConnected(n.now, 5, True, "x:1"))  # success resets the count
+    n.handle(ev.PeerConnected(n.now, 5, True, "x:1"))  # connected, no handshake: no reset
     n.handle(ev.PeerDisconnected(n.now, 5, "bye"))
+    n.dial("x:1")
+    n.handle(ev.ConnectFailed(n.now, "x:1", "refused"))
+    assert n.retry_at["x:1"] - n.now >= 30.0
+    n.dial("x:1")
+    x = Script(n, 6, node_id="x", region="r", outbound=True)
+    x.handshake()  # a dial succeeds once the handshake does: that resets the count
+    assert n.authenticated(6)
+    n.handle(ev.PeerDisconnected(n.now, 6, "bye"))
     n.dial("x:1")
     n.handle(ev.ConnectFailed(n.now, "x:1", "refused"))
     assert n.retry_at["x:1"] - n.now <= 1.5

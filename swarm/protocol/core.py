@@ -88,6 +88,9 @@ class NodeCore(ReadModel):
         self.dialing: dict[str, float] = {}
         self.retry_at: dict[str, float] = {}
         self._dial_failures: dict[str, int] = {}  # consecutive failed dials per address
+        # the protocol versions we speak, oldest and newest (``handshake.SPEAKS``; tests
+        # set another to play an older or newer release)
+        self.speaks: tuple[int, int] = hs.SPEAKS
         # bans: corrupt chunks are counted per node id, so reconnecting does not reset them
         self.bans = BanList(config.ban_s)
         self.role: Role = OriginRole(self) if config.is_origin else NodeRole(self)
@@ -232,14 +235,14 @@ class NodeCore(ReadModel):
             return
         if e.outbound:
             self.dialing.pop(e.addr, None)
-            self._dial_failures.pop(e.addr, None)
         p = Peer(e.conn, e.outbound, e.addr, self.now)
         p.identity = e.identity
         self.peers[e.conn] = p
         c = self.cfg
         p.hello_out = hs.hello_frame(model=c.model, node_id=c.node_id, region=c.region,
                                      addr=c.listen_addr, role=c.role,
-                                     nonce=self.rng.randbytes(wire.NONCE_LEN))
+                                     nonce=self.rng.randbytes(wire.NONCE_LEN),
+                                     proto=self.speaks[1])
         self.send(p, p.hello_out)
 
     def _on_connect_failed(self, e: ev.ConnectFailed) -> None:
@@ -376,12 +379,21 @@ class NodeCore(ReadModel):
                 if not hs.check_mac(self.cfg.swarm_secret, f.mac, p.hello_in, p.hello_out):
                     raise ProtocolError("bad membership proof (HMAC)")
                 self._on_ready(p)
+        except hs.VersionRefused as err:
+            # a release too old or too new for us: nobody's fault, and redialling it
+            # at once would refuse again (the back-off grows: a dial counts once ready)
+            self.counters.version_refused += 1
+            if p.outbound:
+                self.retry_at[p.addr] = self.now + self._backoff(p.addr)
+            if p.conn in self.peers:
+                self.close(p, str(err), "warning")
         except ProtocolError as err:
             if p.conn in self.peers:
                 self.close(p, f"protocol error: {err}", "warning")
 
     def _on_hello(self, p: Peer, f: wire.Hello, raw: bytes) -> None:
-        hs.check_hello(f, model=self.cfg.model, node_id=self.cfg.node_id)
+        p.proto = hs.check_hello(f, model=self.cfg.model, node_id=self.cfg.node_id,
+                                 speaks=self.speaks)
         if p.identity is not None and (f.node_id, f.region, f.role) != p.identity:
             raise ProtocolError(f"HELLO names {f.node_id!r}/{f.region!r}/{f.role!r}, its "
                                 f"certificate {p.identity[0]!r}/{p.identity[1]!r}/{p.identity[2]!r}")
@@ -410,6 +422,8 @@ class NodeCore(ReadModel):
                 return
         p.state = READY
         self.by_id[p.node_id] = p.conn
+        if p.outbound:
+            self._dial_failures.pop(p.addr, None)  # a dial succeeds once the handshake does
         p.kind = ORIGIN if p.is_origin else (SAME if p.region == c.region else CROSS)
         if not self.role.admit(p):
             return

@@ -70,15 +70,37 @@ def check_mac(secret: bytes, got: bytes, sender_hello: bytes, receiver_hello: by
     return hmac.compare_digest(got, mac(secret, sender_hello, receiver_hello))
 
 
-def hello_frame(*, model: str, node_id: str, region: str, addr: str, role: str, nonce: bytes) -> bytes:
-    return wire.Hello(wire.PROTOCOL_VERSION, model, node_id, region, addr, role, nonce).encode()
+#: the protocol versions this release speaks, oldest and newest (``wire``)
+SPEAKS = (wire.MIN_PROTOCOL_VERSION, wire.PROTOCOL_VERSION)
 
 
-def check_hello(f: wire.Hello, *, model: str, node_id: str) -> None:
-    """Refuse a HELLO that cannot join this swarm."""
-    if f.proto != wire.PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {f.proto} (we speak {wire.PROTOCOL_VERSION})")
+class VersionRefused(ProtocolError):
+    """The peer speaks no protocol version we do: a release too old or too new for us.
+    Neither end is at fault; the link closes and the dialer backs off."""
+
+
+def negotiate(theirs: int, speaks: tuple[int, int] = SPEAKS) -> int:
+    """The version a link speaks: the older of both ends' newest. ``VersionRefused`` if
+    we no longer speak it. (The peer, seeing our newest, makes the same check with its
+    own oldest, so both ends agree or the link closes.)"""
+    lo, hi = speaks
+    v = min(theirs, hi)
+    if v < lo:
+        raise VersionRefused(f"protocol version {theirs} is too old (we speak {lo}..{hi})")
+    return v
+
+
+def hello_frame(*, model: str, node_id: str, region: str, addr: str, role: str, nonce: bytes,
+                proto: int = wire.PROTOCOL_VERSION) -> bytes:
+    return wire.Hello(proto, model, node_id, region, addr, role, nonce).encode()
+
+
+def check_hello(f: wire.Hello, *, model: str, node_id: str,
+                speaks: tuple[int, int] = SPEAKS) -> int:
+    """Refuse a HELLO that cannot join this swarm; the protocol version the link speaks."""
+    v = negotiate(f.proto, speaks)
     if f.model != model:
         raise ProtocolError(f"model {f.model!r} is not ours ({model!r})")
     if f.node_id == node_id:
         raise ProtocolError("connected to ourselves")
+    return v

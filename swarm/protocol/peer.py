@@ -28,7 +28,7 @@ class Peer:
     __slots__ = (
         "addr", "bits", "border", "busy", "can_req", "coming", "conn", "ewma", "hello_in",
         "hello_out", "identity", "kept", "kind", "last_heard", "last_sent", "links", "listen_addr",
-        "node_id", "outbound", "region", "relay_busy", "req", "role", "samples", "since",
+        "node_id", "outbound", "proto", "region", "relay_busy", "req", "role", "samples", "since",
         "state", "timeouts",
     )
 
@@ -45,6 +45,7 @@ class Peer:
         self.region = ""
         self.listen_addr = ""
         self.role = "node"
+        self.proto = 0  # the protocol version the link speaks (``handshake.negotiate``), from the HELLO
         self.kind = SAME
         self.border = False  # origin's view: a border it feeds; node's view: a cross-region border link
         self.kept = False  # origin kept this link (ROLE keep sent / received)

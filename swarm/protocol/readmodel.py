@@ -29,6 +29,7 @@ class ReadModel:
     uploads: UploadSlots
     apply: ApplyState
     role: Role
+    speaks: tuple[int, int]
 
     @property
     def uploading(self) -> int:
@@ -60,7 +61,7 @@ class ReadModel:
     def peer_list(self) -> list[dict[str, Any]]:
         return [
             {"id": p.node_id, "region": p.region, "addr": p.listen_addr, "role": p.role,
-             "kind": str(p.kind), "border": p.border}
+             "kind": str(p.kind), "border": p.border, "proto": p.proto}
             for p in self.peers.values() if p.state is READY
         ]
 
@@ -100,4 +101,5 @@ class ReadModel:
             "active_version": self.active_version, "staged_versions": self.staged_versions,
             "applying": self.apply.applying, "border": self.is_border, "peers": self.peer_list(),
             "counters": self.counters.as_dict(),
+            "protocol": list(self.speaks),
         }

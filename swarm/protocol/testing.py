@@ -273,14 +273,16 @@ class Script:
         acts = self.actions if actions is None else actions
         return any(isinstance(a, ev.Close) and a.conn == self.conn for a in acts)
 
-    def handshake(self) -> list[wire.Frame]:
-        """Connect, trade HELLO and AUTH; the frames the core sent once the link is ready."""
+    def handshake(self, proto: int = wire.PROTOCOL_VERSION) -> list[wire.Frame]:
+        """Connect, trade HELLO (ours naming protocol version ``proto``) and AUTH; the
+        frames the core sent once the link is ready."""
         self.actions = self.core.handle(
             ev.PeerConnected(self.now, self.conn, self.outbound, f"{self.node_id}:1"))
         hello = next(a.frame for a in self.actions if isinstance(a, ev.SendFrame))
         self._core_hello = hello
         mine = hs.hello_frame(model=MODEL, node_id=self.node_id, region=self.region,
-                              addr=f"{self.node_id}:1", role=self.role, nonce=bytes(wire.NONCE_LEN))
+                              addr=f"{self.node_id}:1", role=self.role, nonce=bytes(wire.NONCE_LEN),
+                              proto=proto)
         got = self._feed(ev.FrameReceived(self.now, self.conn, mine))
         assert [type(f) for f in got] == [wire.Auth], got
         mac = hs.mac(self.secret, mine, hello)

@@ -23,7 +23,20 @@ import msgpack
 
 from swarm.errors import ProtocolError
 
-PROTOCOL_VERSION = 1
+# ---- protocol versions. A release speaks every version from MIN_PROTOCOL_VERSION to
+# PROTOCOL_VERSION; its HELLO names the newest, and a link speaks the older of the two
+# ends' newest, if both ends still speak it (``handshake.negotiate``; the HELLOs are in
+# the AUTH transcript, so a man in the middle cannot talk a link down).
+#   1: rounds 1-26. HELLO had to match exactly, so a release from before round 27
+#      refuses every other (rounds 25 and 26 added frames an older node took for
+#      malformed, and a chunk restarted over lanes that it misread).
+#   2: round 27: the same frames and link messages as 1, and the negotiation.
+# A release that adds a frame or a link message raises PROTOCOL_VERSION, keeps
+# MIN_PROTOCOL_VERSION at the version before, and sends the new one only on links that
+# speak it (``Peer.proto``): nodes one release apart then keep every link during a
+# rolling upgrade (docs/operations.md).
+PROTOCOL_VERSION = 2
+MIN_PROTOCOL_VERSION = 2
 
 # ---- limits (every field is bounded; see docs/protocol.md)
 MAX_CHUNKS = 262_144  # = swarm.trust.manifest.MAX_CHUNK_COUNT
