@@ -15,6 +15,7 @@ from types import ModuleType
 
 from swarm import __version__
 from swarm.errors import PatchswarmError
+from swarm.protocol import wire
 
 
 # Plain import statements (not import by string), so the layering rules of
@@ -107,7 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
             "nodes through regional gossip swarms."
         ),
     )
-    parser.add_argument("--version", action="version", version=f"patchswarm {__version__}")
+    parser.add_argument("--version", action="version",
+                        version=f"patchswarm {__version__} (swarm protocol "
+                                f"{wire.MIN_PROTOCOL_VERSION}..{wire.PROTOCOL_VERSION})")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (load, help_text) in COMMANDS.items():
         try:

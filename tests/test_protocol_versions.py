@@ -147,3 +147,11 @@ def test_a_refused_non_bootstrap_address_is_redialled_ever_later() -> None:
     for k, d in enumerate(delays):
         assert 0.5 * 2.0**k <= d <= 1.5 * 2.0**k, (k, d)
     assert n.counters.version_refused == 5
+
+
+def test_the_cli_names_the_protocol_versions(capsys) -> None:
+    from patchswarm.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert f"swarm protocol {hs.SPEAKS[0]}..{hs.SPEAKS[1]}" in capsys.readouterr().out
