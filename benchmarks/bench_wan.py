@@ -575,6 +575,7 @@ def _figures(fleet: Any, meter: Meter, sts: dict[str, dict[str, Any]],
                             "lanes_opened": (st.get("transport") or {}).get("lanes_opened"),
                             "loss_capped_links": (st.get("transport") or {}).get(
                                 "loss_capped_links"),
+                            "lanes_learned": (st.get("transport") or {}).get("lanes_learned"),
                             "stripe_wants": (st.get("transport") or {}).get("stripe_wants"),
                             "chunks_restriped": (st.get("transport") or {}).get(
                                 "chunks_restriped"),

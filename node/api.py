@@ -114,6 +114,9 @@ def status_dict(driver: Driver, model: str) -> dict[str, Any]:
             "lanes_refused": driver.lanes_refused,
             # [network] lanes = "auto": links whose sender found them capped by random loss
             "loss_capped_links": driver.loss_capped,
+            # ... and links to a region one of those went to, given as many lanes with
+            # their first chunk (no probe of their own)
+            "lanes_learned": driver.lanes_learned,
             # striped chunks stuck on a lane: asked for again (receiver), blocks sent
             # again (sender)
             "stripe_wants": driver.stripe_wants,
@@ -367,6 +370,9 @@ class _Collector:
                 ("patchswarm_loss_capped_links", "loss_capped_links",
                  "Peer links whose sender found them capped by random loss and asked for "
                  "lanes ([network] lanes = \"auto\")"),
+                ("patchswarm_lanes_learned", "lanes_learned",
+                 "Peer links given lanes with their first chunk: a link to their region was "
+                 "found capped by random loss before ([network] lanes = \"auto\")"),
                 ("patchswarm_stripe_wants", "stripe_wants",
                  "Striped chunks stuck on a lane that this node asked for again"),
                 ("patchswarm_blocks_resent", "blocks_resent",

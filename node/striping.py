@@ -172,13 +172,26 @@ class StripedLinks:
         then look at its socket (``RandomLoss``) and, once it is found capped by random
         loss, get lanes: the dialer offers, an acceptor asks the dialer to (``PSA2``).
         Only links to another region, under a loss-based congestion control: BBR does
-        not back off on random loss (lanes measured no faster under it)."""
+        not back off on random loss (lanes measured no faster under it).
+
+        Once one link to a region was found capped, the next link to that region takes
+        as many lanes with its first chunk (``region_lanes``): the paths into one region
+        share its WAN. Probing each link afresh left every link's first chunk to crawl
+        on one flow until the probe fired and the chunk restarted over lanes (the
+        origin's pushes of a second version go to borders it had not pushed to)."""
         probe = c.loss
         if probe is None:
             c.loss_checked = True
             in_use = self.congestion_in_use
             if (c.sock is None or in_use is None or keeps_window_across_idle(in_use)
                     or c.lane_token is not None or not self._other_region(c)):
+                return
+            learned = self.region_lanes.get(self.core.peer_region(c.id) or "")
+            if learned is not None:
+                self.lanes_learned += 1
+                log.info("peer %s: its region's links are capped by random loss: %s %d lanes",
+                         c.addr, "opening" if c.outbound else "asking for", learned - 1)
+                self._get_lanes(c, learned)
                 return
             probe = c.loss = RandomLoss()
         now = self.now()
@@ -196,11 +209,20 @@ class StripedLinks:
         self.loss_capped += 1
         retrans, srtt, floor = sample
         share = loss_share(c.sock)
-        c.want_lanes = stripes.lanes_for_loss(share)
+        lanes = stripes.lanes_for_loss(share)
+        region = self.core.peer_region(c.id)
+        if region is not None:
+            self.region_lanes[region] = lanes
         log.info("peer %s: capped by random loss (%d retransmitted, %.2f %% of segments, "
                  "round trip %.1f ms, floor %.1f ms): %s %d lanes", c.addr, retrans,
                  100 * (share or 0.0), srtt / 1000, floor / 1000,
-                 "opening" if c.outbound else "asking for", c.want_lanes - 1)
+                 "opening" if c.outbound else "asking for", lanes - 1)
+        self._get_lanes(c, lanes)
+
+    def _get_lanes(self, c: Conn, lanes: int) -> None:
+        """``lanes`` connections for ``c`` in all: the dialer offers a token, an acceptor
+        names one and asks the dialer to dial them (``PSA2`` with the count)."""
+        c.want_lanes = lanes
         if c.outbound:
             self._offer_lanes(c)
             return

@@ -188,6 +188,48 @@ def test_a_lossy_link_gets_lanes_once(outbound: bool, share: float | None, lanes
     asyncio.run(go())
 
 
+@pytest.mark.parametrize("outbound", [True, False])
+def test_a_link_to_a_region_found_lossy_takes_lanes_with_its_first_chunk(outbound: bool) -> None:
+    """Once one link to a region was found capped by random loss, the next link to that
+    region asks for (or offers) as many lanes at its first block, although its own
+    socket has shown no loss yet; a link to another region still waits for its probe."""
+    async def go() -> None:
+        with _kernel_says(srtt_us=80_000, floor_us=79_000, share=0.01):
+            async with _sender(outbound) as (drv, c, messages):
+                regions = {c.id: "far"}
+                drv.core.peer_region = lambda cid: regions.get(cid)  # type: ignore[method-assign]
+                await _send_chunks(c, messages, 3, 0.05)
+                assert drv.loss_capped == 1 and drv.region_lanes == {"far": 13}
+        driver_mod.path_sample = lambda sock: (0, 80_000, 79_000)  # no loss from here on
+        try:
+            for cid, region, learned in ((8, "far", True), (9, "near", False)):
+                regions[cid] = region
+                got2: asyncio.Queue = asyncio.Queue()
+                server, link = await _link(got2)
+                c2 = Conn(id=cid, link=link, outbound=outbound, addr=f"peer{cid}")
+                c2.sock = link.get_extra_info("socket")
+                writer = asyncio.create_task(drv._writer(c2))
+                try:
+                    out = await _send_chunks(c2, got2, 2, 0.05)
+                finally:
+                    c2.closing = True
+                    c2.wake.set()
+                    writer.cancel()
+                    await link.close()
+                    await server.close()
+                if not learned:
+                    assert out == [] and c2.lane_token is None and c2.loss is not None
+                    continue
+                magic = stripes.OFFER_MAGIC if outbound else stripes.ASK_MAGIC
+                assert [m[:4] for m in out] == [magic], out
+                assert c2.want_lanes == 13 and drv.lanes_learned == 1 and drv.loss_capped == 1
+                if not outbound:
+                    assert stripes.unpack_ask(out[0]) == (c2.lane_token, 13)
+        finally:
+            driver_mod.path_sample = path_sample
+    asyncio.run(go())
+
+
 @pytest.mark.parametrize("why", ["queue", "bbr", "same_region", "off"])
 def test_no_lanes_where_they_would_not_pay(why: str) -> None:
     """Loss with the round trip over ``QUEUE_FACTOR`` x its floor (a full queue: more flows
