@@ -194,6 +194,18 @@ class StripedLinks:
                 self._get_lanes(c, learned)
                 return
             probe = c.loss = RandomLoss()
+        elif self.region_lanes:
+            # another link to this region was found capped while this one's probe ran
+            learned = self.region_lanes.get(self.core.peer_region(c.id) or "")
+            if learned is not None:
+                c.loss = None
+                if c.lane_token is None:
+                    self.lanes_learned += 1
+                    log.info("peer %s: its region's links are capped by random loss: "
+                             "%s %d lanes", c.addr, "opening" if c.outbound else "asking for",
+                             learned - 1)
+                    self._get_lanes(c, learned)
+                return
         now = self.now()
         if not first and not probe.due(now):
             return
@@ -208,14 +220,14 @@ class StripedLinks:
             return  # the dialer offered meanwhile
         self.loss_capped += 1
         retrans, srtt, floor = sample
-        share = loss_share(c.sock)
+        share = loss_share(c.sock, probe.queued)
         lanes = stripes.lanes_for_loss(share)
         region = self.core.peer_region(c.id)
         if region is not None:
             self.region_lanes[region] = lanes
-        log.info("peer %s: capped by random loss (%d retransmitted, %.2f %% of segments, "
-                 "round trip %.1f ms, floor %.1f ms): %s %d lanes", c.addr, retrans,
-                 100 * (share or 0.0), srtt / 1000, floor / 1000,
+        log.info("peer %s: capped by random loss (%d retransmitted, %d of them at a full "
+                 "queue; %.2f %% of segments, round trip %.1f ms, floor %.1f ms): %s %d lanes",
+                 c.addr, retrans, probe.queued, 100 * (share or 0.0), srtt / 1000, floor / 1000,
                  "opening" if c.outbound else "asking for", lanes - 1)
         self._get_lanes(c, lanes)
 

@@ -273,15 +273,16 @@ def acked_bytes(sock: Any) -> int | None:
     return None if raw is None else struct.unpack_from("=Q", raw, 120)[0]
 
 
-def loss_share(sock: Any) -> float | None:
+def loss_share(sock: Any, queued: int = 0) -> float | None:
     """Retransmitted segments per segment sent on ``sock`` since it opened
-    (``tcpi_total_retrans / tcpi_segs_out``), or None where it cannot be read."""
+    (``tcpi_total_retrans / tcpi_segs_out``), less ``queued`` retransmissions known to be
+    a full queue's (``RandomLoss.queued``), or None where it cannot be read."""
     raw = _tcp_info(sock)
     if raw is None:
         return None
     (retrans,) = struct.unpack_from("=I", raw, 100)
     (segs_out,) = struct.unpack_from("=I", raw, 136)
-    return retrans / segs_out if segs_out else None
+    return max(0, retrans - queued) / segs_out if segs_out else None
 
 
 def path_sample(sock: Any) -> tuple[int, int, int] | None:
@@ -313,9 +314,14 @@ class RandomLoss:
     count of retransmissions to compare with. Between chunks a queue that overflowed at
     the end of the last one drains, and the next look would see its losses at the floor
     (the clean emulated WAN did that once before the rule was added). Measured both ways
-    in docs/striped-links.md. Time and samples come in as arguments."""
+    in docs/striped-links.md. Time and samples come in as arguments.
 
-    __slots__ = ("decided", "every_s", "need", "next_at", "queue_factor", "retrans", "seen")
+    ``queued`` counts the retransmissions of looks that saw a queue: the share of
+    segments lost that sizes the lanes (``loss_share``) leaves them out, so a link whose
+    first pushes overflowed a shared uplink is not taken for a very lossy path."""
+
+    __slots__ = ("decided", "every_s", "need", "next_at", "queue_factor", "queued", "retrans",
+                 "seen")
 
     def __init__(self, every_s: float = LOSS_PROBE_S, need: int = LOSS_SAMPLES,
                  queue_factor: float = QUEUE_FACTOR) -> None:
@@ -323,6 +329,7 @@ class RandomLoss:
         self.next_at = float("-inf")
         self.retrans: int | None = None  # retransmissions at the last look
         self.seen = 0  # looks with loss and no queue since the last with a queue
+        self.queued = 0  # retransmissions seen by looks with a queue
         self.decided = False
 
     def due(self, now: float) -> bool:
@@ -339,6 +346,7 @@ class RandomLoss:
             return False
         if floor_us <= 0 or srtt_us > self.queue_factor * floor_us:
             self.seen = 0
+            self.queued += retrans - last
             return False
         self.seen += 1
         if self.seen >= self.need:

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 import node.striping as driver_mod
 from node.driver import Conn, Driver
-from node.tcp import LOSS_PROBE_S, QUEUE_FACTOR, RandomLoss, path_sample
+from node.tcp import LOSS_PROBE_S, QUEUE_FACTOR, RandomLoss, loss_share, path_sample
 from swarm.protocol import stripes, wire
 from swarm.protocol.wire import BLOCK_BYTES
 from tests.test_cut_through import _driver, _link
@@ -46,7 +46,7 @@ def test_random_loss_follows_its_model(looks: list[tuple[float, int, int, int, b
     the floor counts, one with them above it resets the count; ``need`` decide, once. A
     chunk's first look only notes the count (losses between chunks do not count)."""
     probe = RandomLoss(every_s=LOSS_PROBE_S, need=need)
-    now, retrans, seen, decided, last = 0.0, 0, 0, False, None
+    now, retrans, seen, decided, last, queued = 0.0, 0, 0, False, None, 0
     for dt, new, srtt, floor, fresh in looks:
         now += dt
         due = probe.due(now)
@@ -64,7 +64,9 @@ def test_random_loss_follows_its_model(looks: list[tuple[float, int, int, int, b
                 want = seen >= need
             else:
                 seen = 0
+                queued += new  # a full queue's: left out of the share that sizes lanes
         assert got == want
+        assert probe.queued == queued
         decided = decided or want
     assert probe.decided == decided
 
@@ -87,6 +89,9 @@ def test_path_sample_reads_a_live_socket() -> None:
         assert sample is not None
         retrans, srtt, floor = sample
         assert retrans >= 0 and srtt > 0 and 0 < floor <= srtt + 1_000_000
+        share = loss_share(cli)
+        assert share is not None and 0.0 <= share < 1.0
+        assert loss_share(cli, queued=10**9) == 0.0  # never below nothing lost
     finally:
         cli.close()
         done.wait(5)
@@ -115,7 +120,7 @@ def _kernel_says(srtt_us: int, floor_us: int, share: float | None = 0.001) -> It
     real = driver_mod.path_sample, driver_mod.RandomLoss, driver_mod.loss_share
     driver_mod.path_sample = lambda sock: (next(count), srtt_us, floor_us)  # type: ignore[assignment]
     driver_mod.RandomLoss = functools.partial(RandomLoss, every_s=0.0)  # type: ignore[assignment,misc]
-    driver_mod.loss_share = lambda sock: share  # type: ignore[assignment]
+    driver_mod.loss_share = lambda sock, queued=0: share  # type: ignore[assignment]
     try:
         yield
     finally:
@@ -227,6 +232,26 @@ def test_a_link_to_a_region_found_lossy_takes_lanes_with_its_first_chunk(outboun
                     assert stripes.unpack_ask(out[0]) == (c2.lane_token, 13)
         finally:
             driver_mod.path_sample = path_sample
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("outbound", [True, False])
+def test_a_running_probe_takes_its_regions_lanes_once_learned(outbound: bool) -> None:
+    """A link whose own probe has not decided (its losses came with a queue) takes the
+    lanes another link to its region was found to need, at its next block."""
+    async def go() -> None:
+        with _kernel_says(srtt_us=180_000, floor_us=79_000, share=0.01):
+            async with _sender(outbound) as (drv, c, messages):
+                drv.core.peer_region = lambda cid: "far"  # type: ignore[method-assign]
+                assert await _send_chunks(c, messages, 1, 0.05) == []
+                assert c.loss is not None and c.loss.queued > 0 and c.lane_token is None
+                drv.region_lanes["far"] = 9  # another link to "far" was found capped
+                got = await _send_chunks(c, messages, 1, 0.05)
+                magic = stripes.OFFER_MAGIC if outbound else stripes.ASK_MAGIC
+                assert [m[:4] for m in got] == [magic], got
+                assert c.loss is None and c.want_lanes == 9 and drv.lanes_learned == 1
+                assert drv.loss_capped == 0
+                assert await _send_chunks(c, messages, 1, 0.05) == []  # once
     asyncio.run(go())
 
 
