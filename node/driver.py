@@ -609,12 +609,15 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
                     payload = stream.buf
                 n = len(payload)
                 end = min(n, offset + wire.BLOCK_BYTES)
-                if (not striped and c.lanes and stream is None and n - offset >= RESTRIPE_MIN_LEFT
-                        and offset <= n // 2):
+                if (not striped and c.lanes and n - offset >= RESTRIPE_MIN_LEFT
+                        and offset <= n // 2 and (stream is None or stream.state == "stored"
+                                                  or stream.got - offset >= RESTRIPE_MIN_LEFT)):
                     # Lanes came up while this chunk went on the link alone (a lossy path
                     # found mid-chunk): withdraw that copy (PSW1; the peer drops its
                     # blocks, blames nobody) and send the whole chunk striped over all
-                    # of them, instead of the rest crawling on one capped flow.
+                    # of them, instead of the rest crawling on one capped flow. A chunk
+                    # sent while it arrives too, once this flow lags its arrival by two
+                    # blocks or more (its pace is then this flow's, not its source's).
                     if offset:
                         self.wire_bytes["sent"] += await c.link.send(wire.pack_withdraw(v, i))
                         self.chunks_restriped += 1

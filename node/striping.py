@@ -188,23 +188,14 @@ class StripedLinks:
                 return
             learned = self.region_lanes.get(self.core.peer_region(c.id) or "")
             if learned is not None:
-                self.lanes_learned += 1
-                log.info("peer %s: its region's links are capped by random loss: %s %d lanes",
-                         c.addr, "opening" if c.outbound else "asking for", learned - 1)
-                self._get_lanes(c, learned)
+                self._take_region_lanes(c, learned)
                 return
             probe = c.loss = RandomLoss()
         elif self.region_lanes:
             # another link to this region was found capped while this one's probe ran
             learned = self.region_lanes.get(self.core.peer_region(c.id) or "")
             if learned is not None:
-                c.loss = None
-                if c.lane_token is None:
-                    self.lanes_learned += 1
-                    log.info("peer %s: its region's links are capped by random loss: "
-                             "%s %d lanes", c.addr, "opening" if c.outbound else "asking for",
-                             learned - 1)
-                    self._get_lanes(c, learned)
+                self._take_region_lanes(c, learned)
                 return
         now = self.now()
         if not first and not probe.due(now):
@@ -229,6 +220,31 @@ class StripedLinks:
                  "queue; %.2f %% of segments, round trip %.1f ms, floor %.1f ms): %s %d lanes",
                  c.addr, retrans, probe.queued, 100 * (share or 0.0), srtt / 1000, floor / 1000,
                  "opening" if c.outbound else "asking for", lanes - 1)
+        self._get_lanes(c, lanes)
+        if region is not None:
+            self._lanes_for_region(region, lanes, c)
+
+    def _lanes_for_region(self, region: str, lanes: int, found: Conn) -> None:
+        """Region ``region`` was found capped by random loss on link ``found``: our other
+        links that carry chunks into it (the origin's to its borders there, a border's to
+        the borders there) get as many lanes now, before their next chunk, so that it
+        does not start on one flow (a chunk restarted over lanes loses what it sent)."""
+        for c in list(self.conns.values()):
+            if (c is found or c.closing or c.lane_token is not None or c.sock is None
+                    or not self.core.authenticated(c.id) or not self.core.peer_border(c.id)
+                    or self.core.peer_region(c.id) != region):
+                continue
+            self._take_region_lanes(c, lanes)
+
+    def _take_region_lanes(self, c: Conn, lanes: int) -> None:
+        """``c`` gets the lanes another link to its region was found to need
+        (``region_lanes``), without a probe of its own."""
+        c.loss, c.loss_checked = None, True
+        if c.lane_token is not None:
+            return
+        self.lanes_learned += 1
+        log.info("peer %s: its region's links are capped by random loss: %s %d lanes",
+                 c.addr, "opening" if c.outbound else "asking for", lanes - 1)
         self._get_lanes(c, lanes)
 
     def _get_lanes(self, c: Conn, lanes: int) -> None:

@@ -236,6 +236,52 @@ def test_a_link_to_a_region_found_lossy_takes_lanes_with_its_first_chunk(outboun
 
 
 @pytest.mark.parametrize("outbound", [True, False])
+def test_a_region_found_lossy_gets_lanes_on_its_border_links_at_once(outbound: bool) -> None:
+    """When one link to a region is found capped, our other links that carry chunks into
+    that region (border links) ask for or offer as many lanes at once, with no chunk of
+    their own; a link to that region that carries none (a tracker link) and a border link
+    to another region do not."""
+    async def go() -> None:
+        with _kernel_says(srtt_us=80_000, floor_us=79_000, share=0.01):
+            async with _sender(outbound) as (drv, c, messages):
+                others: dict[int, tuple[str, bool]] = {8: ("far", True), 9: ("far", False),
+                                                       10: ("near", True)}
+                drv.core.peer_region = (  # type: ignore[method-assign]
+                    lambda cid: "far" if cid == c.id else others[cid][0])
+                drv.core.peer_border = (  # type: ignore[method-assign]
+                    lambda cid: cid == c.id or others[cid][1])
+                drv.core.authenticated = lambda cid: True  # type: ignore[method-assign]
+                links, queues, writers = {}, {}, []
+                try:
+                    for cid in others:
+                        q: asyncio.Queue = asyncio.Queue()
+                        server, link = await _link(q)
+                        c2 = Conn(id=cid, link=link, outbound=outbound, addr=f"peer{cid}")
+                        c2.sock = link.get_extra_info("socket")
+                        drv.conns[cid] = c2
+                        links[cid], queues[cid] = (c2, server, link), q
+                        writers.append(asyncio.create_task(drv._writer(c2)))
+                    await _send_chunks(c, messages, 2, 0.05)
+                    assert drv.loss_capped == 1 and drv.lanes_learned == 1
+                    magic = stripes.OFFER_MAGIC if outbound else stripes.ASK_MAGIC
+                    for cid, (c2, _s, _l) in links.items():
+                        got = await _send_chunks(c2, queues[cid], 0, 0)
+                        if cid == 8:
+                            assert [m[:4] for m in got] == [magic] and c2.want_lanes == 13
+                            assert c2.loss_checked and c2.loss is None
+                        else:
+                            assert got == [] and c2.lane_token is None
+                finally:
+                    for task in writers:
+                        task.cancel()
+                    for c2, server, link in links.values():
+                        c2.closing = True
+                        await link.close()
+                        await server.close()
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("outbound", [True, False])
 def test_a_running_probe_takes_its_regions_lanes_once_learned(outbound: bool) -> None:
     """A link whose own probe has not decided (its losses came with a queue) takes the
     lanes another link to its region was found to need, at its next block."""

@@ -190,6 +190,53 @@ def test_blocks_asked_for_again_go_once_each_until_the_chunk_is_done() -> None:
     asyncio.run(go())
 
 
+@pytest.mark.parametrize("source", ["arrived", "paced"])
+def test_a_chunk_sent_while_it_arrives_is_restarted_only_once_it_lags_its_arrival(
+        source: str) -> None:
+    """A relay sent while its chunk still arrives here (cut-through), lanes coming up after
+    its first block on the link. If the chunk has arrived meanwhile, this flow is the
+    bottleneck: restarted striped (PSW1, then the whole chunk over the lanes). If the
+    source keeps only a block ahead of this flow, the pace is the source's: it stays on
+    the link."""
+
+    async def go() -> None:
+        async with _striped(3) as (drv, c, messages, sent):
+            lanes, c.lanes = c.lanes, []
+            a = drv.arrivals[(2, 0)] = Arrival(conn=99, buf=memoryview(bytearray(CHUNKS[(2, 0)])),
+                                              length=N)
+            a.got = N if source == "arrived" else BLOCK_BYTES
+            a.state = "stored" if source == "arrived" else "arriving"
+            send, blocks_out = c.link.send, [0]
+
+            async def send_then_lanes(*parts: Any) -> int:
+                n = await send(*parts)
+                if bytes(parts[0][:4]) == b"PSB1":
+                    blocks_out[0] += 1
+                    c.lanes = lanes  # they came up after the first block
+                    if source == "paced":  # the source keeps one block ahead of us
+                        a.got = min(N, a.got + BLOCK_BYTES)
+                        if a.got == N:
+                            a.state = "stored"
+                        a.changed()
+                return n
+
+            c.link.send = send_then_lanes  # type: ignore[method-assign]
+            a.watchers.append(c)
+            c.data.append((2, 0, True))
+            c.wake.set()
+            got = await _drain(messages, 1.0)
+            main = [m[:4] for _k, m in got if m[:4] in (b"PSB1", b"PSW1")]
+            striped = [m for _k, m in got if m[:4] == b"PSB2"]
+            assert [(e.version, e.index, e.withdrawn) for e in sent] == [(2, 0, False)]
+            if source == "arrived":
+                assert main == [b"PSB1", b"PSW1"] and drv.chunks_restriped == 1
+                assert len(striped) == 6
+            else:
+                assert main == [b"PSB1"] * 6 and drv.chunks_restriped == 0 and not striped
+
+    asyncio.run(go())
+
+
 def test_a_cut_through_chunk_that_fails_is_withdrawn_by_its_seq() -> None:
     asyncio.run(_withdrawn())
 

@@ -70,6 +70,12 @@ class ReadModel:
         p = self.peers.get(conn)
         return p.region if p is not None and p.region else None
 
+    def peer_border(self, conn: int) -> bool:
+        """Whether the link on ``conn`` carries chunks between regions: on the origin, to a
+        border it feeds; on a node, to a border of another region."""
+        p = self.peers.get(conn)
+        return p is not None and p.border
+
     def regions_seen(self) -> list[str]:
         """Regions other than ours of the nodes we are linked to or heard of."""
         seen = {p.region for p in self.peers.values() if p.region}
