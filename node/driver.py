@@ -153,9 +153,10 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
         self.lanes = max(1, min(int(lanes), stripes.MAX_LANES))
         self.lanes_auto = lanes_auto and self.lanes > 1
         self.loss_capped = 0  # links RandomLoss found capped by random loss
-        # ``lanes_auto``: per other region, the lanes its last loss-capped link got; a link
-        # to that region takes them with its first chunk, without a probe of its own
-        self.region_lanes: dict[str, int] = {}
+        # ``lanes_auto``: per other region, the lanes its last loss-capped link got, and
+        # when (``node.striping.REGION_LANES_S``); links into that region take them
+        # without a probe of their own
+        self.region_lanes: dict[str, tuple[int, float]] = {}
         self.lanes_learned = 0  # links that took their region's lanes so
         self.lane_tokens: dict[bytes, int] = {}  # offered tokens -> conn (acceptor)
         self.lanes_opened = 0

@@ -32,6 +32,11 @@ from swarm.protocol import stripes, wire
 
 log = logging.getLogger("patchswarm.node")
 
+# a region found lossy is taken as such (its links get lanes without a probe) this long
+# after the last link into it was found capped; then links probe afresh, so a loss that
+# went away does not leave every new link striped
+REGION_LANES_S = 600.0
+
 
 class StripedLinks:
     """Striped links: the part of ``Driver`` that runs lanes (module docstring)."""
@@ -186,14 +191,14 @@ class StripedLinks:
             if (c.sock is None or in_use is None or keeps_window_across_idle(in_use)
                     or c.lane_token is not None or not self._other_region(c)):
                 return
-            learned = self.region_lanes.get(self.core.peer_region(c.id) or "")
+            learned = self._region_lanes(c)
             if learned is not None:
                 self._take_region_lanes(c, learned)
                 return
             probe = c.loss = RandomLoss()
         elif self.region_lanes:
             # another link to this region was found capped while this one's probe ran
-            learned = self.region_lanes.get(self.core.peer_region(c.id) or "")
+            learned = self._region_lanes(c)
             if learned is not None:
                 self._take_region_lanes(c, learned)
                 return
@@ -215,7 +220,7 @@ class StripedLinks:
         lanes = stripes.lanes_for_loss(share)
         region = self.core.peer_region(c.id)
         if region is not None:
-            self.region_lanes[region] = lanes
+            self.region_lanes[region] = (lanes, self.now())
         log.info("peer %s: capped by random loss (%d retransmitted, %d of them at a full "
                  "queue; %.2f %% of segments, round trip %.1f ms, floor %.1f ms): %s %d lanes",
                  c.addr, retrans, probe.queued, 100 * (share or 0.0), srtt / 1000, floor / 1000,
@@ -235,6 +240,13 @@ class StripedLinks:
                     or self.core.peer_region(c.id) != region):
                 continue
             self._take_region_lanes(c, lanes)
+
+    def _region_lanes(self, c: Conn) -> int | None:
+        """The lanes a link into ``c``'s region was found to need, if one was lately."""
+        got = self.region_lanes.get(self.core.peer_region(c.id) or "")
+        if got is None or self.now() - got[1] > REGION_LANES_S:
+            return None
+        return got[0]
 
     def _take_region_lanes(self, c: Conn, lanes: int) -> None:
         """``c`` gets the lanes another link to its region was found to need

@@ -204,7 +204,8 @@ def test_a_link_to_a_region_found_lossy_takes_lanes_with_its_first_chunk(outboun
                 regions = {c.id: "far"}
                 drv.core.peer_region = lambda cid: regions.get(cid)  # type: ignore[method-assign]
                 await _send_chunks(c, messages, 3, 0.05)
-                assert drv.loss_capped == 1 and drv.region_lanes == {"far": 13}
+                assert drv.loss_capped == 1 and drv.region_lanes["far"][0] == 13
+                assert set(drv.region_lanes) == {"far"}
         driver_mod.path_sample = lambda sock: (0, 80_000, 79_000)  # no loss from here on
         try:
             for cid, region, learned in ((8, "far", True), (9, "near", False)):
@@ -291,7 +292,9 @@ def test_a_running_probe_takes_its_regions_lanes_once_learned(outbound: bool) ->
                 drv.core.peer_region = lambda cid: "far"  # type: ignore[method-assign]
                 assert await _send_chunks(c, messages, 1, 0.05) == []
                 assert c.loss is not None and c.loss.queued > 0 and c.lane_token is None
-                drv.region_lanes["far"] = 9  # another link to "far" was found capped
+                drv.region_lanes["far"] = (9, drv.now() - driver_mod.REGION_LANES_S - 1)
+                assert await _send_chunks(c, messages, 1, 0.05) == []  # too long ago
+                drv.region_lanes["far"] = (9, drv.now())  # another link to "far" was found capped
                 got = await _send_chunks(c, messages, 1, 0.05)
                 magic = stripes.OFFER_MAGIC if outbound else stripes.ASK_MAGIC
                 assert [m[:4] for m in got] == [magic], got
