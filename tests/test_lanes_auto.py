@@ -132,17 +132,24 @@ async def _sender(outbound: bool, congestion: str = "cubic", other_region: bool 
                   auto: bool = True) -> AsyncIterator[tuple[Driver, Conn, asyncio.Queue]]:
     """A driver (``lanes = "auto"``) whose writer sends chunks on a real link to a plain
     server that queues what it gets."""
-    messages: asyncio.Queue = asyncio.Queue()
-    server, link = await _link(messages)
     drv = _driver([], _Store())
     drv.lanes, drv.lanes_auto = stripes.AUTO_LANES, auto
     drv.congestion_in_use = congestion
     drv._other_region = lambda c: other_region  # type: ignore[method-assign]
-    c = Conn(id=7, link=link, outbound=outbound, addr="peer")
+    async with _writing(drv, 7, outbound) as (c, messages):
+        yield drv, c, messages
+
+
+@contextlib.asynccontextmanager
+async def _writing(drv: Driver, cid: int, outbound: bool) -> AsyncIterator[tuple[Conn, asyncio.Queue]]:
+    """Link ``cid`` of ``drv`` to a plain server that queues what it gets, its writer running."""
+    messages: asyncio.Queue = asyncio.Queue()
+    server, link = await _link(messages)
+    c = Conn(id=cid, link=link, outbound=outbound, addr=f"peer{cid}" if cid != 7 else "peer")
     c.sock = link.get_extra_info("socket")
     writer = asyncio.create_task(drv._writer(c))
     try:
-        yield drv, c, messages
+        yield c, messages
     finally:
         c.closing = True
         c.wake.set()
@@ -210,19 +217,8 @@ def test_a_link_to_a_region_found_lossy_takes_lanes_with_its_first_chunk(outboun
         try:
             for cid, region, learned in ((8, "far", True), (9, "near", False)):
                 regions[cid] = region
-                got2: asyncio.Queue = asyncio.Queue()
-                server, link = await _link(got2)
-                c2 = Conn(id=cid, link=link, outbound=outbound, addr=f"peer{cid}")
-                c2.sock = link.get_extra_info("socket")
-                writer = asyncio.create_task(drv._writer(c2))
-                try:
+                async with _writing(drv, cid, outbound) as (c2, got2):
                     out = await _send_chunks(c2, got2, 2, 0.05)
-                finally:
-                    c2.closing = True
-                    c2.wake.set()
-                    writer.cancel()
-                    await link.close()
-                    await server.close()
                 if not learned:
                     assert out == [] and c2.lane_token is None and c2.loss is not None
                     continue
@@ -252,33 +248,21 @@ def test_a_region_found_lossy_gets_lanes_on_its_border_links_at_once(outbound: b
                 drv.core.peer_border = (  # type: ignore[method-assign]
                     lambda cid: cid == c.id or others[cid][1])
                 drv.core.authenticated = lambda cid: True  # type: ignore[method-assign]
-                links, queues, writers = {}, {}, []
-                try:
+                async with contextlib.AsyncExitStack() as stack:
+                    links = {}
                     for cid in others:
-                        q: asyncio.Queue = asyncio.Queue()
-                        server, link = await _link(q)
-                        c2 = Conn(id=cid, link=link, outbound=outbound, addr=f"peer{cid}")
-                        c2.sock = link.get_extra_info("socket")
-                        drv.conns[cid] = c2
-                        links[cid], queues[cid] = (c2, server, link), q
-                        writers.append(asyncio.create_task(drv._writer(c2)))
+                        links[cid] = await stack.enter_async_context(_writing(drv, cid, outbound))
+                        drv.conns[cid] = links[cid][0]
                     await _send_chunks(c, messages, 2, 0.05)
                     assert drv.loss_capped == 1 and drv.lanes_learned == 1
                     magic = stripes.OFFER_MAGIC if outbound else stripes.ASK_MAGIC
-                    for cid, (c2, _s, _l) in links.items():
-                        got = await _send_chunks(c2, queues[cid], 0, 0)
+                    for cid, (c2, q) in links.items():
+                        got = await _send_chunks(c2, q, 0, 0)
                         if cid == 8:
                             assert [m[:4] for m in got] == [magic] and c2.want_lanes == 13
                             assert c2.loss_checked and c2.loss is None
                         else:
                             assert got == [] and c2.lane_token is None
-                finally:
-                    for task in writers:
-                        task.cancel()
-                    for c2, server, link in links.values():
-                        c2.closing = True
-                        await link.close()
-                        await server.close()
     asyncio.run(go())
 
 
