@@ -579,6 +579,12 @@ def _figures(fleet: Any, meter: Meter, sts: dict[str, dict[str, Any]],
                             "stripe_wants": (st.get("transport") or {}).get("stripe_wants"),
                             "chunks_restriped": (st.get("transport") or {}).get(
                                 "chunks_restriped"),
+                            # whole chunks received that were held already (endgame
+                            # twins that were not stopped in time), this version
+                            "dup_chunks": st.get("dup_chunks", 0) - before[n.name].get(
+                                "dup_chunks", 0),
+                            "withdrawn_chunks": st.get("withdrawn_chunks", 0) - before[
+                                n.name].get("withdrawn_chunks", 0),
                             # RELAY_ALIVE reports this border sent (cumulative)
                             "relay_alive": st.get("relay_alive"),
                             "proc": {k: io1[n.name].get(k, 0) - io0[n.name].get(k, 0)
@@ -598,6 +604,11 @@ def _figures(fleet: Any, meter: Meter, sts: dict[str, dict[str, Any]],
     out["node_cpu_s"] = round(sum(cpus), 2)
     out["cpu_s_per_gb"] = round(sum(cpus) / (recv_total / 1e9), 2) if recv_total else None
     out["cpu_s_per_gb_max_node"] = max(v["cpu_s_per_gb"] or 0 for v in per_node.values())
+    # chunk bytes the nodes took in per byte of patch each needed (1.0: no duplicates;
+    # more: endgame twins that arrived whole), and node CPU per GB of patch delivered
+    out["received_copies"] = round(recv_total / (patch_bytes * len(per_node)), 4)
+    out["cpu_s_per_patch_gb"] = round(sum(cpus) / (patch_bytes * len(per_node) / 1e9), 2)
+    out["dup_chunks"] = sum(v["dup_chunks"] for v in per_node.values())
     # the apply after the last chunk, its CPU (decoded ahead meanwhile: in the rest)
     tail = [v["apply"]["cpu_s"] for v in per_node.values()
             if v["apply"] and "cpu_s" in v["apply"]]

@@ -124,6 +124,10 @@ def status_dict(driver: Driver, model: str) -> dict[str, Any]:
             # chunks this node restarted over lanes that came up while they went on
             # the link alone
             "chunks_restriped": driver.chunks_restriped,
+            # answers stopped before their last block (the requester cancelled them:
+            # it got the chunk from another peer first), of those it cancelled
+            "uploads_stopped": driver.uploads_stopped,
+            "uploads_cancelled": counters.get("uploads_cancelled", 0),
             "connections": driver.guard.stats.open,
             "refused": driver.guard.stats.refused,
             "timed_out": driver.guard.stats.timed_out,
@@ -379,7 +383,13 @@ class _Collector:
                  "Striped blocks this node sent again, asked by a peer whose copy was stuck"),
                 ("patchswarm_chunks_restriped", "chunks_restriped",
                  "Chunks this node restarted striped: lanes came up while they went on the "
-                 "link alone")):
+                 "link alone"),
+                ("patchswarm_uploads_cancelled", "uploads_cancelled",
+                 "Answers under way that their requester cancelled (it got the chunk from "
+                 "another peer first)"),
+                ("patchswarm_uploads_stopped", "uploads_stopped",
+                 "Answers this node stopped before their last block because the requester "
+                 "cancelled them")):
             c = CounterMetricFamily(name, help_text, labels=labels)
             c.add_metric(who, float(tr[key]))
             yield c

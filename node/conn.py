@@ -108,6 +108,10 @@ class Conn:
     # the receiver: chunks whose copy on the link itself (PSB1) the sender restarted
     # striped, once lanes came up mid-chunk; that copy's withdrawal is expected, not news
     restriped: set = field(default_factory=set)
+    # the chunk the writer is sending, and one it is to stop (``ev.StopChunk``: the
+    # requester cancelled it) at its next block
+    sending: tuple[int, int] | None = None
+    stop: tuple[int, int] | None = None
 
     def queued(self) -> int:
         return len(self.ctrl) + len(self.data)

@@ -163,6 +163,7 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
         self.stripe_wants = 0  # striped chunks we asked for again (stuck on a lane)
         self.blocks_resent = 0  # striped blocks we sent again, asked by the peer
         self.chunks_restriped = 0  # chunks restarted over lanes that came up mid-chunk
+        self.uploads_stopped = 0  # answers stopped short: the requester cancelled them
         self.lanes_refused = 0
         self.read_coalesce_s = read_coalesce_s
         self.unsent_limit = unsent_limit
@@ -376,6 +377,10 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
                                        withdrawn=a.arriving))
             else:
                 self._enqueue(c, ("chunk", a.version, a.index, a.arriving))
+        elif isinstance(a, ev.StopChunk):
+            c = self.conns.get(a.conn)
+            if c is not None:
+                self._stop_chunk(c, a.version, a.index)
         elif isinstance(a, ev.Connect):
             self._spawn(self._dial(a.addr))
         elif isinstance(a, ev.Close):
@@ -554,6 +559,19 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
         if c.writer is not None:
             c.writer.cancel()
 
+    def _stop_chunk(self, c: Conn, v: int, i: int) -> None:
+        """The requester cancelled chunk ``i`` of ``v`` (``ev.StopChunk``): not started, it
+        is dropped here; under way, the writer withdraws it at its next block."""
+        for item in c.data:
+            if item[0] == v and item[1] == i:
+                c.data.remove(item)
+                self.uploads_stopped += 1
+                self.feed(ev.ChunkSent(self.now(), c.id, v, i, withdrawn=True))
+                return
+        if c.sending == (v, i):
+            c.stop = (v, i)
+            c.wake.set()
+
     async def _writer(self, c: Conn) -> None:
         """Send the link's control frames and chunks, in order within each.
 
@@ -585,6 +603,7 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
                         await c.wake.wait()
                         continue
                     v, i, arriving = c.data.popleft()
+                    c.sending, c.stop = (v, i), None
                     stream = self.arrivals.get((v, i)) if arriving else None
                     started = self.now()
                     c.in_chunk = True
@@ -600,14 +619,34 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
                     payload = await self._chunk_bytes(v, i)
                     if payload is None:  # an arriving chunk that failed: nothing was sent
                         c.in_chunk = False
+                        c.sending = None
                         if arriving:  # the peer may have asked for it: "it will not come"
                             self.wire_bytes["sent"] += await c.link.send(wire.pack_withdraw(v, i))
                         self.feed(ev.ChunkSent(self.now(), c.id, v, i, withdrawn=arriving))
                         continue
                     sending, offset = (v, i, payload), 0
                 v, i, payload = sending
-                if stream is not None:  # its buffer may change (``_stripe_block``: restriped)
+                if c.stop == (v, i):
+                    # the requester got it elsewhere first (CANCEL): withdraw what went,
+                    # send no more of it
+                    if stream is not None:
+                        stream.watchers.remove(c)
+                    sending, stream, c.sending, c.stop = None, None, None, None
+                    self._chunk_ended(c)
+                    gone = (wire.pack_withdraw(v, i) if seq is None
+                            else stripes.pack_withdraw(seq, v, i))
+                    c.out.pop(seq, None)
+                    self.uploads_stopped += 1
+                    self.wire_bytes["sent"] += await c.link.send(gone)
+                    self.feed(ev.ChunkSent(self.now(), c.id, v, i, withdrawn=True))
+                    continue
+                if stream is not None:
+                    # its buffer may change (``_stripe_block``: restriped; ``_arrival_served``:
+                    # verified on another link), to one with the same bytes so far: blocks
+                    # asked for again come from it as well
                     payload = stream.buf
+                    if seq is not None and (rec := c.out.get(seq)) is not None:
+                        rec[2] = payload
                 n = len(payload)
                 end = min(n, offset + wire.BLOCK_BYTES)
                 if (not striped and c.lanes and n - offset >= RESTRIPE_MIN_LEFT
@@ -631,7 +670,7 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
                     if stream.state == "failed":
                         # the chunk did not arrive whole and verified: withdraw what we sent
                         stream.watchers.remove(c)
-                        sending, stream = None, None
+                        sending, stream, c.sending = None, None, None
                         self._chunk_ended(c)
                         # also before any block: a requester waits
                         gone = (wire.pack_withdraw(v, i) if seq is None
@@ -684,7 +723,7 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
                             "lanes": 1 + len(c.lanes) if seq is not None else 1}})
                     if stream is not None:
                         stream.watchers.remove(c)
-                    sending, stream = None, None
+                    sending, stream, c.sending = None, None, None
                     self._chunk_ended(c)
                     self._note_sent(c, v, i)
                     self.feed(ev.ChunkSent(self.now(), c.id, v, i))
@@ -778,13 +817,37 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
             return
         log.info("peer %s withdrew chunk %d of version %d", c.addr, i, v)
         a = self.arrivals.get((v, i))
-        if a is not None and a.conn == c.id and a.buf is buf:  # that copy, not another
-            self._arrival_failed((v, i), a)
+        if a is not None and a.conn == c.id and (a.buf is buf or a.state == "stored"):
+            self._arrival_failed((v, i), a)  # that copy, not another (or served from one)
         self.feed(ev.ChunkWithdrawn(self.now(), c.id, v, i))
 
     def _arrival_failed(self, key: tuple[int, int], a: Arrival) -> None:
         self.arrivals.pop(key, None)
+        if a.state == "stored":  # served from a verified copy (``_arrival_served``)
+            return
         a.state = "failed"
+        a.changed()
+
+    async def _arrival_served(self, key: tuple[int, int], a: Arrival,
+                              payload: memoryview) -> None:
+        """Chunk ``key`` came whole and verified on another link while the copy ``a`` still
+        arrives (an endgame twin: its sender is told to stop, and withdraws it). Relays
+        cut through from ``a`` go on from the verified copy, instead of being withdrawn
+        with it, if what they sent so far (``a``'s first ``got`` bytes, unverified) is
+        that copy's; otherwise they are withdrawn. ``a`` stays listed under its link until
+        that copy ends, so its late blocks start no new arrival."""
+        n = a.got
+        same = True
+        if a.watchers and n:
+            same = await asyncio.to_thread(lambda: a.buf[:n] == payload[:n])
+        if a.state != "arriving" or self.arrivals.get(key) is not a:
+            return  # that copy ended meanwhile
+        if not same:
+            log.warning("chunk %d of version %d: the copy arriving on another link differs "
+                        "from the verified one; its relays are withdrawn", key[1], key[0])
+            self._arrival_failed(key, a)
+            return
+        a.buf, a.got, a.state = payload, a.length, "stored"
         a.changed()
 
     def _arrivals_end(self, conn: int) -> None:
@@ -807,8 +870,13 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
             await self._drop(c, "chunk before the handshake")
             return
         a = self.arrivals.get((v, i))
+        other = None  # another copy still arriving (another link's, or the one restarted striped)
         if a is not None and (a.conn != c.id or a.buf is not payload):
-            a = None  # another copy's (another link's, or the one restarted striped)
+            if a.state == "arriving":
+                other = a
+            elif a.conn == c.id:  # this link's copy, served from another one already
+                self.arrivals.pop((v, i), None)
+            a = None
         if a is not None:
             a.got = a.length  # every byte is here; the last block waits for the verdict
         verdict = await asyncio.to_thread(self._check_and_store, v, i, payload)
@@ -828,6 +896,8 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
         valid = verdict is None
         if valid:
             self.store_fault = None
+            if other is not None:
+                await self._arrival_served((v, i), other, payload)
         if c.id in self.conns or valid:
             self.feed(ev.ChunkReceived(self.now(), c.id, v, i, valid))
         if valid:

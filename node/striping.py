@@ -491,7 +491,8 @@ class StripedLinks:
             if a is None:  # its first block: a RELAY may go on from here
                 a = self.arrivals[key] = Arrival(c.id, ch.buf, ch.length, t0=self.now())
                 self.feed(ev.ChunkArriving(self.now(), c.id, *key))
-            elif a.conn == c.id and a.buf is not ch.buf and key in c.restriped:
+            elif (a.conn == c.id and a.buf is not ch.buf and key in c.restriped
+                  and a.state == "arriving"):
                 # relays cut through from the copy on the link go on from this one:
                 # the same bytes, verified the same (they wait while its prefix is shorter)
                 a.buf = ch.buf

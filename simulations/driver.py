@@ -201,6 +201,7 @@ class RunResult:
     hol: dict[str, float] = field(default_factory=dict)  # control frames behind chunk bytes
     cpu_busy_s: float = 0.0  # CPU seconds the nodes spent (hash, io, apply)
     idle_restarts: int = 0  # chunks started on a window decayed since the last chunk
+    chunks_stopped: int = 0  # answers stopped short (``ev.StopChunk``)
 
 
 class Simulation:
@@ -242,6 +243,7 @@ class Simulation:
         self.hol_wait = 0.0  # their total wait, seconds
         self.hol_max = 0.0
         self.idle_restarts = 0  # chunks started on a window decayed since the last chunk
+        self.chunks_stopped = 0  # answers stopped short: their requester cancelled them
         self.churn = {"left": 0, "rejoined": 0, "joined": 0}
         self.pending_faults = 0
         # cut-through relays: (node, v, i) -> items whose last block waits for the chunk's
@@ -433,6 +435,7 @@ class Simulation:
             control_frames=self.control_frames,
             cross_region_control_bytes=self.cross_control,
             chunks_sent=self.chunks_sent,
+            chunks_stopped=self.chunks_stopped,
             events=self.engine.events,
             wall_s=wall,
             cpu_s=cpu,
@@ -527,6 +530,8 @@ class Simulation:
                 self._send_frame(node, a)
             elif t is ev.SendChunk:
                 self._send_chunk(node, a)
+            elif t is ev.StopChunk:
+                self._stop_chunk(node, a)
             elif t is ev.Connect:
                 self._connect(node, a.addr)
             elif t is ev.Close:
@@ -778,6 +783,71 @@ class Simulation:
             if key not in self.incoming or not self.incoming[key].open:
                 self.incoming[key] = peer
             self.engine.schedule(now + half.lat, self._arriving, (peer, item[1], item[2]))
+
+    def _stop_chunk(self, node: SimNode, a: ev.StopChunk) -> None:
+        """Stop an answer its requester cancelled (``ev.StopChunk``), as the node driver
+        does at its next block: on the wire, its flow ends where it is (the bytes that
+        went count as sent) and the receiver hears the withdrawal one latency on; still
+        queued, it is dropped unsent; parked for its last block (sent while it arrived),
+        it is withdrawn. The sender gets ``ChunkSent(withdrawn=True)`` at once."""
+        half = node.conns.get(a.conn)
+        if half is None or not half.open:
+            return
+        v, i = a.version, a.index
+        cur = half.cur
+        if cur is not None and cur[1] == v and cur[2] == i:
+            flow = cur[4]
+            went = int(self.net.progress(flow) / self.wire)
+            self.net.cancel(flow)
+            now = self.engine.now
+            if self.timeline is not None:
+                self.timeline.left(id(cur), now)
+            node.sent_bytes += went
+            key = (node.ep.site, half.peer.node.ep.site)
+            self.pair_bytes[key] = self.pair_bytes.get(key, 0) + went
+            lst = self.paced.get((node, v, i))
+            if lst is not None:
+                lst[:] = [x for x in lst if x is not cur]
+            half.cur = None
+            half.last = now
+            held = half.held
+            while held and held[0][0] <= cur[5]:  # frames that waited behind it go now
+                _, frame, t = held.popleft()
+                self._put_frame(half, frame, now, now - t)
+            self._stopped(half, v, i, told=True)
+            if half.open and half.queue and half.cur is None:
+                self._start_chunk(half, half.queue.popleft())
+            return
+        for item in half.queue:
+            if item[1] == v and item[2] == i:
+                half.queue.remove(item)
+                # frames queued behind it wait for the chunk before it instead
+                seq = item[5]
+                if any(g == seq for g, _, _ in half.held):
+                    half.held = deque((seq - 1 if g == seq else g, f, t) for g, f, t in half.held)
+                self._stopped(half, v, i, told=False)
+                return
+        waiting = self.parked.get((node, v, i))
+        if waiting is not None:
+            for item in waiting:
+                if item[0] is half:
+                    waiting.remove(item)
+                    self._stopped(half, v, i, told=True)
+                    return
+
+    def _stopped(self, half: Half, version: int, index: int, told: bool) -> None:
+        self.chunks_stopped += 1
+        # as an event of its own (not inside the actions being carried out)
+        self.engine.schedule(self.engine.now, self._stop_sent, (half, version, index))
+        if told and half.open:
+            self.engine.schedule(self.engine.now + half.lat, self._withdrawal_arrives,
+                                 (half.peer, version, index))
+
+    def _stop_sent(self, item: tuple[Half, int, int]) -> None:
+        half, version, index = item
+        if half.open and half.node.inc == half.inc:
+            self._deliver(half.node, half.inc,
+                          ev.ChunkSent(self.engine.now, half.cid, version, index, withdrawn=True))
 
     def _acked(self, item: list[Any]) -> None:
         half = item[0]

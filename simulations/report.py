@@ -147,6 +147,7 @@ def figures(sc: Scenario, run: RunResult, bound: Bound) -> dict[str, Any]:
         "control_frames": run.control_frames,
         "cross_region_control_bytes": run.cross_region_control_bytes,
         "chunks_sent": run.chunks_sent,
+        "chunks_stopped": run.chunks_stopped,
         "control_hol": {k: _r(v) for k, v in run.hol.items()},
         "cpu_busy_s": _r(run.cpu_busy_s),
         "idle_restarts": run.idle_restarts,

@@ -183,6 +183,10 @@ class NodeCore(ReadModel):
             self.counters.served_arriving += 1
         self._out.append(ev.SendChunk(conn, v, i, st.chunk_length(i), arriving))
 
+    def stop_chunk(self, conn: int, v: int, i: int) -> None:
+        """Stop an answer under way (its requester cancelled it; see ``ev.StopChunk``)."""
+        self._out.append(ev.StopChunk(conn, v, i))
+
     def relay_chunk(self, conn: int, v: int, i: int, arriving: bool = False) -> None:
         """Carry out a RELAY order: send chunk ``i`` of ``v`` to the border on ``conn``
         (``arriving``: while it is still arriving here, see ``ev.SendChunk``)."""

@@ -9,8 +9,8 @@ from swarm.protocol.peer import KINDS, PeerKind
 
 class Counters:
     __slots__ = ("bad_chunks", "dup_chunks", "local_faults", "recv_bytes", "recv_chunks", "region_recv",
-                 "region_sent", "relay_alive", "relays", "sent_bytes", "sent_chunks", "served_arriving", "version_refused",
-                 "withdrawn")
+                 "region_sent", "relay_alive", "relays", "sent_bytes", "sent_chunks", "served_arriving", "uploads_cancelled",
+                 "version_refused", "withdrawn")
 
     def __init__(self) -> None:
         self.sent_bytes = dict.fromkeys(KINDS, 0)
@@ -31,6 +31,9 @@ class Counters:
         self.relay_alive = 0
         self.withdrawn = 0  # chunks a peer withdrew while sending them to us (not its fault)
         self.served_arriving = 0  # answers we started while the chunk still arrived here
+        # answers under way that their requester cancelled (it got the chunk elsewhere
+        # first): stopped (``ev.StopChunk``) instead of sent whole for nothing
+        self.uploads_cancelled = 0
         self.version_refused = 0  # links closed at the HELLO: no protocol version in common
 
     def sent(self, kind: PeerKind, src: str, dst: str, size: int) -> None:
@@ -59,5 +62,6 @@ class Counters:
             "local_faults": self.local_faults, "relays": dict(self.relays),
             "relay_alive": self.relay_alive,
             "withdrawn": self.withdrawn, "served_arriving": self.served_arriving,
+            "uploads_cancelled": self.uploads_cancelled,
             "version_refused": self.version_refused,
         }

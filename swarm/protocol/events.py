@@ -116,7 +116,8 @@ class ChunkSent(Event):
 
     ``withdrawn``: a chunk sent while it was still arriving (``SendChunk.arriving``)
     did not arrive whole and verified here, so its last block never left and the
-    receiver was told to drop what it got (the relay failed; nobody is to blame).
+    receiver was told to drop what it got (the relay failed; nobody is to blame); or
+    an answer was stopped (``StopChunk``) before its last block left.
     """
 
     conn: int
@@ -244,6 +245,19 @@ class SendChunk(Action):
     index: int
     size: int
     arriving: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class StopChunk(Action):
+    """Stop sending chunk ``index`` of ``version`` on ``conn``, an answer to a request
+    the peer has cancelled (CANCEL: it got the chunk from another peer first, an endgame
+    twin). Not yet started: drop it. Under way: send no further block and withdraw what
+    went (``PSW1``/``PSW2``; the peer drops it, nobody is to blame). Either way answer
+    ``ChunkSent(withdrawn=True)``. Already gone: nothing (its ``ChunkSent`` stands)."""
+
+    conn: int
+    version: int
+    index: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,7 @@ class ExchangeHost(Protocol):
 
     def send(self, p: Peer, frame: bytes) -> None: ...
     def send_chunk(self, conn: int, v: int, i: int) -> None: ...
+    def stop_chunk(self, conn: int, v: int, i: int) -> None: ...
     def log(self, level: str, event: str, **fields: Any) -> None: ...
     def ban(self, node_id: str, reason: str) -> None: ...
     def close(self, p: Peer, reason: str, level: str = "info") -> None: ...
@@ -181,7 +182,15 @@ class ChunkExchange:
             self.host.send(p, wire.Reject(v, rejected).encode())
 
     def on_cancel(self, p: Peer, f: wire.Cancel) -> None:
-        self.uploads.cancel(p.conn, f.version, f.indices)
+        """The peer got these chunks elsewhere first (endgame twins): drop the queued
+        answers, and stop those under way (``ev.StopChunk``; the slot frees at their
+        ``ChunkSent``) instead of sending the rest of a chunk it holds already."""
+        up = self.uploads
+        up.cancel(p.conn, f.version, f.indices)
+        for i in f.indices:
+            if up.sending(p.conn, f.version, i):
+                self.host.counters.uploads_cancelled += 1
+                self.host.stop_chunk(p.conn, f.version, i)
 
     def on_reject(self, p: Peer, f: wire.Reject) -> None:
         v = f.version
@@ -280,10 +289,15 @@ class ChunkExchange:
         """``p`` withdrew chunk ``i`` of ``v`` it was sending us while it arrived there
         (``serve_arriving``): it does not hold it after all. Forget the request and
         the bit (its HAVE comes once it holds it), blame nobody, ask elsewhere."""
-        self.host.counters.withdrawn += 1
         p.busy = False
         if (v, i) in p.req:
             self.requests.forget(p, (v, i), self.versions)
+        st = self.versions.get(v)
+        if st is not None and (st.have >> i) & 1:
+            # the answer we cancelled (an endgame twin), stopped: not a chunk that failed
+            # to arrive at p, and what p holds is unchanged
+            return
+        self.host.counters.withdrawn += 1
         self._not_coming(p, v, i)
         self.fill_all()
 

@@ -81,6 +81,9 @@ class MemHost:
     corrupt: Callable[[int, int], bool] = lambda v, i: False  # chunks this host sends corrupt
     tick_at: float = float("inf")
     apply_ok: bool = True
+    # chunks on their way out (conn, version, index) -> the SendChunk; stopped ones
+    sending: dict[tuple[int, int, int], ev.SendChunk] = field(default_factory=dict)
+    stopped: list[ev.SendChunk] = field(default_factory=list)
 
 
 class Net:
@@ -159,10 +162,24 @@ class Net:
             peer, pc = link
             done = now + a.size / self.rate
             self.sent_chunks.append((h.core.cfg.node_id, peer.core.cfg.node_id, a.version, a.index))
+            h.sending[(a.conn, a.version, a.index)] = a
             # the receiver hears of the first block one latency on (cut-through relays)
             self.at(now + lat, lambda: peer.conns.get(pc) and self.deliver(
                 peer, ev.ChunkArriving(self.now, pc, a.version, a.index)))
             self.at(done, lambda: self._chunk_left(h, a, peer, pc))
+        elif isinstance(a, ev.StopChunk):
+            # stopped at once: the sender hears ChunkSent(withdrawn), the receiver the
+            # withdrawal one latency on; the chunk's own end is then ignored
+            sent = h.sending.pop((a.conn, a.version, a.index), None)
+            link = h.conns.get(a.conn)
+            if sent is None or link is None:
+                return
+            h.stopped.append(sent)
+            peer, pc = link
+            self.at(now, lambda: self.deliver(
+                h, ev.ChunkSent(self.now, a.conn, a.version, a.index, withdrawn=True)))
+            self.at(now + lat, lambda: peer.conns.get(pc) and self.deliver(
+                peer, ev.ChunkWithdrawn(self.now, pc, a.version, a.index)))
         elif isinstance(a, ev.Connect):
             target = self.hosts.get(a.addr)
             if target is None or not target.alive:
@@ -192,11 +209,17 @@ class Net:
     def _chunk_left(self, h: MemHost, a: ev.SendChunk, peer: MemHost, pc: int) -> None:
         """``a``'s bytes are out; a chunk sent while it arrived (``a.arriving``) goes out
         whole once ``h`` holds it, and is withdrawn if it stopped arriving without that."""
+        if any(s is a for s in h.stopped):
+            h.stopped.remove(a)
+            return
+        if h.sending.get((a.conn, a.version, a.index)) is a:
+            del h.sending[(a.conn, a.version, a.index)]
         if not h.alive or a.conn not in h.conns:
             return
         v, i = a.version, a.index
         if a.arriving and i not in h.core.have(v):
             if h.core.is_arriving(v, i):
+                h.sending[(a.conn, v, i)] = a  # still on its way out
                 self.at(self.now + 0.01, lambda: self._chunk_left(h, a, peer, pc))
             else:
                 self.deliver(h, ev.ChunkSent(self.now, a.conn, v, i, withdrawn=True))

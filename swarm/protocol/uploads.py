@@ -57,6 +57,12 @@ class UploadSlots:
             drop = {(conn, v, i) for i in indices}
             self.queue = deque(q for q in self.queue if q not in drop)
 
+    def sending(self, conn: int, v: int, i: int) -> bool:
+        """An answer to ``conn``'s request for chunk ``i`` of ``v`` is under way (not a
+        relay, not queued)."""
+        key = (conn, v, i)
+        return key in self.active or key in self.early
+
     def relay(self, conn: int, v: int, i: int) -> None:
         self.relays.add((conn, v, i))
 

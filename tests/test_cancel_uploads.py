@@ -1,0 +1,279 @@
+"""Answers their requester cancelled are stopped, not sent whole for nothing.
+
+An endgame twin (``[swarm] endgame_chunks``) asks a second peer for a chunk already in
+flight; when one copy arrives the requester sends CANCEL to the other. Before round 28 a
+CANCEL dropped only queued answers: one under way went on to its last byte, and on the
+emulated WAN every node took in 6-44 % more chunk bytes than the patch (whole duplicate
+chunks, `dup_chunks`). Now the core stops an answer under way (``ev.StopChunk``) and the
+driver withdraws it at its next block.
+
+Scripted single-core tests check the core's side (what is stopped, what is not, the slot
+freed, the requester's view of the withdrawal); in-memory fleets (Hypothesis) that
+versions still arrive with twins stopped; real links on loopback that the node driver's
+writer stops at a block and withdraws (``PSW1`` / ``PSW2``), and that its receiver keeps
+the relays cut through from a stopped copy going from the verified one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from node.driver import Arrival
+from swarm.protocol import events as ev
+from swarm.protocol import stripes, wire
+from swarm.protocol.config import CoreConfig
+from swarm.protocol.core import NodeCore
+from swarm.protocol.testing import MODEL, SECRET, Script, Signer
+from swarm.protocol.wire import BLOCK_BYTES
+from tests.test_cut_through import _driver
+from tests.test_protocol_core import fleet, publish
+from tests.test_striped_links import CHUNKS, N, _drain, _receiving, _spy, _striped, _until
+
+V = 2  # 4 chunks of 1000 bytes
+
+
+def _holder(**knobs) -> tuple[NodeCore, dict[str, Script]]:
+    """Node ``a`` holding chunks 0-2 of version 2, linked to region peers ``c`` and ``d``."""
+    s = Signer()
+    cfg = CoreConfig(node_id="a", region="r", model=MODEL, listen_addr="a:1", swarm_secret=SECRET,
+                     active_version=1, **knobs)
+    n = NodeCore(cfg, verify_manifest=s.verify, rng=random.Random(0))
+    n.raise_internal_errors = True
+    n.handle(ev.LocalChunks(0.0, s.manifest(V, 4), (0, 1, 2)))
+    peers = {}
+    for conn, name in enumerate(["c", "d"], start=1):
+        p = Script(n, conn, node_id=name, region="r")
+        p.handshake()
+        p.send(wire.Bitfield(V, wire.bits_to_bytes(0, 4)))
+        peers[name] = p
+    return n, peers
+
+
+def _stops(actions: list[ev.Action]) -> list[ev.StopChunk]:
+    return [a for a in actions if isinstance(a, ev.StopChunk)]
+
+
+def _chunks(actions: list[ev.Action]) -> list[tuple[int, int, int]]:
+    return [(a.conn, a.version, a.index) for a in actions if isinstance(a, ev.SendChunk)]
+
+
+def test_a_cancel_stops_the_answer_under_way_and_drops_the_queued_one() -> None:
+    n, p = _holder(upload_slots=1, upload_queue=4)
+    c = p["c"]
+    c.send(wire.Request(V, (0, 1)))
+    assert _chunks(c.actions) == [(c.conn, V, 0)]  # 1 waits for the slot
+    c.send(wire.Cancel(V, (0, 1)))
+    assert _stops(c.actions) == [ev.StopChunk(c.conn, V, 0)]
+    assert n.counters.uploads_cancelled == 1
+    got = n.handle(ev.ChunkSent(n.now, c.conn, V, 0, withdrawn=True))
+    assert _chunks(got) == []  # the queued one went with the CANCEL
+    assert n.exchange.uploads.active == set()
+    assert n.counters.sent_chunks == dict.fromkeys(n.counters.sent_chunks, 0)  # none delivered
+
+
+def test_a_stopped_answer_frees_its_slot_for_another_peer() -> None:
+    n, p = _holder(upload_slots=1, upload_queue=4)
+    c, d = p["c"], p["d"]
+    c.send(wire.Request(V, (0,)))
+    d.send(wire.Request(V, (1,)))
+    assert _chunks(d.actions) == []  # queued behind c's
+    c.send(wire.Cancel(V, (0,)))
+    assert _stops(c.actions) == [ev.StopChunk(c.conn, V, 0)]
+    got = n.handle(ev.ChunkSent(n.now, c.conn, V, 0, withdrawn=True))
+    assert _chunks(got) == [(d.conn, V, 1)]
+
+
+def test_a_cancel_stops_nothing_that_is_not_an_answer_under_way() -> None:
+    n, p = _holder(upload_slots=2)
+    c, d = p["c"], p["d"]
+    c.send(wire.Cancel(V, (0, 3)))  # never asked for
+    assert _stops(c.actions) == []
+    c.send(wire.Request(V, (0,)))
+    n.handle(ev.ChunkSent(n.now, c.conn, V, 0))
+    c.send(wire.Cancel(V, (0,)))  # already gone whole
+    assert _stops(c.actions) == []
+    d.send(wire.Request(V, (1,)))
+    c.send(wire.Cancel(V, (1,)))  # another peer's answer
+    assert _stops(c.actions) == []
+    c.send(wire.Cancel(V + 1, (1,)))  # another version
+    assert _stops(c.actions) == [] and n.counters.uploads_cancelled == 0
+
+
+def test_the_withdrawal_of_a_cancelled_twin_leaves_what_the_peer_holds() -> None:
+    """The requester's side: the withdrawal of an answer it cancelled (it holds the
+    chunk) changes nothing of what the sender holds; one of a chunk it still lacks
+    drops the bit (the sender did not hold it after all), as before."""
+    s = Signer()
+    cfg = CoreConfig(node_id="a", region="r", model=MODEL, listen_addr="a:1", swarm_secret=SECRET,
+                     active_version=1)
+    n = NodeCore(cfg, verify_manifest=s.verify, rng=random.Random(0))
+    n.raise_internal_errors = True
+    n.handle(ev.LocalChunks(0.0, s.manifest(V, 4), ()))
+    b = Script(n, 1, node_id="b", region="r")
+    b.handshake()
+    b.send(wire.Bitfield(V, wire.bits_to_bytes(0b0011, 4)))
+    n.handle(ev.ChunkReceived(n.now, 1, V, 0, True))
+    n.handle(ev.ChunkWithdrawn(n.now, 1, V, 0))  # held here: a stopped twin
+    assert n.peers[1].bits[V] == 0b0011
+    n.handle(ev.ChunkWithdrawn(n.now, 1, V, 1))  # not held here
+    assert n.peers[1].bits[V] == 0b0001
+    assert n.counters.withdrawn == 1  # the stopped twin is not a failed arrival
+
+
+def _run_fleet(seed: int, per: int, twins: int, rate: float) -> list:
+    s, net, o, hosts = fleet(2, per, seed=seed, endgame_chunks=twins, upload_slots=2)
+    net.rate = rate  # bytes/s: a 1000-byte chunk takes 1000 / rate s, a CANCEL 5 ms
+    for v in (2, 3):
+        publish(s, net, o, v, 12)
+        net.run(net.now + 60)
+        assert all(v in h.applied for h in hosts), v
+    assert all(not h.sending and not h.stopped for h in hosts)  # every chunk out ended once
+    assert all(h.core.exchange.uploads.active == set() for h in hosts)
+    return hosts
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 1000), per=st.integers(3, 6), twins=st.integers(1, 12),
+       rate=st.sampled_from([2e4, 1e5, 1e6]))
+def test_fleets_with_stopped_twins_get_every_version(seed: int, per: int, twins: int,
+                                                     rate: float) -> None:
+    """In-memory fleets with up to every chunk in endgame: the twins' answers are
+    stopped (their slots freed), and every node still gets both versions."""
+    _run_fleet(seed, per, twins, rate)
+
+
+def test_stopping_cancelled_answers_takes_in_fewer_duplicate_chunks(monkeypatch) -> None:
+    """The same fleet with answers under way left to finish (the old CANCEL) and stopped:
+    stopping takes in fewer whole duplicate chunks."""
+    from swarm.protocol.uploads import UploadSlots
+
+    hosts = _run_fleet(seed=3, per=5, twins=12, rate=2e4)
+    stopped = sum(h.core.counters.uploads_cancelled for h in hosts)
+    dups = sum(h.core.counters.dup_chunks for h in hosts)
+    monkeypatch.setattr(UploadSlots, "sending", lambda self, conn, v, i: False)
+    old = sum(h.core.counters.dup_chunks for h in _run_fleet(seed=3, per=5, twins=12, rate=2e4))
+    assert stopped > 0 and dups < old, (stopped, dups, old)
+
+
+def test_the_writer_stops_a_chunk_at_a_block_and_withdraws_it() -> None:
+    """A chunk going on one connection: stopped after its second block, the peer gets
+    ``PSW1`` and no further block; a queued one is dropped with nothing sent."""
+
+    async def go() -> None:
+        async with _striped(lanes=1) as (drv, c, messages, sent):
+            drv.conns[7] = c
+            a = drv.arrivals[(2, 0)] = Arrival(conn=99, buf=memoryview(bytearray(CHUNKS[(2, 0)])),
+                                              length=N)
+            a.got = 2 * BLOCK_BYTES  # comes no faster than it arrives here
+            c.data.append((2, 0, True))
+            c.data.append((2, 1, False))
+            c.wake.set()
+            got = await _drain(messages)
+            assert [m[:4] for _, m in got] == [b"PSB1", b"PSB1"]
+            drv._do(ev.StopChunk(7, 2, 1))  # still queued: dropped unsent
+            assert list(c.data) == [] and sent == [ev.ChunkSent(sent[0].now, 7, 2, 1, withdrawn=True)]
+            drv._do(ev.StopChunk(7, 2, 0))
+            got = await _drain(messages)
+            assert [m for _, m in got] == [wire.pack_withdraw(2, 0)]
+            assert [(e.index, e.withdrawn) for e in sent] == [(1, True), (0, True)]
+            assert drv.uploads_stopped == 2 and c not in a.watchers and c.sending is None
+            a.got, a.state = N, "stored"  # the rest arriving here sends nothing more
+            a.changed()
+            assert await _drain(messages) == []
+
+    asyncio.run(go())
+
+
+def test_the_writer_stops_a_striped_chunk_by_its_seq() -> None:
+    async def go() -> None:
+        async with _striped(lanes=2) as (drv, c, messages, sent):
+            drv.conns[7] = c
+            a = drv.arrivals[(2, 0)] = Arrival(conn=99, buf=memoryview(bytearray(CHUNKS[(2, 0)])),
+                                              length=N)
+            a.got = 2 * BLOCK_BYTES
+            c.data.append((2, 0, True))
+            c.wake.set()
+            got = await _drain(messages)
+            assert len(got) == 2 and all(stripes.magic_of(m) == stripes.STRIPE_MAGIC for _, m in got)
+            drv._do(ev.StopChunk(7, 2, 0))
+            got = await _drain(messages)
+            assert [(lane, stripes.unpack_withdraw(m)) for lane, m in got] == [(0, (0, 2, 0))]
+            assert sent == [ev.ChunkSent(sent[0].now, 7, 2, 0, withdrawn=True)]
+            assert 0 not in c.out and c.unfinished == {0}  # until the peer's DONE
+
+    asyncio.run(go())
+
+
+def _twin_receiver(prefix_same: bool) -> None:
+    """The receiver: chunk 0 arrives on link 7 (PSB1) with a relay cutting through from
+    it, then comes whole and verified on another link. The relay goes on from the
+    verified copy if what it sent so far is that copy's (a late block of link 7's copy
+    then moves nothing), and is withdrawn if not; link 7's copy is then withdrawn (the
+    twin stopped) without failing anything or blaming anyone."""
+    from node.link import HEADER, PREFACE
+    from tests.test_link import _feed
+    from tests.test_striped_links import wire_block
+
+    good = os.urandom(4 * BLOCK_BYTES)
+    twin = good if prefix_same else bytes([good[0] ^ 1]) + good[1:]
+    psb1 = [wire_block(2, 0, len(good), k * BLOCK_BYTES, twin[k * BLOCK_BYTES:(k + 1) * BLOCK_BYTES])
+            for k in range(4)]
+
+    def frame(msg: bytes) -> bytes:
+        return HEADER.pack(len(msg)) + msg
+
+    async def go() -> None:
+        drv = _driver([])
+        drv.core.authenticated = lambda cid: True  # type: ignore[method-assign]
+        events = _spy(drv, ev.Event)
+        drv._check_and_store = lambda v, i, payload: None  # type: ignore[method-assign]
+        drv._prestage_kick = lambda v: None  # type: ignore[method-assign]
+        c, p0, _p2, tasks = _receiving(drv)
+        try:
+            _feed(p0, PREFACE + frame(psb1[0]) + frame(psb1[1]), [65536])
+            await _until(lambda: c.blocks.received == 2 * BLOCK_BYTES)
+            arrival = drv.arrivals[(2, 0)]
+
+            class Watcher:  # a relay cutting through from it
+                wake = asyncio.Event()
+
+            arrival.watchers.append(Watcher)
+            other = type(c)(id=8, link=c.link, outbound=True, addr="other")
+            drv.conns[8] = other
+            verified = memoryview(bytearray(good))
+            await drv._on_chunk(other, (2, 0, verified))
+            assert Watcher.wake.is_set()
+            if prefix_same:
+                assert arrival.state == "stored" and arrival.buf is verified
+                assert arrival.got == len(good) and drv.arrivals[(2, 0)] is arrival
+                _feed(p0, frame(psb1[2]), [65536])  # a late block of link 7's copy
+                await _until(lambda: c.blocks.received == 3 * BLOCK_BYTES)
+                assert arrival.buf is verified and arrival.got == len(good)  # moves nothing
+                assert sum(isinstance(e, ev.ChunkArriving) for e in events) == 1
+            else:
+                assert arrival.state == "failed" and (2, 0) not in drv.arrivals
+            _feed(p0, frame(wire.pack_withdraw(2, 0)), [65536])
+            await _until(lambda: any(isinstance(e, ev.ChunkWithdrawn) for e in events))
+            assert (2, 0) not in drv.arrivals and c.blocks.pending is None
+            if prefix_same:
+                assert arrival.state == "stored"  # the relay finishes from the verified copy
+            assert 7 in drv.conns  # nobody blamed
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(go())
+
+
+def test_relays_from_a_stopped_twin_go_on_from_the_verified_copy() -> None:
+    _twin_receiver(prefix_same=True)
+
+
+def test_relays_from_a_twin_that_differs_from_the_verified_copy_are_withdrawn() -> None:
+    _twin_receiver(prefix_same=False)
