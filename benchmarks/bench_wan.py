@@ -76,6 +76,17 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def box_cpu() -> dict[str, int]:
+    """The machine's CPU time since boot by kind, in ticks (``/proc/stat``). This kernel
+    counts time by ticks without IRQ time accounting: a tick that lands in a softirq
+    (packet processing: the emulated network's bridges, veths, tbf, NFQUEUE, for every
+    host) goes to ``softirq`` here and to the system time of whichever process was on
+    the CPU, so part of the nodes' system time is the emulation's."""
+    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
+    return dict(zip(("user", "nice", "system", "idle", "iowait", "irq", "softirq"), f,
+                    strict=True))
+
+
 def proc_counts(pid: int) -> dict[str, int]:
     """Read syscalls and bytes (``/proc/<pid>/io``) and context switches of one process."""
     out: dict[str, int] = {}
@@ -84,6 +95,9 @@ def proc_counts(pid: int) -> dict[str, int]:
             k, v = line.split(":")
             if k in ("syscr", "rchar", "syscw", "wchar"):
                 out[k] = int(v)
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        out["user_ms"] = int(fields[11]) * 1000 // CLK_TCK  # user and system time apart
+        out["system_ms"] = int(fields[12]) * 1000 // CLK_TCK
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
                 k, v = line.split(":")
@@ -179,7 +193,7 @@ class Meter:
                 self.last_trace = self.tracer.stop()
                 self.tracer = None
         return {"uplinks": self.lab.uplink_bytes(), "drops": self.lab.uplink_drops(),
-                "holders": self.lab.delay_stats(), "t": time.monotonic()}
+                "holders": self.lab.delay_stats(), "t": time.monotonic(), "box": box_cpu()}
 
     def diff(self, a: dict[str, Any], b: dict[str, Any], payload: int, polls: dict[int, int]
              ) -> dict[str, Any]:
@@ -204,7 +218,8 @@ class Meter:
                          "kernel_dropped": (h1.get("kernel_dropped") or 0)
                          - (h0.get("kernel_dropped") or 0)})
         core = [h for h in hold if h["ns"] == lab.ns_core]
-        return {"uplinks": up, "holders": {
+        box = {k: round((b["box"][k] - a["box"][k]) / CLK_TCK, 2) for k in b["box"]}
+        return {"uplinks": up, "box_cpu_s": box, "holders": {
             "cpu_s": round(sum(h["cpu_s"] for h in hold), 3),
             "packets": sum(h["packets"] for h in hold),
             "kernel_dropped": sum(h["kernel_dropped"] for h in hold),
@@ -609,6 +624,10 @@ def _figures(fleet: Any, meter: Meter, sts: dict[str, dict[str, Any]],
     out["received_copies"] = round(recv_total / (patch_bytes * len(per_node)), 4)
     out["cpu_s_per_patch_gb"] = round(sum(cpus) / (patch_bytes * len(per_node) / 1e9), 2)
     out["dup_chunks"] = sum(v["dup_chunks"] for v in per_node.values())
+    # the nodes' user time alone per GB received (their system time includes softirq
+    # ticks of the emulated network's packet processing: ``box_cpu``)
+    user = sum(v["proc"].get("user_ms", 0) for v in per_node.values()) / 1000
+    out["user_cpu_s_per_gb"] = round(user / (recv_total / 1e9), 2) if recv_total else None
     # the apply after the last chunk, its CPU (decoded ahead meanwhile: in the rest)
     tail = [v["apply"]["cpu_s"] for v in per_node.values()
             if v["apply"] and "cpu_s" in v["apply"]]

@@ -869,6 +869,8 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
             # is neither hashed nor stored, and nobody is blamed in a claimed name.
             await self._drop(c, "chunk before the handshake")
             return
+        if c.id in self.conns:  # twins of it are cancelled now, not a verification later
+            self.feed(ev.ChunkWhole(self.now(), c.id, v, i))
         a = self.arrivals.get((v, i))
         other = None  # another copy still arriving (another link's, or the one restarted striped)
         if a is not None and (a.conn != c.id or a.buf is not payload):

@@ -960,6 +960,11 @@ class Simulation:
             return
         node = half.node
         node.recv_bytes += size
+        # every byte is here: its twin requests are cancelled before the hash, as the
+        # node driver does
+        self._deliver(node, half.inc, ev.ChunkWhole(self.engine.now, half.cid, version, index))
+        if not half.open or node.inc != half.inc:
+            return
         if node.cpu is not None:
             # hash against the manifest, store: the core hears of it when the CPU is done
             done = run_job(self.engine.now, node.cpu_spec.chunk_s(size), node.cpu, self.shared_cpu)

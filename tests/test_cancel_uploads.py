@@ -5,7 +5,8 @@ flight; when one copy arrives the requester sends CANCEL to the other. Before ro
 CANCEL dropped only queued answers: one under way went on to its last byte, and on the
 emulated WAN every node took in 6-44 % more chunk bytes than the patch (whole duplicate
 chunks, `dup_chunks`). Now the core stops an answer under way (``ev.StopChunk``) and the
-driver withdraws it at its next block.
+driver withdraws it at its next block. The requester cancels the twins as soon as one copy
+is all there (``ev.ChunkWhole``), before it is hashed and stored, not after.
 
 Scripted single-core tests check the core's side (what is stopped, what is not, the slot
 freed, the requester's view of the withdrawal); in-memory fleets (Hypothesis) that
@@ -137,6 +138,59 @@ def _run_fleet(seed: int, per: int, twins: int, rate: float) -> list:
     return hosts
 
 
+def _wanting(**knobs) -> tuple[NodeCore, dict[str, Script]]:
+    """Node ``a`` wanting version 2, region peers ``b`` and ``c`` holding every chunk,
+    endgame from the start: chunk 0 asked of one and its twin of the other."""
+    s = Signer()
+    knobs = {"endgame_chunks": 8, "pipeline": 1, **knobs}
+    cfg = CoreConfig(node_id="a", region="r", model=MODEL, listen_addr="a:1", swarm_secret=SECRET,
+                     active_version=1, **knobs)
+    n = NodeCore(cfg, verify_manifest=s.verify, rng=random.Random(0))
+    n.raise_internal_errors = True
+    n.handle(ev.LocalChunks(0.0, s.manifest(V, 1), ()))
+    peers = {}
+    for conn, name in enumerate(["b", "c"], start=1):
+        p = Script(n, conn, node_id=name, region="r")
+        p.handshake()
+        p.send(wire.Bitfield(V, wire.bits_to_bytes(0b1, 1)))
+        peers[name] = p
+    return n, peers
+
+
+def _asked(n: NodeCore) -> list[int]:
+    return sorted(n.requests.asked.get((V, 0), []))
+
+
+def test_twins_are_cancelled_once_a_copy_is_whole_before_it_is_verified() -> None:
+    n, p = _wanting()
+    assert _asked(n) == [1, 2]  # asked of b, and its twin of c
+    got = n.handle(ev.ChunkWhole(n.now, 1, V, 0))  # b's copy is all here, being hashed
+    assert p["c"].frames(got) == [wire.Cancel(V, (0,))] and p["b"].frames(got) == []
+    assert _asked(n) == [1] and (V, 0) not in n.peers[2].req
+    n.handle(ev.ChunkWithdrawn(n.now, 2, V, 0))  # c stopped its answer
+    assert n.peers[2].bits[V] == 0b1 and n.counters.withdrawn == 0  # c still holds it
+    n.handle(ev.ChunkReceived(n.now, 1, V, 0, True))
+    assert 0 in n.have(V) and n.requests.n == 0
+
+
+def test_a_whole_copy_that_is_bad_gets_the_chunk_asked_for_again() -> None:
+    n, p = _wanting()
+    n.handle(ev.ChunkWhole(n.now, 1, V, 0))
+    got = n.handle(ev.ChunkReceived(n.now, 1, V, 0, False))  # b's copy was corrupt
+    assert p["c"].frames(got) == [wire.Request(V, (0,))]  # asked again, of c
+    assert _asked(n) == [2]
+
+
+def test_a_whole_copy_of_what_was_not_asked_twice_cancels_nothing() -> None:
+    n, _ = _wanting(endgame_chunks=0)
+    assert len(_asked(n)) == 1
+    asker = _asked(n)[0]
+    other = 3 - asker
+    assert n.handle(ev.ChunkWhole(n.now, other, V, 0)) == []  # not asked of it: nothing
+    got = n.handle(ev.ChunkWhole(n.now, asker, V, 0))
+    assert [a for a in got if isinstance(a, ev.SendFrame)] == [] and _asked(n) == [asker]
+
+
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 1000), per=st.integers(3, 6), twins=st.integers(1, 12),
        rate=st.sampled_from([2e4, 1e5, 1e6]))
@@ -248,6 +302,8 @@ def _twin_receiver(prefix_same: bool) -> None:
             verified = memoryview(bytearray(good))
             await drv._on_chunk(other, (2, 0, verified))
             assert Watcher.wake.is_set()
+            mine = [type(e) for e in events if getattr(e, "conn", None) == 8]
+            assert mine == [ev.ChunkWhole, ev.ChunkReceived]  # twins cancelled before the hash
             if prefix_same:
                 assert arrival.state == "stored" and arrival.buf is verified
                 assert arrival.got == len(good) and drv.arrivals[(2, 0)] is arrival

@@ -344,6 +344,11 @@ class NodeCore(ReadModel):
         self._arrived(e.conn, e.version, e.index)
         self.exchange.on_not_stored(e)
 
+    def _on_whole(self, e: ev.ChunkWhole) -> None:
+        p = self.peers.get(e.conn)
+        if p is not None and p.state is READY:
+            self.exchange.on_whole(p, e.version, e.index)
+
     def _on_withdrawn(self, e: ev.ChunkWithdrawn) -> None:
         p = self.peers.get(e.conn)
         if p is None or p.state is not READY:
@@ -690,6 +695,7 @@ _HANDLERS: dict[type, Callable[[NodeCore, Any], None]] = {
     ev.ChunkNotStored: NodeCore._on_not_stored,
     ev.ChunkArriving: NodeCore._on_arriving,
     ev.ChunkWithdrawn: NodeCore._on_withdrawn,
+    ev.ChunkWhole: NodeCore._on_whole,
     ev.ChunkSent: lambda core, e: core.exchange.on_sent(e),
     ev.Publish: NodeCore._on_publish,
     ev.LocalChunks: NodeCore._on_local,

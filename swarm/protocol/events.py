@@ -141,6 +141,19 @@ class ChunkArriving(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class ChunkWhole(Event):
+    """Every byte of chunk ``index`` of ``version`` arrived on ``conn`` (an authenticated
+    peer); it is being hashed and stored, and ``ChunkReceived`` follows. The core cancels
+    the chunk's endgame twin requests at once, not a verification later (answers under
+    way are stopped where they are; if this copy turns out bad, the chunk is asked for
+    again). Optional: a driver that leaves it out cancels them at ``ChunkReceived``."""
+
+    conn: int
+    version: int
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
 class ChunkWithdrawn(Event):
     """The peer on ``conn`` withdrew chunk ``index`` of ``version`` it was sending us
     while it arrived there: it did not arrive whole and verified at the sender.

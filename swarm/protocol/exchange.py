@@ -60,6 +60,9 @@ class ChunkExchange:
         # local faults (disk full, ...): no new requests until then; back-off doubles
         self.hold_until: float | None = None
         self.hold_s = 0.0
+        # (conn, v, i): twin requests cancelled while their chunk was being verified here
+        # (``on_whole``); bounded, and dropped with the conn
+        self.cancelled: set[tuple[int, int, int]] = set()
 
     def frame_handlers(self) -> dict[type[wire.Frame], Any]:
         return {wire.Bitfield: self.on_bitfield, wire.Have: self.on_have,
@@ -76,6 +79,8 @@ class ChunkExchange:
                         av[i] -= 1
         for key in list(p.req):
             self.requests.forget(p, key, self.versions)
+        if self.cancelled:
+            self.cancelled = {k for k in self.cancelled if k[0] != p.conn}
         if self.uploads.drop_conn(p.conn):
             self.pump()
 
@@ -225,6 +230,8 @@ class ChunkExchange:
         cnt = self.host.counters
         cnt.received(p.kind if p is not None else SAME, size)
         if p is not None:
+            if self.cancelled:
+                self.cancelled.discard((p.conn, v, i))  # it came whole after all
             cnt.received_from(p.region, self.cfg.region, size)
             p.last_heard = self.host.now
             p.busy = False
@@ -285,6 +292,26 @@ class ChunkExchange:
         self.host.log("error", "chunk_not_stored", version=e.version, index=e.index,
                       reason=e.reason, hold_s=self.hold_s)
 
+    def on_whole(self, p: Peer, v: int, i: int) -> None:
+        """Chunk ``i`` of ``v`` we asked ``p`` for is all here, being verified: cancel its
+        twin requests to other peers now (``ChunkWhole``). Their answers' withdrawals then
+        change nothing of what those peers hold (``cancelled``)."""
+        st = self.versions.get(v)
+        key = (v, i)
+        if (st is None or not 0 <= i < st.chunk_count or (st.have >> i) & 1
+                or key not in p.req):
+            return
+        twins = [q for c in self.requests.asked.get(key, ()) if c != p.conn
+                 and (q := self.peers.get(c)) is not None]
+        if not twins:
+            return
+        cf = wire.Cancel(v, [i]).encode()
+        for q in twins:
+            self.requests.forget(q, key, self.versions)
+            if len(self.cancelled) < 4096:
+                self.cancelled.add((q.conn, v, i))
+            self.host.send(q, cf)
+
     def on_withdrawn(self, p: Peer, v: int, i: int) -> None:
         """``p`` withdrew chunk ``i`` of ``v`` it was sending us while it arrived there
         (``serve_arriving``): it does not hold it after all. Forget the request and
@@ -293,9 +320,13 @@ class ChunkExchange:
         if (v, i) in p.req:
             self.requests.forget(p, (v, i), self.versions)
         st = self.versions.get(v)
-        if st is not None and (st.have >> i) & 1:
+        cancelled = (p.conn, v, i) in self.cancelled
+        if cancelled:
+            self.cancelled.discard((p.conn, v, i))
+        if cancelled or (st is not None and (st.have >> i) & 1):
             # the answer we cancelled (an endgame twin), stopped: not a chunk that failed
             # to arrive at p, and what p holds is unchanged
+            self.fill_all()
             return
         self.host.counters.withdrawn += 1
         self._not_coming(p, v, i)
