@@ -333,3 +333,27 @@ def test_relays_from_a_stopped_twin_go_on_from_the_verified_copy() -> None:
 
 def test_relays_from_a_twin_that_differs_from_the_verified_copy_are_withdrawn() -> None:
     _twin_receiver(prefix_same=False)
+
+
+def test_a_fleet_of_processes_with_every_chunk_twinned_ends_bitwise_equal() -> None:
+    """Real node processes, one region of four, every chunk of the patch in endgame from
+    the start (each asked of two peers, the loser cancelled and stopped): every node ends
+    on the trainer's digest, nothing corrupt, no stopped twin counted as a failed arrival,
+    and the new counters are served."""
+    from lab.fleet import LoopbackFleet
+
+    with LoopbackFleet(1, 4, chunk_size=1 << 20, lr=1e-4, tls=True,
+                       swarm={"endgame_chunks": 1024}) as fleet:
+        fleet.start(timeout=120)
+        for _ in range(2):
+            pub = fleet.publish()
+            statuses = fleet.wait_version(pub["version"], timeout=120)
+            assert {st["active_digest"] for st in statuses.values()} == {pub["digest"]}
+        assert all(st["bad_chunks"] == 0 for st in statuses.values())
+        assert sum(st["withdrawn_chunks"] for st in statuses.values()) == 0
+        tr = [st["transport"] for st in statuses.values()]
+        assert all(t["uploads_stopped"] <= t["uploads_cancelled"] for t in tr), tr
+        print("cancelled / stopped:", [(t["uploads_cancelled"], t["uploads_stopped"]) for t in tr],
+              "dup chunks:", [st["dup_chunks"] for st in statuses.values()])
+        metrics = fleet.http(fleet.nodes[0].api_addr, "/metrics").decode()
+        assert "patchswarm_uploads_stopped_total" in metrics
