@@ -36,6 +36,9 @@ class Arrival:
     state: str = "arriving"  # arriving | stored | failed
     t0: float = 0.0  # when its first block came (loop time; the debug log's transfer times)
     watchers: list = field(default_factory=list)  # Conns whose writers stream it
+    # withdrawn while another copy of the chunk, whole, was being verified: its relays
+    # wait for that verdict (``Driver._copy_withdrawn``)
+    withdrawn: bool = False
 
     def changed(self) -> None:
         for w in self.watchers:

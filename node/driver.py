@@ -211,6 +211,7 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
         self.keep_versions = keep_versions
         self.conns: dict[int, Conn] = {}
         self.arrivals: dict[tuple[int, int], Arrival] = {}  # chunks arriving now (cut-through)
+        self.verifying: dict[tuple[int, int], int] = {}  # whole copies being hashed and stored
         self._ids = itertools.count(1)
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -818,7 +819,7 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
         log.info("peer %s withdrew chunk %d of version %d", c.addr, i, v)
         a = self.arrivals.get((v, i))
         if a is not None and a.conn == c.id and (a.buf is buf or a.state == "stored"):
-            self._arrival_failed((v, i), a)  # that copy, not another (or served from one)
+            self._copy_withdrawn((v, i), a)  # that copy, not another (or served from one)
         self.feed(ev.ChunkWithdrawn(self.now(), c.id, v, i))
 
     def _arrival_failed(self, key: tuple[int, int], a: Arrival) -> None:
@@ -827,6 +828,16 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
             return
         a.state = "failed"
         a.changed()
+
+    def _copy_withdrawn(self, key: tuple[int, int], a: Arrival) -> None:
+        """The copy ``a`` will not arrive whole (its sender withdrew it). If another copy
+        of the chunk is whole and being verified (its endgame twin, cancelled at
+        ``ChunkWhole``), relays cut through from ``a`` wait for that verdict: they go on
+        from the verified copy (``_arrival_served``) or fail with a bad one."""
+        if a.watchers and a.state == "arriving" and self.verifying.get(key):
+            a.withdrawn = True
+            return
+        self._arrival_failed(key, a)
 
     async def _arrival_served(self, key: tuple[int, int], a: Arrival,
                               payload: memoryview) -> None:
@@ -881,7 +892,15 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
             a = None
         if a is not None:
             a.got = a.length  # every byte is here; the last block waits for the verdict
-        verdict = await asyncio.to_thread(self._check_and_store, v, i, payload)
+        key = (v, i)
+        self.verifying[key] = self.verifying.get(key, 0) + 1
+        try:
+            verdict = await asyncio.to_thread(self._check_and_store, v, i, payload)
+        finally:
+            if self.verifying[key] > 1:
+                self.verifying[key] -= 1
+            else:
+                del self.verifying[key]
         if a is not None:
             self.arrivals.pop((v, i), None)
             a.state = "stored" if verdict is None else "failed"
@@ -900,6 +919,8 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
             self.store_fault = None
             if other is not None:
                 await self._arrival_served((v, i), other, payload)
+        elif other is not None and other.withdrawn and self.arrivals.get(key) is other:
+            self._arrival_failed(key, other)  # the copy its relays waited on was bad
         if c.id in self.conns or valid:
             self.feed(ev.ChunkReceived(self.now(), c.id, v, i, valid))
         if valid:

@@ -417,7 +417,7 @@ class StripedLinks:
                 log.info("peer %s withdrew chunk %d of version %d", c.addr, i, v)
                 a = self.arrivals.get((v, i))
                 if a is not None and a.conn == c.id:
-                    self._arrival_failed((v, i), a)
+                    self._copy_withdrawn((v, i), a)
                 self.feed(ev.ChunkWithdrawn(self.now(), c.id, v, i))
             elif magic == stripes.WANT_MAGIC:
                 seq, blocks = stripes.unpack_want(data)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -357,3 +358,75 @@ def test_a_fleet_of_processes_with_every_chunk_twinned_ends_bitwise_equal() -> N
               "dup chunks:", [st["dup_chunks"] for st in statuses.values()])
         metrics = fleet.http(fleet.nodes[0].api_addr, "/metrics").decode()
         assert "patchswarm_uploads_stopped_total" in metrics
+
+
+def _withdrawn_while_verifying(good_copy: bool) -> None:
+    """Chunk 0 arrives on link 7 with a relay cutting through from it; its twin on another
+    link is whole and being hashed (so link 7's copy was cancelled at ``ChunkWhole``), and
+    link 7's withdrawal lands during that hash. The relay waits for the verdict instead of
+    failing: it goes on from the verified copy, or fails if that copy was bad."""
+    import threading
+
+    from node.link import HEADER, PREFACE
+    from tests.test_link import _feed
+    from tests.test_striped_links import wire_block
+
+    good = os.urandom(4 * BLOCK_BYTES)
+    psb1 = [wire_block(2, 0, len(good), k * BLOCK_BYTES, good[k * BLOCK_BYTES:(k + 1) * BLOCK_BYTES])
+            for k in range(2)]
+
+    def frame(msg: bytes) -> bytes:
+        return HEADER.pack(len(msg)) + msg
+
+    async def go() -> None:
+        drv = _driver([])
+        drv.core.authenticated = lambda cid: True  # type: ignore[method-assign]
+        events = _spy(drv, ev.Event)
+        release = threading.Event()
+
+        def slow_check(v: int, i: int, payload: Any) -> bool | None:
+            release.wait(5)
+            return None if good_copy else False
+
+        drv._check_and_store = slow_check  # type: ignore[method-assign]
+        drv._prestage_kick = lambda v: None  # type: ignore[method-assign]
+        c, p0, _p2, tasks = _receiving(drv)
+        try:
+            _feed(p0, PREFACE + frame(psb1[0]) + frame(psb1[1]), [65536])
+            await _until(lambda: c.blocks.received == 2 * BLOCK_BYTES)
+            arrival = drv.arrivals[(2, 0)]
+
+            class Watcher:
+                wake = asyncio.Event()
+
+            arrival.watchers.append(Watcher)
+            other = type(c)(id=8, link=c.link, outbound=True, addr="other")
+            drv.conns[8] = other
+            verified = memoryview(bytearray(good))
+            verifying = asyncio.create_task(drv._on_chunk(other, (2, 0, verified)))
+            await _until(lambda: drv.verifying.get((2, 0)))
+            _feed(p0, frame(wire.pack_withdraw(2, 0)), [65536])  # the cancelled twin stops
+            await _until(lambda: any(isinstance(e, ev.ChunkWithdrawn) for e in events))
+            assert arrival.state == "arriving" and arrival.withdrawn  # waits for the verdict
+            release.set()
+            await verifying
+            if good_copy:
+                assert arrival.state == "stored" and arrival.buf is verified
+            else:
+                assert arrival.state == "failed" and (2, 0) not in drv.arrivals
+            assert not drv.verifying and 7 in drv.conns
+        finally:
+            release.set()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(go())
+
+
+def test_relays_from_a_twin_withdrawn_during_the_hash_wait_for_the_verdict() -> None:
+    _withdrawn_while_verifying(good_copy=True)
+
+
+def test_relays_from_a_twin_withdrawn_during_a_bad_hash_fail() -> None:
+    _withdrawn_while_verifying(good_copy=False)
