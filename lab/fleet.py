@@ -460,6 +460,17 @@ class LoopbackFleet:
                                  f"{timeout:.0f} s (logs in {self.workdir})")
             time.sleep(0.1)
 
+    def publish_converged(self, timeout: float = 120.0) -> dict[str, dict[str, Any]]:
+        """Publish a version, wait until every node serves it, and check that every node
+        serves the trainer's digest (``FleetError`` if not); the nodes' last ``/status``."""
+        pub = self.publish()
+        statuses = self.wait_version(pub["version"], timeout=timeout)
+        digests = {st["active_digest"] for st in statuses.values()}
+        if digests != {pub["digest"]}:
+            raise FleetError(f"version {pub['version']}: digests {sorted(digests)}, the "
+                             f"trainer's {pub['digest']}")
+        return statuses
+
     # ------------------------------------------------------------ faults
 
     def kill(self, n: NodeProc, sig: int = signal.SIGKILL) -> int | None:

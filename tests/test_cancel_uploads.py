@@ -18,8 +18,11 @@ the relays cut through from a stopped copy going from the verified one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
 from typing import Any
 
 from hypothesis import given, settings
@@ -39,21 +42,28 @@ from tests.test_striped_links import CHUNKS, N, _drain, _receiving, _spy, _strip
 V = 2  # 4 chunks of 1000 bytes
 
 
-def _holder(**knobs) -> tuple[NodeCore, dict[str, Script]]:
-    """Node ``a`` holding chunks 0-2 of version 2, linked to region peers ``c`` and ``d``."""
+def _node(held: tuple[int, ...], peers: tuple[str, ...], peer_bits: int, chunks: int,
+          **knobs) -> tuple[NodeCore, dict[str, Script]]:
+    """Node ``a`` (region ``r``) holding ``held`` of version 2's ``chunks``, linked to region
+    ``peers`` that each show ``peer_bits`` of it."""
     s = Signer()
     cfg = CoreConfig(node_id="a", region="r", model=MODEL, listen_addr="a:1", swarm_secret=SECRET,
                      active_version=1, **knobs)
     n = NodeCore(cfg, verify_manifest=s.verify, rng=random.Random(0))
     n.raise_internal_errors = True
-    n.handle(ev.LocalChunks(0.0, s.manifest(V, 4), (0, 1, 2)))
-    peers = {}
-    for conn, name in enumerate(["c", "d"], start=1):
+    n.handle(ev.LocalChunks(0.0, s.manifest(V, chunks), held))
+    out = {}
+    for conn, name in enumerate(peers, start=1):
         p = Script(n, conn, node_id=name, region="r")
         p.handshake()
-        p.send(wire.Bitfield(V, wire.bits_to_bytes(0, 4)))
-        peers[name] = p
-    return n, peers
+        p.send(wire.Bitfield(V, wire.bits_to_bytes(peer_bits, chunks)))
+        out[name] = p
+    return n, out
+
+
+def _holder(**knobs) -> tuple[NodeCore, dict[str, Script]]:
+    """Node ``a`` holding chunks 0-2 of version 2, linked to region peers ``c`` and ``d``."""
+    return _node((0, 1, 2), ("c", "d"), 0, 4, **knobs)
 
 
 def _stops(actions: list[ev.Action]) -> list[ev.StopChunk]:
@@ -142,20 +152,7 @@ def _run_fleet(seed: int, per: int, twins: int, rate: float) -> list:
 def _wanting(**knobs) -> tuple[NodeCore, dict[str, Script]]:
     """Node ``a`` wanting version 2, region peers ``b`` and ``c`` holding every chunk,
     endgame from the start: chunk 0 asked of one and its twin of the other."""
-    s = Signer()
-    knobs = {"endgame_chunks": 8, "pipeline": 1, **knobs}
-    cfg = CoreConfig(node_id="a", region="r", model=MODEL, listen_addr="a:1", swarm_secret=SECRET,
-                     active_version=1, **knobs)
-    n = NodeCore(cfg, verify_manifest=s.verify, rng=random.Random(0))
-    n.raise_internal_errors = True
-    n.handle(ev.LocalChunks(0.0, s.manifest(V, 1), ()))
-    peers = {}
-    for conn, name in enumerate(["b", "c"], start=1):
-        p = Script(n, conn, node_id=name, region="r")
-        p.handshake()
-        p.send(wire.Bitfield(V, wire.bits_to_bytes(0b1, 1)))
-        peers[name] = p
-    return n, peers
+    return _node((), ("b", "c"), 0b1, 1, **{"endgame_chunks": 8, "pipeline": 1, **knobs})
 
 
 def _asked(n: NodeCore) -> list[int]:
@@ -264,66 +261,81 @@ def test_the_writer_stops_a_striped_chunk_by_its_seq() -> None:
     asyncio.run(go())
 
 
+def _frame(msg: bytes) -> bytes:
+    from node.link import HEADER
+
+    return HEADER.pack(len(msg)) + msg
+
+
+@contextlib.asynccontextmanager
+async def _twin_arriving(twin: bytes, check: Any) -> AsyncIterator[SimpleNamespace]:
+    """A receiving driver (verdicts from ``check``) that has the first two blocks of a
+    chunk's copy ``twin`` from link 7 (PSB1), a relay cutting through from them (``watcher``),
+    and link 8 (``other``) ready to bring another copy whole."""
+    from node.link import PREFACE
+    from tests.test_link import _feed
+    from tests.test_striped_links import wire_block
+
+    drv = _driver([])
+    drv.core.authenticated = lambda cid: True  # type: ignore[method-assign]
+    events = _spy(drv, ev.Event)
+    drv._check_and_store = check  # type: ignore[method-assign]
+    drv._prestage_kick = lambda v: None  # type: ignore[method-assign]
+    c, p0, _p2, tasks = _receiving(drv)
+    psb1 = [wire_block(2, 0, len(twin), k * BLOCK_BYTES, twin[k * BLOCK_BYTES:(k + 1) * BLOCK_BYTES])
+            for k in range(len(twin) // BLOCK_BYTES)]
+    try:
+        _feed(p0, PREFACE + _frame(psb1[0]) + _frame(psb1[1]), [65536])
+        await _until(lambda: c.blocks.received == 2 * BLOCK_BYTES)
+        arrival = drv.arrivals[(2, 0)]
+
+        class Watcher:  # a relay cutting through from it
+            wake = asyncio.Event()
+
+        arrival.watchers.append(Watcher)
+        other = type(c)(id=8, link=c.link, outbound=True, addr="other")
+        drv.conns[8] = other
+        yield SimpleNamespace(drv=drv, c=c, events=events, arrival=arrival, watcher=Watcher,
+                              other=other, psb1=psb1,
+                              feed=lambda msg: _feed(p0, _frame(msg), [65536]))
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def _twin_receiver(prefix_same: bool) -> None:
     """The receiver: chunk 0 arrives on link 7 (PSB1) with a relay cutting through from
     it, then comes whole and verified on another link. The relay goes on from the
     verified copy if what it sent so far is that copy's (a late block of link 7's copy
     then moves nothing), and is withdrawn if not; link 7's copy is then withdrawn (the
     twin stopped) without failing anything or blaming anyone."""
-    from node.link import HEADER, PREFACE
-    from tests.test_link import _feed
-    from tests.test_striped_links import wire_block
-
     good = os.urandom(4 * BLOCK_BYTES)
     twin = good if prefix_same else bytes([good[0] ^ 1]) + good[1:]
-    psb1 = [wire_block(2, 0, len(good), k * BLOCK_BYTES, twin[k * BLOCK_BYTES:(k + 1) * BLOCK_BYTES])
-            for k in range(4)]
-
-    def frame(msg: bytes) -> bytes:
-        return HEADER.pack(len(msg)) + msg
 
     async def go() -> None:
-        drv = _driver([])
-        drv.core.authenticated = lambda cid: True  # type: ignore[method-assign]
-        events = _spy(drv, ev.Event)
-        drv._check_and_store = lambda v, i, payload: None  # type: ignore[method-assign]
-        drv._prestage_kick = lambda v: None  # type: ignore[method-assign]
-        c, p0, _p2, tasks = _receiving(drv)
-        try:
-            _feed(p0, PREFACE + frame(psb1[0]) + frame(psb1[1]), [65536])
-            await _until(lambda: c.blocks.received == 2 * BLOCK_BYTES)
-            arrival = drv.arrivals[(2, 0)]
-
-            class Watcher:  # a relay cutting through from it
-                wake = asyncio.Event()
-
-            arrival.watchers.append(Watcher)
-            other = type(c)(id=8, link=c.link, outbound=True, addr="other")
-            drv.conns[8] = other
+        async with _twin_arriving(twin, lambda v, i, payload: None) as t:
+            drv, c, events, arrival = t.drv, t.c, t.events, t.arrival
             verified = memoryview(bytearray(good))
-            await drv._on_chunk(other, (2, 0, verified))
-            assert Watcher.wake.is_set()
+            await drv._on_chunk(t.other, (2, 0, verified))
+            assert t.watcher.wake.is_set()
             mine = [type(e) for e in events if getattr(e, "conn", None) == 8]
             assert mine == [ev.ChunkWhole, ev.ChunkReceived]  # twins cancelled before the hash
             if prefix_same:
                 assert arrival.state == "stored" and arrival.buf is verified
                 assert arrival.got == len(good) and drv.arrivals[(2, 0)] is arrival
-                _feed(p0, frame(psb1[2]), [65536])  # a late block of link 7's copy
+                t.feed(t.psb1[2])  # a late block of link 7's copy
                 await _until(lambda: c.blocks.received == 3 * BLOCK_BYTES)
                 assert arrival.buf is verified and arrival.got == len(good)  # moves nothing
                 assert sum(isinstance(e, ev.ChunkArriving) for e in events) == 1
             else:
                 assert arrival.state == "failed" and (2, 0) not in drv.arrivals
-            _feed(p0, frame(wire.pack_withdraw(2, 0)), [65536])
+            t.feed(wire.pack_withdraw(2, 0))
             await _until(lambda: any(isinstance(e, ev.ChunkWithdrawn) for e in events))
             assert (2, 0) not in drv.arrivals and c.blocks.pending is None
             if prefix_same:
                 assert arrival.state == "stored"  # the relay finishes from the verified copy
             assert 7 in drv.conns  # nobody blamed
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
 
     asyncio.run(go())
 
@@ -346,10 +358,8 @@ def test_a_fleet_of_processes_with_every_chunk_twinned_ends_bitwise_equal() -> N
     with LoopbackFleet(1, 4, chunk_size=1 << 20, lr=1e-4, tls=True,
                        swarm={"endgame_chunks": 1024}) as fleet:
         fleet.start(timeout=120)
-        for _ in range(2):
-            pub = fleet.publish()
-            statuses = fleet.wait_version(pub["version"], timeout=120)
-            assert {st["active_digest"] for st in statuses.values()} == {pub["digest"]}
+        fleet.publish_converged()
+        statuses = fleet.publish_converged()
         assert all(st["bad_chunks"] == 0 for st in statuses.values())
         assert sum(st["withdrawn_chunks"] for st in statuses.values()) == 0
         tr = [st["transport"] for st in statuses.values()]
@@ -367,59 +377,32 @@ def _withdrawn_while_verifying(good_copy: bool) -> None:
     failing: it goes on from the verified copy, or fails if that copy was bad."""
     import threading
 
-    from node.link import HEADER, PREFACE
-    from tests.test_link import _feed
-    from tests.test_striped_links import wire_block
-
     good = os.urandom(4 * BLOCK_BYTES)
-    psb1 = [wire_block(2, 0, len(good), k * BLOCK_BYTES, good[k * BLOCK_BYTES:(k + 1) * BLOCK_BYTES])
-            for k in range(2)]
+    release = threading.Event()
 
-    def frame(msg: bytes) -> bytes:
-        return HEADER.pack(len(msg)) + msg
+    def slow_check(v: int, i: int, payload: Any) -> bool | None:
+        release.wait(5)
+        return None if good_copy else False
 
     async def go() -> None:
-        drv = _driver([])
-        drv.core.authenticated = lambda cid: True  # type: ignore[method-assign]
-        events = _spy(drv, ev.Event)
-        release = threading.Event()
-
-        def slow_check(v: int, i: int, payload: Any) -> bool | None:
-            release.wait(5)
-            return None if good_copy else False
-
-        drv._check_and_store = slow_check  # type: ignore[method-assign]
-        drv._prestage_kick = lambda v: None  # type: ignore[method-assign]
-        c, p0, _p2, tasks = _receiving(drv)
         try:
-            _feed(p0, PREFACE + frame(psb1[0]) + frame(psb1[1]), [65536])
-            await _until(lambda: c.blocks.received == 2 * BLOCK_BYTES)
-            arrival = drv.arrivals[(2, 0)]
-
-            class Watcher:
-                wake = asyncio.Event()
-
-            arrival.watchers.append(Watcher)
-            other = type(c)(id=8, link=c.link, outbound=True, addr="other")
-            drv.conns[8] = other
-            verified = memoryview(bytearray(good))
-            verifying = asyncio.create_task(drv._on_chunk(other, (2, 0, verified)))
-            await _until(lambda: drv.verifying.get((2, 0)))
-            _feed(p0, frame(wire.pack_withdraw(2, 0)), [65536])  # the cancelled twin stops
-            await _until(lambda: any(isinstance(e, ev.ChunkWithdrawn) for e in events))
-            assert arrival.state == "arriving" and arrival.withdrawn  # waits for the verdict
-            release.set()
-            await verifying
-            if good_copy:
-                assert arrival.state == "stored" and arrival.buf is verified
-            else:
-                assert arrival.state == "failed" and (2, 0) not in drv.arrivals
-            assert not drv.verifying and 7 in drv.conns
+            async with _twin_arriving(good, slow_check) as t:
+                drv, arrival = t.drv, t.arrival
+                verified = memoryview(bytearray(good))
+                verifying = asyncio.create_task(drv._on_chunk(t.other, (2, 0, verified)))
+                await _until(lambda: drv.verifying.get((2, 0)))
+                t.feed(wire.pack_withdraw(2, 0))  # the cancelled twin stops
+                await _until(lambda: any(isinstance(e, ev.ChunkWithdrawn) for e in t.events))
+                assert arrival.state == "arriving" and arrival.withdrawn  # waits for the verdict
+                release.set()
+                await verifying
+                if good_copy:
+                    assert arrival.state == "stored" and arrival.buf is verified
+                else:
+                    assert arrival.state == "failed" and (2, 0) not in drv.arrivals
+                assert not drv.verifying and 7 in drv.conns
         finally:
             release.set()
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
 
     asyncio.run(go())
 
