@@ -821,10 +821,19 @@ class Simulation:
         for item in half.queue:
             if item[1] == v and item[2] == i:
                 half.queue.remove(item)
-                # frames queued behind it wait for the chunk before it instead
+                # frames queued behind it wait for the chunk still going before it instead
                 seq = item[5]
                 if any(g == seq for g, _, _ in half.held):
-                    half.held = deque((seq - 1 if g == seq else g, f, t) for g, f, t in half.held)
+                    before = [x[5] for x in (half.cur, *half.queue) if x is not None and x[5] < seq]
+                    if before:
+                        prev = max(before)
+                        half.held = deque((prev if g == seq else g, f, t)
+                                          for g, f, t in half.held)
+                    else:  # nothing goes before them now
+                        now = self.engine.now
+                        while half.held and half.held[0][0] <= seq:
+                            _, frame, t = half.held.popleft()
+                            self._put_frame(half, frame, now, now - t)
                 self._stopped(half, v, i, told=False)
                 return
         waiting = self.parked.get((node, v, i))
