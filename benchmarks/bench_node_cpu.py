@@ -38,6 +38,7 @@ import argparse
 import collections
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -190,7 +191,8 @@ def run(args: argparse.Namespace) -> dict:
                 perf_proc = None
                 perf_out = fleet.workdir / "perf.data"
                 if args.perf and k == args.versions - 1:
-                    perf_proc = perfstat.record(args.perf, pids[fleet.nodes[-1].name], perf_out)
+                    perf_proc = perfstat.record(args.perf, pids[fleet.nodes[-1].name], perf_out,
+                                                call_graph=args.perf_call_graph)
                     time.sleep(1.0)
                 if args.py_spy and k == args.versions - 1:
                     victim = pids[fleet.nodes[-1].name]
@@ -214,6 +216,8 @@ def run(args: argparse.Namespace) -> dict:
                 if perf_proc is not None:
                     perfstat.interrupt(perf_proc)
                     perf_shares = perfstat.read_perf(args.perf, perf_out)
+                    if args.keep_perf:
+                        shutil.copyfile(perf_out, args.keep_perf)
                 if spy is not None:
                     perfstat.interrupt(spy)
                     profile = read_pyspy(spy_out)
@@ -279,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--perf", nargs="?", const="perf", default=None,
                     help="profile one node with Linux perf (optionally its path)")
     ap.add_argument("--keep-profile", default=None, help="copy py-spy's raw stacks here")
+    ap.add_argument("--perf-call-graph", default=None, choices=["dwarf", "fp", "lbr"],
+                    help="perf samples carry their stacks (for perf report -G)")
+    ap.add_argument("--keep-perf", default=None, help="copy perf's data file here")
     ap.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--node-env", action="append", default=[], metavar="K=V",

@@ -240,8 +240,7 @@ class ApplyPipeline:
         self._ahead_bytes = skip
         if skip:  # decoded while it downloaded: only the rest is read and decoded
             first, part = divmod(skip, m.chunk_size)  # from within a chunk (slices)
-            payload = memoryview(b"".join(self.store.read_chunk(version, i)
-                                          for i in range(first, m.chunk_count)))[part:]
+            payload = self.store.payload_view(version, first)[part:]
         else:
             # a plain patch is decoded straight from one buffer read in place; a full
             # checkpoint (safetensors) and a confidential payload want bytes

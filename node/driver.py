@@ -111,6 +111,13 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARN
            "error": logging.ERROR}
 
 
+def _leaves_blocks_alone(data: bytes | bytearray) -> bool:
+    """A queued message that does not touch a link's block assembler (``Link.place_with``):
+    a control frame. Every binary message (``PS..``: blocks, withdrawals, stripes, whole
+    chunks) counts, whatever it is."""
+    return data[:2] != b"PS"
+
+
 @dataclass
 class Faults:
     """Deliberate misbehaviour, for tests of the swarm's defences only."""
@@ -429,7 +436,8 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
         c = Conn(next(self._ids), link, outbound, addr, sock=sock,
                  restart=CongestionRestart(self.congestion_restart_s), identity=identity)
         # chunk blocks are decrypted straight into their chunk's buffer (_place)
-        link.place_with(lambda header, n: self._place(c, header, n), wire.BLOCK_HEADER_LEN)
+        link.place_with(lambda header, n: self._place(c, header, n), wire.BLOCK_HEADER_LEN,
+                        filled=lambda p: self._filled(c, p), neutral=_leaves_blocks_alone)
         self.conns[c.id] = c
         c.writer = self._spawn(self._writer(c))
         self.feed(ev.PeerConnected(self.now(), c.id, outbound, addr, identity))
@@ -528,6 +536,8 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
                     if stripes.magic_of(data.header) == stripes.STRIPE_MAGIC:
                         whole = None if data.diverted else c.stripes.placed(data.header)  # type: ignore[union-attr]
                         await self._stripe_block(c, data.header, whole)
+                    elif data.settled:  # c.blocks took it as it completed (_filled)
+                        await self._block_done(c, *data.info)
                     else:
                         await self._block_done(c, c.blocks.placed())
                 elif wire.is_block_message(data):
@@ -775,18 +785,37 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
             return None
         return c.blocks.place(header, n)
 
-    async def _block_done(self, c: Conn, whole: tuple[int, int, memoryview] | None) -> None:
+    def _filled(self, c: Conn, p: Placed) -> bool:
+        """A placed chunk block came in whole (``Link.place_with``): ``c.blocks`` takes it
+        now, as the link parses, not when the reader gets to it, so the next block can be
+        placed while this one still waits in the queue. ``p.info`` keeps what the reader
+        needs (``_block_done``'s arguments), as ``c.blocks`` was after this block. A
+        striped block is left to the reader (``_stripe_block``)."""
+        if stripes.magic_of(p.header) == stripes.STRIPE_MAGIC:
+            return False
+        whole = c.blocks.placed()
+        b = c.blocks
+        p.info = (whole, None if whole is not None else (b.pending, b.buffer, b.length, b.received))
+        return True
+
+    async def _block_done(self, c: Conn, whole: tuple[int, int, memoryview] | None,
+                          at: tuple | None = None) -> None:
+        """A block of a chunk was taken: ``whole`` once it completed the chunk, else the
+        chunk in progress, ``at`` (key, buffer, length, bytes received) as of this block
+        (``_filled``), or ``c.blocks`` now."""
         if not c.laning:
             self._chunks_flow(c)
         if whole is None:
-            key = c.blocks.pending
+            b = c.blocks
+            key, buf, length, got = at if at is not None else (b.pending, b.buffer, b.length,
+                                                                b.received)
             a = self.arrivals.get(key)  # type: ignore[arg-type]
             if a is None:  # its first block: a RELAY order may go on from here (cut-through)
-                a = self.arrivals[key] = Arrival(c.id, c.blocks.buffer, c.blocks.length,  # type: ignore[index,arg-type]
+                a = self.arrivals[key] = Arrival(c.id, buf, length,  # type: ignore[index,arg-type]
                                                  t0=self.now())
                 self.feed(ev.ChunkArriving(self.now(), c.id, *key))  # type: ignore[misc]
-            if a.conn == c.id and a.buf is c.blocks.buffer:  # not its striped copy
-                a.got = c.blocks.received
+            if a.conn == c.id and a.buf is buf:  # not its striped copy
+                a.got = got
                 if a.watchers:
                     a.changed()
             now = self.now()

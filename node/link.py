@@ -71,12 +71,16 @@ class Placed:
     """A message whose payload was written where the link's placer said (``header``: its
     first ``len(header)`` bytes, which the placer saw; ``n``: the payload bytes placed)."""
 
-    __slots__ = ("diverted", "header", "n")
+    __slots__ = ("diverted", "header", "info", "n", "settled")
 
     def __init__(self, header: bytes, n: int) -> None:
         self.header = header
         self.n = n
         self.diverted = False  # ``Link.divert``: its payload went elsewhere, not placed
+        # the link's ``filled`` hook took it as it completed (``Link.place_with``): the
+        # placer's state already counts it, and ``info`` is what the hook left for ``recv``
+        self.settled = False
+        self.info: Any = None
 
     def __len__(self) -> int:
         return len(self.header) + self.n
@@ -110,6 +114,13 @@ class LinkProtocol(asyncio.BufferedProtocol):
         # bytes go, or None (a buffer of its own); the message then comes out as ``Placed``
         self.placer = placer
         self.place_header = place_header
+        # (Link.place_with) a placed message complete: settle it now (True), or leave it
+        # to whoever takes it from the queue; and which queued messages leave the
+        # placer's state alone. The placer is asked while no queued message is
+        # ``unsettled``: every one before is settled or neutral.
+        self.filled: Callable[[Placed], bool] | None = None
+        self.neutral: Callable[[bytes | bytearray], bool] | None = None
+        self.unsettled = 0
         self.admit, self.release = admit, release
         self.deadline_s, self.on_deadline = deadline_s, on_deadline
         self.loop = asyncio.get_running_loop()
@@ -184,6 +195,13 @@ class LinkProtocol(asyncio.BufferedProtocol):
             if self.bpos == len(self.body):
                 msg = self.body_obj
                 self.body = self.body_obj = None
+                if (isinstance(msg, Placed) and not msg.diverted and self.filled is not None
+                        and not self.closed):
+                    try:
+                        msg.settled = self.filled(msg)
+                    except ProtocolError as exc:
+                        self._fail(str(exc))
+                        return
                 self._deliver(msg)  # type: ignore[arg-type]
         else:
             self.sfill += nbytes
@@ -288,8 +306,9 @@ class LinkProtocol(asyncio.BufferedProtocol):
                 continue
             if n <= SMALL_MESSAGE or closing:
                 break  # wait for the rest in the scratch buffer
-            if self.placer is not None and not self.queue and n > self.place_header:
-                # every earlier message was taken: the placer's state is current
+            if self.placer is not None and not self.unsettled and n > self.place_header:
+                # every earlier message was taken, settled or neutral: the placer's
+                # state is current
                 if avail < self.place_header:
                     break  # wait for the header in the scratch buffer
                 hl = self.place_header
@@ -313,9 +332,17 @@ class LinkProtocol(asyncio.BufferedProtocol):
                 buf[:rest] = buf[pos:fill]
             self.sfill = rest
 
+    def _counts(self, msg: bytes | bytearray | Placed) -> bool:
+        """Whether ``msg``, while queued, keeps the placer from being asked."""
+        if isinstance(msg, Placed):
+            return not msg.settled
+        return self.neutral is None or not self.neutral(msg)
+
     def _deliver(self, msg: bytes | bytearray | Placed) -> None:
         self.queue.append(msg)
         self.queued_bytes += len(msg)
+        if self._counts(msg):
+            self.unsettled += 1
         if self.queued_bytes > RECV_QUEUE_BYTES and not self.held_full:
             self.held_full = True
             self._update_reading()
@@ -323,6 +350,8 @@ class LinkProtocol(asyncio.BufferedProtocol):
 
     def _taken(self, msg: bytes | bytearray | Placed) -> None:
         self.queued_bytes -= len(msg)
+        if self._counts(msg):
+            self.unsettled -= 1
         if self.held_full and self.queued_bytes <= RECV_QUEUE_BYTES // 2 and not self.closed:
             self.held_full = False
             self._update_reading()
@@ -434,15 +463,29 @@ class Link:
         return t.get_extra_info(name, default) if t is not None else default
 
     def place_with(self, placer: Callable[[bytes, int], memoryview | None],
-                   header_len: int) -> None:
+                   header_len: int, *, filled: Callable[[Placed], bool] | None = None,
+                   neutral: Callable[[bytes | bytearray], bool] | None = None) -> None:
         """From now on, a large message's first ``header_len`` bytes go to ``placer``
         with the count of bytes after them; where it answers with a buffer of that size,
         those bytes are written straight there (no message buffer, no copy) and the
-        message comes out of ``recv`` as ``Placed``. The placer is asked only when every
-        earlier message was taken by ``recv``; a ``ProtocolError`` from it closes the link
-        with its text as the reason."""
-        self._p.placer = placer
-        self._p.place_header = header_len
+        message comes out of ``recv`` as ``Placed``. A ``ProtocolError`` from the placer
+        closes the link with its text as the reason.
+
+        The placer is asked only when its state counts every earlier message. Without
+        ``filled`` and ``neutral`` that is when every earlier message was taken by
+        ``recv``. ``filled(placed)`` runs as a placed message completes, before it is
+        queued: True settles it there (the placer's state has taken it; ``placed.info``
+        carries what the taker needs). ``neutral(message)`` says that a queued message
+        of another kind leaves the placer's state alone (a control frame). A reader that
+        lags a message or two behind the socket then still gets its blocks placed: with
+        a 2 ms read hold, most blocks arrive while the one before still waits in the
+        queue, and each unplaced one cost a zeroed allocation and two copies."""
+        p = self._p
+        p.placer = placer
+        p.place_header = header_len
+        p.filled = filled
+        p.neutral = neutral
+        p.unsettled = sum(map(p._counts, p.queue))  # what is queued already, by the new rule
 
     def placing(self) -> bytes | None:
         """The header of the placed message being received now, if one is."""

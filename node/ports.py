@@ -75,8 +75,9 @@ class StorePort(Protocol):
         """The whole verified payload of a complete version."""
         ...
 
-    def payload_view(self, version: int) -> memoryview:
-        """``payload`` as a read-only view of one buffer (no per-chunk copies)."""
+    def payload_view(self, version: int, first: int = 0) -> memoryview:
+        """``payload`` as a read-only view of one buffer (no per-chunk copies), from
+        chunk ``first`` on."""
         ...
 
     def set_active(self, version: int, digest: bytes) -> None:

@@ -508,8 +508,10 @@ class ChunkStore:
         """The whole verified payload of a complete version."""
         return b"".join(self.iter_payload(version))
 
-    def payload_view(self, version: int) -> memoryview:
-        """``payload(version)`` as a read-only view of one buffer, read in place.
+    def payload_view(self, version: int, first: int = 0) -> memoryview:
+        """``payload(version)`` as a read-only view of one buffer, read in place; from
+        chunk ``first`` on (the part an apply still has to decode when the chunks before
+        were decoded while they downloaded).
 
         Every chunk is read straight into its slice of one buffer (or copied
         from memory when kept there) and checked there: no per-chunk ``bytes``
@@ -518,9 +520,12 @@ class ChunkStore:
         if not self.complete(version):
             raise StoreError(f"version {version} is not complete")
         m = self._manifest(version)
-        view = _aligned(m.payload_length)
+        if not 0 <= first <= m.chunk_count:
+            raise ValueError(f"chunk {first} of a version of {m.chunk_count}")
+        length = sum(m.chunk_length(i) for i in range(first, m.chunk_count))
+        view = _aligned(length)
         off = 0
-        for i in range(m.chunk_count):
+        for i in range(first, m.chunk_count):
             n = m.chunk_length(i)
             part = view[off:off + n]
             with self._mutex:
@@ -537,7 +542,7 @@ class ChunkStore:
                 if got != n or not _is_chunk(m, i, part):
                     self._drop_rotten(version, i)
             off += n
-        return view[:m.payload_length].toreadonly()
+        return view[:length].toreadonly()
 
     def _read_into(self, version: int, index: int, room: memoryview, n: int) -> int:
         """Read chunk file ``index`` (``n`` bytes expected) into the start of ``room``;

@@ -26,7 +26,9 @@ class FakeStore:
     def payload(self, v: int) -> bytes:
         return self.m[v][1]
 
-    def payload_view(self, v: int) -> memoryview:
+    def payload_view(self, v: int, first: int = 0) -> memoryview:
+        if first:
+            raise NotImplementedError("the fake store keeps whole payloads, not chunks")
         return memoryview(self.payload(v))
 
     def set_active(self, v: int, digest: bytes) -> None:

@@ -65,6 +65,10 @@ def test_every_path_gives_the_same_bytes(tmp_path_factory, keep, aligned, recent
             assert bytes(s.read_chunk(1, i)) == bytes(c)
         assert bytes(s.payload_view(1)) == payload == s.payload(1)
         assert s.payload_view(1).readonly
+        for first in range(len(parts) + 1):  # the tail an apply decodes after a prestage
+            assert bytes(s.payload_view(1, first)) == b"".join(bytes(c) for c in parts[first:])
+        with pytest.raises(ValueError):
+            s.payload_view(1, len(parts) + 1)
     with ChunkStore(root) as s:  # what reached the disk
         assert bytes(s.payload_view(1)) == payload
         assert [bytes(s.read_chunk(1, i)) for i in range(len(parts))] == [bytes(c) for c in parts]
