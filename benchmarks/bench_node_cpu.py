@@ -251,11 +251,18 @@ def run(args: argparse.Namespace) -> dict:
                         # thread's CPU; what was decoded while downloading is not in it)
                         "apply": (sts[name].get("apply_split") or {}).get(str(r.version)),
                     }
+                    for k2 in ("blocks_placed", "blocks_copied"):  # Link.place_with
+                        nodes[name][k2] = (sts[name].get("transport", {}).get(k2, 0)
+                                           - before[name].get("transport", {}).get(k2, 0))
                 per_gb = [x["cpu_s_per_gb"] for x in nodes.values() if x["cpu_s_per_gb"]]
+                placed = sum(x["blocks_placed"] for x in nodes.values())
+                copied = sum(x["blocks_copied"] for x in nodes.values())
                 rows.append({
                     "version": r.version, "patch_bytes": r.patch_bytes, "chunks": r.chunks,
                     "wall_s": round(wall, 2), "nodes": nodes, "thread_names": thread_names,
                     "cpu_s_per_gb_median": round(statistics.median(per_gb), 2),
+                    "blocks_placed_share": round(placed / (placed + copied), 3)
+                    if placed + copied else None,
                     "converged": all(st["active_digest"] == r.target_digest.hex()
                                      for st in sts.values()),
                 })
@@ -263,8 +270,11 @@ def run(args: argparse.Namespace) -> dict:
                          if x["apply"] and "cpu_s" in x["apply"]]
                 tail = f", apply after the last chunk {statistics.median(tails):.3f} CPU-s" \
                     if tails else ""
+                share = rows[-1]["blocks_placed_share"]
+                placed_s = f", blocks placed {share:.0%}" if share is not None else ""
                 print(f"version {r.version}: {r.patch_bytes / 1e6:.1f} MB patch, {wall:.1f} s, "
-                      f"median {rows[-1]['cpu_s_per_gb_median']} CPU-s/GB{tail}", flush=True)
+                      f"median {rows[-1]['cpu_s_per_gb_median']} CPU-s/GB{tail}{placed_s}",
+                      flush=True)
         finally:
             pub.close()
     return {"rows": rows, "profile": profile, "profile_threads": profile_threads,

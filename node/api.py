@@ -128,6 +128,10 @@ def status_dict(driver: Driver, model: str) -> dict[str, Any]:
             # it got the chunk from another peer first), of those it cancelled
             "uploads_stopped": driver.uploads_stopped,
             "uploads_cancelled": counters.get("uploads_cancelled", 0),
+            # chunk blocks decrypted straight into their chunk's buffer, and those that
+            # came through a buffer of their own first (a copy more)
+            "blocks_placed": driver.blocks_placed,
+            "blocks_copied": driver.blocks_copied,
             "connections": driver.guard.stats.open,
             "refused": driver.guard.stats.refused,
             "timed_out": driver.guard.stats.timed_out,
@@ -389,7 +393,12 @@ class _Collector:
                  "another peer first)"),
                 ("patchswarm_uploads_stopped", "uploads_stopped",
                  "Answers this node stopped before their last block because the requester "
-                 "cancelled them")):
+                 "cancelled them"),
+                ("patchswarm_blocks_placed", "blocks_placed",
+                 "Chunk blocks received straight into their chunk's buffer"),
+                ("patchswarm_blocks_copied", "blocks_copied",
+                 "Chunk blocks received through a buffer of their own first (one copy "
+                 "more than a placed block)")):
             c = CounterMetricFamily(name, help_text, labels=labels)
             c.add_metric(who, float(tr[key]))
             yield c

@@ -171,6 +171,10 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
         self.blocks_resent = 0  # striped blocks we sent again, asked by the peer
         self.chunks_restriped = 0  # chunks restarted over lanes that came up mid-chunk
         self.uploads_stopped = 0  # answers stopped short: the requester cancelled them
+        # chunk blocks received straight into their chunk's buffer, and those that came
+        # through a message buffer of their own (a copy more; Link.place_with)
+        self.blocks_placed = 0
+        self.blocks_copied = 0
         self.lanes_refused = 0
         self.read_coalesce_s = read_coalesce_s
         self.unsent_limit = unsent_limit
@@ -537,10 +541,13 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
                         whole = None if data.diverted else c.stripes.placed(data.header)  # type: ignore[union-attr]
                         await self._stripe_block(c, data.header, whole)
                     elif data.settled:  # c.blocks took it as it completed (_filled)
+                        self.blocks_placed += 1
                         await self._block_done(c, *data.info)
                     else:
+                        self.blocks_placed += 1
                         await self._block_done(c, c.blocks.placed())
                 elif wire.is_block_message(data):
+                    self.blocks_copied += 1
                     await self._on_block(c, data)
                 elif wire.is_withdraw_message(data):
                     await self._on_withdraw(c, data)
