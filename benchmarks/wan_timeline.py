@@ -12,6 +12,7 @@ the transfers between regions (and from the origin) and the origin's decisions i
 time order, times from the first of them, and writes them as JSON::
 
     python benchmarks/wan_timeline.py DIR/run1-patchswarm [--version 2] [--out t.json]
+    python benchmarks/wan_timeline.py DIR/run1-patchswarm --version 4 --inlets 0.25
 
 A host's name comes from its netlab address (``10.213.<region>.<host + 1>``; the
 origin is the last host of region 0).
@@ -124,12 +125,43 @@ def row_text(r: dict[str, Any]) -> str:
     return f"{r['start']:6.2f}               {src:>6} -> {dst:<6}  #{r['index']:<4} {what}"
 
 
+def inlet_use(rows: list[dict[str, Any]], bucket_s: float, chunk_bytes: int,
+              inlet_bps: float) -> dict[str, list[float]]:
+    """Per remote region, the share of its inlet (``inlet_bps``) that chunk transfers into
+    it filled in each ``bucket_s`` slice of the timeline: each received chunk's bytes
+    spread evenly from its first block to its last. Approximate (a transfer's rate is not
+    even, and a region's last chunk may be short), enough to see where an inlet idled:
+    the start-up, a gap, the relays of the last chunks."""
+    into: dict[str, dict[int, float]] = {}
+    for r in rows:
+        if r["kind"] != "received" or region(r["from"]) == region(r["to"]):
+            continue
+        s, e = r["start"], r["end"]
+        if e <= s:
+            continue
+        rate = chunk_bytes / (e - s)
+        b = into.setdefault(region(r["to"]), {})
+        t = s
+        while t < e:
+            k = int(t / bucket_s)
+            nt = min(e, (k + 1) * bucket_s)
+            b[k] = b.get(k, 0.0) + rate * (nt - t)
+            t = nt
+    return {reg: [round(b.get(k, 0.0) * 8 / (bucket_s * inlet_bps), 3) for k in range(max(b) + 1)]
+            for reg, b in sorted(into.items())}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("logdir", type=Path, help="one run's logs (bench_wan.py --keep-logs DIR/run<k>-patchswarm)")
     ap.add_argument("--version", type=int, default=2, help="the version published (default 2)")
     ap.add_argument("--origin", default="10.213.0.4", help="the origin's address (default: netlab's)")
     ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON")
+    ap.add_argument("--inlets", type=float, default=None, metavar="S",
+                    help="also print each remote region's inlet use in slices of S seconds "
+                         "(%% of --inlet-mbit, chunks of --chunk-mib)")
+    ap.add_argument("--inlet-mbit", type=float, default=100.0)
+    ap.add_argument("--chunk-mib", type=float, default=4.0)
     args = ap.parse_args()
     rows = timeline(args.logdir, args.version, args.origin)
     if not rows:
@@ -138,6 +170,11 @@ def main() -> None:
     print("start    end      s  from -> to       chunk  what")
     for r in rows:
         print(row_text(r))
+    if args.inlets:
+        print(f"inlet use, % of {args.inlet_mbit:g} Mbit/s per {args.inlets:g} s:")
+        use = inlet_use(rows, args.inlets, int(args.chunk_mib * 2**20), args.inlet_mbit * 1e6)
+        for reg, shares in use.items():
+            print(f"  region {reg}: " + " ".join(f"{100 * x:3.0f}" for x in shares))
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
         print(f"wrote {args.out}")

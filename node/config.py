@@ -28,6 +28,7 @@ Layout (see configs/node.toml for a commented example)::
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -51,7 +52,8 @@ _SECTIONS = {
     "store": {"dir", "quota_bytes", "keep_versions", "fsync"},
     "weights": {"base", "base_version", "device"},
     "publish": {"signing_key", "chunk_size", "served_dtype", "context", "anchor_every",
-                "max_lag", "max_lag_fraction", "max_lag_timeout_s", "recipients"},
+                "max_lag", "max_lag_fraction", "max_lag_timeout_s", "recipients",
+                "encode_threads"},
     "swarm": None,  # checked against CoreConfig's fields
     "log": {"level", "format"},
     "engine": None,  # checked by node.engines.config.parse_engine
@@ -98,6 +100,8 @@ class NodeConfig:
     chunk_size: int = 4 * 1024 * 1024
     served_dtype: str = "bf16"
     codec_context: str = "auto"  # swarm.codec context models: auto | on | off
+    # threads that encode a version's tensors in parallel (0: ENCODE_THREADS_AUTO's rule)
+    encode_threads: int = 0
     anchor_every: int = 0  # every N-th publish is followed by a full checkpoint (0: never)
     max_lag: int = 0  # publishing v waits until the fleet serves v - max_lag (0: never waits)
     max_lag_fraction: float = 1.0  # share of the reporting nodes that must be that current
@@ -345,6 +349,19 @@ def _api(sec: dict, base_dir: Path, tls: bool,
     return listen, token
 
 
+def encode_threads(configured: int) -> int:
+    """Threads the origin encodes with: ``configured``, or for 0 ("auto") the CPUs this
+    process may run on, at most 8 (an encode is one tensor per thread and bound by
+    memory bandwidth well before a trainer host's core count)."""
+    if configured > 0:
+        return configured
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(8, cpus))
+
+
 def _publish_control(sec: dict) -> dict[str, Any]:
     """``[publish]`` anchors and bounded staleness (docs/control-plane.md)."""
     anchor_every = _get(sec, "publish", "anchor_every", int, 0)
@@ -448,8 +465,16 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = Non
     if context not in ("auto", "on", "off"):
         raise ConfigError(f"publish.context: expected auto, on or off, got {context!r}")
     control = _publish_control(publish)
+    threads = publish.get("encode_threads", "auto")
+    if threads == "auto":
+        threads = 0
+    elif isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 256:
+        raise ConfigError(f"publish.encode_threads: \"auto\" or a number of threads in "
+                          f"1..256, got {threads!r}")
+    control["encode_threads"] = threads
     if role != "origin":
-        for key in ("anchor_every", "max_lag", "max_lag_fraction", "max_lag_timeout_s"):
+        for key in ("anchor_every", "max_lag", "max_lag_fraction", "max_lag_timeout_s",
+                    "encode_threads"):
             if key in publish:
                 raise ConfigError(f"publish.{key}: only the origin (node.role = \"origin\") "
                                   "publishes")

@@ -139,6 +139,20 @@ def test_publish_control_keys_refused_by_name(key: str, value: object, match: st
         cfg_with(**{**extra, key: value})
 
 
+def test_encode_threads_auto_or_a_count_named_in_errors() -> None:
+    import os
+
+    from node.config import encode_threads
+
+    assert cfg_with().encode_threads == 0 and cfg_with(encode_threads="auto").encode_threads == 0
+    assert cfg_with(encode_threads=6).encode_threads == 6
+    assert encode_threads(6) == 6
+    assert encode_threads(0) == max(1, min(8, len(os.sched_getaffinity(0))))
+    for bad in (0, 257, "4", 2.0, True):
+        with pytest.raises(ConfigError, match=r"publish\.encode_threads: \"auto\" or a number"):
+            cfg_with(encode_threads=bad)
+
+
 def test_max_lag_details_need_max_lag_and_an_origin() -> None:
     with pytest.raises(ConfigError, match=r"publish\.max_lag: max_lag_fraction and"):
         cfg_with(max_lag_fraction=0.5)
@@ -148,6 +162,9 @@ def test_max_lag_details_need_max_lag_and_an_origin() -> None:
     data["weights"] = {"base": "b.safetensors"}
     data["publish"] = {"anchor_every": 3}
     with pytest.raises(ConfigError, match=r"publish\.anchor_every: only the origin"):
+        parse_config(data, Path("/nonexistent"))
+    data["publish"] = {"encode_threads": 4}
+    with pytest.raises(ConfigError, match=r"publish\.encode_threads: only the origin"):
         parse_config(data, Path("/nonexistent"))
 
 

@@ -62,3 +62,21 @@ def test_wall_times_round_trip_through_the_text_formatter() -> None:
     line = _line("origin", T0 + 0.25, "push", version=2, index=0)
     stamp = line.split("Z ", 1)[0]
     assert wan_timeline.wall_time(stamp) == T0 + 0.25
+
+
+def test_inlet_use_spreads_each_received_chunk_over_its_transfer() -> None:
+    """One 4 MiB chunk into region 2 over 0.5 s (67 Mbit/s), one inside region 2 (left
+    out), one into region 1 from the origin over the first 0.25 s: each inlet's share per
+    0.25 s slice, of 100 Mbit/s."""
+    mib4 = 4 * 2**20
+    rows = [
+        {"kind": "received", "from": "n1-0", "to": "n2-0", "start": 0.25, "end": 0.75},
+        {"kind": "received", "from": "n2-0", "to": "n2-1", "start": 0.0, "end": 0.1},
+        {"kind": "received", "from": "origin", "to": "n1-2", "start": 0.0, "end": 0.25},
+        {"kind": "sent", "from": "origin", "to": "n1-2", "start": 0.0, "end": 0.25},
+    ]
+    use = wan_timeline.inlet_use(rows, 0.25, mib4, 100e6)
+    half = mib4 / 2 * 8 / (0.25 * 100e6)
+    assert use["2"] == [0.0, round(half, 3), round(half, 3)]
+    assert use["1"] == [round(2 * half, 3)]
+    assert set(use) == {"1", "2"}

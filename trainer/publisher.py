@@ -74,7 +74,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from node.config import NodeConfig
+from node.config import NodeConfig, encode_threads
 from node.daemon import Node, build_node, install_uvloop, serve
 from swarm.errors import ConfigError, ManifestError, PatchswarmError
 from swarm.protocol import events as ev
@@ -482,7 +482,8 @@ class Publisher:
 
         served = {k: v.detach().cpu().contiguous() for k, v in served.items()}
         enc = encode_patch(self.view, served, context=self.cfg.codec_context,
-                           old_digests=self._view_digests)
+                           old_digests=self._view_digests,
+                           threads=encode_threads(self.cfg.encode_threads))
         return Prepared(self.version + 1, self.version, "patch", enc.patch, enc.base_digest,
                         enc.target_digest, served, enc.changed, enc.elements, enc.encode_s,
                         enc.digests)
@@ -552,8 +553,9 @@ class Publisher:
                                kind=p.kind, lag_wait_s=lag_wait_s)
         self.published[version] = result
         log.info("published version %d (%s): %d bytes, %d chunks, %d changed of %d, "
-                 "encoded in %.3f s", version, p.kind, result.patch_bytes, result.chunks,
-                 p.changed, p.elements, p.encode_s)
+                 "encoded in %.3f s (%d threads)", version, p.kind, result.patch_bytes,
+                 result.chunks, p.changed, p.elements, p.encode_s,
+                 encode_threads(self.cfg.encode_threads))
         self._collect()
         return result
 
