@@ -61,6 +61,7 @@ from swarm.trust.manifest import (
 STORE_FORMAT = b"patchswarm-store 1\n"
 RECENT_BYTES = 64 * 1024 * 1024  # default memory for recently received chunks (keep=True)
 ALIGN = 4096  # O_DIRECT alignment of addresses, offsets and lengths (safe for 512 and 4K disks)
+BOUNCE_MIN = 256 * 1024  # an unaligned write this large is copied to an aligned buffer first
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
@@ -249,7 +250,15 @@ class ChunkStore:
             view = memoryview(data).cast("B")
             direct = len(view) - len(view) % ALIGN if self._direct else 0
             if direct and _address(view) % ALIGN:
-                direct = 0
+                if direct >= BOUNCE_MIN:
+                    # a large unaligned buffer (a trainer's payload slice, a whole-chunk
+                    # message): one copy into an aligned one costs far less than the
+                    # page cache's path (round 29: 4 MiB in ~2.4 ms against ~14 ms)
+                    bounce = _aligned(len(view))
+                    bounce[:len(view)] = view
+                    view = bounce[:len(view)]
+                else:
+                    direct = 0
             fd = self._open_write(tmp, direct > 0)
             try:
                 wrote_direct = False

@@ -528,9 +528,13 @@ class Publisher:
                 self._write_view(version, p.served, view_data, drop=False)
             self.store.put_manifest(raw, m)
             _crash_point("manifest")
+            # A payload that fits the store's memory for recent chunks stays there too
+            # (immutable bytes): the origin's pushes read it from there, not from disk with
+            # a hash again. A larger one is not: a kept slice pins the whole payload.
+            keep = len(payload) <= self.store.recent_bytes
             for i, chunk in enumerate(split_payload(payload, self.cfg.chunk_size)):
                 # hashed into the manifest from these very bytes a moment ago
-                self.store.put_chunk(version, i, chunk, hashed=True)
+                self.store.put_chunk(version, i, chunk, hashed=True, keep=keep)
                 if i == 0:
                     _crash_point("chunk")
             _crash_point("chunks")
