@@ -100,7 +100,7 @@ class NodeConfig:
     chunk_size: int = 4 * 1024 * 1024
     served_dtype: str = "bf16"
     codec_context: str = "auto"  # swarm.codec context models: auto | on | off
-    # threads that encode a version's tensors in parallel (0: ENCODE_THREADS_AUTO's rule)
+    # threads that encode a version's tensors in parallel (0: "auto", see encode_threads())
     encode_threads: int = 0
     anchor_every: int = 0  # every N-th publish is followed by a full checkpoint (0: never)
     max_lag: int = 0  # publishing v waits until the fleet serves v - max_lag (0: never waits)
