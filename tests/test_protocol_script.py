@@ -20,6 +20,7 @@ from swarm.protocol import wire
 from swarm.protocol.coldpath import WARM_PUSHES, ColdPath
 from swarm.protocol.config import CoreConfig
 from swarm.protocol.core import NodeCore
+from swarm.protocol.seeding import AHEAD_ORDERS
 from swarm.protocol.testing import MODEL, SECRET, Script, Signer
 
 
@@ -447,6 +448,35 @@ def test_origin_orders_the_relay_of_a_chunk_it_is_pushing_before_it_arrives() ->
     t.send(t.b, wire.Have(2, (ia,)))
     assert t.o.role.region_sent(2)["r2"] >> ia & 1
     assert ia not in t.pushes(2)  # the origin never pushed that chunk into r2
+
+
+@pytest.mark.parametrize("leave_s", [0.1, 0.5])
+def test_a_border_takes_its_next_relay_order_once_a_slow_push_to_it_left(leave_s: float) -> None:
+    """A push that took ``2 x cut_through_after_s`` (0.4 s) or more to leave us (a thin
+    site uplink) is forwarded by its border as it arrives: once it has left, the border's
+    next relay-on-arrival order goes at once, not after the first chunk's HAVE. A push
+    that left fast holds the next order back until that HAVE. (Three inbound transfers a
+    border here, one border a region: b takes a's relay, our push and the next relay.)"""
+    t = _Origin(8, border_inflight=3)
+    (ia,) = t.pushes(1)
+    t.handle(ev.ChunkSent(t.o.now + leave_s, 1, 2, ia))
+    ia2 = t.pushes(1)[1]  # the next push into r1 starts as the first has left
+    slow = leave_s >= 2 * t.o.cfg.cut_through_after_s
+    assert t.relays(t.a) == [wire.Relay(2, ia, "b")] + ([wire.Relay(2, ia2, "b")] if slow else [])
+    # the first chunk is stored and relayed (its HAVE): the next order goes either way
+    t.send(t.a, wire.Have(2, (ia,)))
+    assert t.relays(t.a) == [wire.Relay(2, ia, "b"), wire.Relay(2, ia2, "b")]
+
+
+def test_a_border_holds_a_bounded_number_of_relay_orders_ahead_of_their_chunks() -> None:
+    t = _Origin(16, border_inflight=8)
+    for _ in range(6):  # every push leaves slowly; no HAVE comes back
+        t.handle(ev.ChunkSent(t.o.now + 0.5, 1, 2, t.pushes(1)[-1]))
+        t.handle(ev.ChunkSent(t.o.now, 2, 2, t.pushes(2)[-1]))
+        t.handle(ev.Tick(t.o.now))
+    assert len(t.pushes(1)) == 7 > AHEAD_ORDERS
+    # the first AHEAD_ORDERS chunks pushed to a have their orders; the rest wait for HAVEs
+    assert [f.index for f in t.relays(t.a)] == t.pushes(1)[:AHEAD_ORDERS]
 
 
 def test_origin_replans_a_relay_on_arrival_that_fails() -> None:

@@ -44,6 +44,9 @@ ORIGIN_SRC = -1
 # from the first relay (a cold one against a first push) the emulated WAN's first versions
 # most likely lost a path and sent a sixth of a copy more through the thin uplink
 MIN_PATH_SAMPLES = 3
+# relay-on-arrival orders a border may hold at once (``_ahead``): more than one only while
+# each waiting order's chunk came through a slow push that has left us
+AHEAD_ORDERS = 4
 
 
 class SeedMode(enum.Enum):
@@ -1054,14 +1057,39 @@ class OriginRole(Role):
         return -1
 
     def _ahead(self, b: Peer) -> bool:
-        """Whether border ``b`` has a relay order waiting for its chunk (relay on arrival)."""
+        """Whether border ``b`` may take no relay order for a chunk still on its way to it
+        (relay on arrival): it has one waiting already.
+
+        But for an order whose chunk's push took ``2 x cut_through_after_s`` or longer to
+        leave us (a thin site uplink): the border forwards such a chunk while it arrives,
+        so once its push has left, the next order should be at the border by the time that
+        relay ends, not a HAVE's round trip and our next decision later. On the emulated
+        WAN's model the relays into a region otherwise lagged their pushes by a chunk, and
+        each version lost up to 0.25 s (docs/simulation.md round 30). A push that leaves
+        faster holds the next order back as before: in a fat-trainer fleet a second relay
+        from one border only splits that border's uplink. At most ``AHEAD_ORDERS`` wait."""
+        slow = 2 * self.cfg.cut_through_after_s if self.cfg.cut_through else None
+        waiting = 0
         for plans in self.plans.values():
+            pushes = plans.get(b.region)
             for plan in plans.values():
-                if plan.infl:
-                    for e in plan.inflight.values():
-                        if e[0] == b.conn and e[3] is None:
-                            return True
+                if not plan.infl:
+                    continue
+                for i, e in plan.inflight.items():
+                    if e[0] != b.conn or e[3] is not None:
+                        continue
+                    waiting += 1
+                    if waiting >= AHEAD_ORDERS or not self._left_slowly(pushes, i, slow):
+                        return True
         return False
+
+    def _left_slowly(self, plan: RegionPlan | None, i: int, slow: float | None) -> bool:
+        """Whether our push of chunk ``i`` in ``plan`` has left us, after ``slow`` seconds
+        or more (its deadline was set when its last byte left: ``on_sent``)."""
+        e = plan.inflight.get(i) if plan is not None and slow is not None else None
+        if e is None or e[0] != ORIGIN_SRC or e[2] is None:
+            return False
+        return e[2] - self.cfg.request_timeout_s - e[3] >= slow
 
     def _incoming(self, v: int, r: str, b: Peer) -> int:
         """Chunks of ``v`` we are pushing to border ``b`` of region ``r`` (bitset)."""
