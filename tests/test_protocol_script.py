@@ -479,6 +479,29 @@ def test_a_border_holds_a_bounded_number_of_relay_orders_ahead_of_their_chunks()
     assert [f.index for f in t.relays(t.a)] == t.pushes(1)[:AHEAD_ORDERS]
 
 
+def test_an_order_beside_a_waiting_one_goes_only_over_a_connection_relayed_on() -> None:
+    """``OriginRole._relayed_target``: the border that a second relay-on-arrival order at
+    once may go to is one its sender was ordered to relay to before and that has a free
+    inbound slot; a fresh connection (slow start beside a full inlet) is not taken."""
+    s = Signer()
+    o = _core("origin", "trainer", role="origin", signer=s, border_nodes=2)
+    a, b, c = (Script(o, k, node_id=n, region=r)
+               for k, n, r in ((1, "a", "r1"), (2, "b", "r2"), (3, "c", "r2")))
+    for p in (a, b, c):
+        p.handshake()
+    a.send(wire.Links(("b", "c")))
+    role = o.role
+    bs = role.borders["r2"]
+    pa = o.peers[1]
+    assert {p.node_id for p in bs} == {"b", "c"}
+    assert role._relayed_target(bs, {}, pa) is None  # a has relayed on nothing yet
+    role.relayed_to[1] = {3}
+    assert role._relayed_target(bs, {}, pa).node_id == "c"
+    assert role._relayed_target(bs, {3: o.cfg.border_inflight}, pa) is None  # c full: not b
+    role.relayed_to[1] = {2, 3}
+    assert role._relayed_target(bs, {3: 1}, pa).node_id == "b"  # the least loaded
+
+
 def test_origin_replans_a_relay_on_arrival_that_fails() -> None:
     t = _Origin(2)
     (ia,) = t.pushes(1)

@@ -44,7 +44,7 @@ ORIGIN_SRC = -1
 # from the first relay (a cold one against a first push) the emulated WAN's first versions
 # most likely lost a path and sent a sixth of a copy more through the thin uplink
 MIN_PATH_SAMPLES = 3
-# relay-on-arrival orders a border may hold at once (``_ahead``): more than one only while
+# relay-on-arrival orders a border may hold at once (``_ahead_room``): more than one only while
 # each waiting order's chunk came through a slow push that has left us
 AHEAD_ORDERS = 4
 
@@ -1023,21 +1023,26 @@ class OriginRole(Role):
             for b in lst:
                 if not b.links:
                     continue
+                extra = False
                 if ahead:
                     # relay on arrival (``relays``): a chunk we are pushing to b now goes
                     # on the moment b stores it, without b's HAVE and our order in between
-                    # (one such order per border at a time; it takes a relay slot once
-                    # the chunk is there)
-                    cand = 0 if r2 == home or self._ahead(b) else self._incoming(v, r2, b) & mask
+                    # (``_ahead_room``; it takes a relay slot once the chunk is there)
+                    room = None if r2 == home else self._ahead_room(b)
+                    cand = 0 if room is None else self._incoming(v, r2, b) & mask
+                    extra = bool(room)
                 elif b.relay_busy < self.cfg.relay_slots:
                     cand = b.bits.get(v, 0) & mask
                 else:
                     continue
                 if not cand:
                     continue
-                t = self._target(bs, load, b.links, self.warm.get((b.conn, r)),
-                                 self._stay_used(self.relayed_to.get(b.conn), r),
-                                 self._used_depth(r))
+                if extra:
+                    t = self._relayed_target(bs, load, b)
+                else:
+                    t = self._target(bs, load, b.links, self.warm.get((b.conn, r)),
+                                     self._stay_used(self.relayed_to.get(b.conn), r),
+                                     self._used_depth(r))
                 if t is None:
                     continue
                 self.warm[(b.conn, r)] = t.conn
@@ -1056,18 +1061,20 @@ class OriginRole(Role):
                 return i
         return -1
 
-    def _ahead(self, b: Peer) -> bool:
-        """Whether border ``b`` may take no relay order for a chunk still on its way to it
-        (relay on arrival): it has one waiting already.
+    def _ahead_room(self, b: Peer) -> int | None:
+        """Whether border ``b`` may take a relay order for a chunk still on its way to it
+        (relay on arrival): None if not, else how many such orders it holds (0 or more).
 
-        But for an order whose chunk's push took ``2 x cut_through_after_s`` or longer to
-        leave us (a thin site uplink): the border forwards such a chunk while it arrives,
-        so once its push has left, the next order should be at the border by the time that
-        relay ends, not a HAVE's round trip and our next decision later. On the emulated
-        WAN's model the relays into a region otherwise lagged their pushes by a chunk, and
-        each version lost up to 0.25 s (docs/simulation.md round 30). A push that leaves
-        faster holds the next order back as before: in a fat-trainer fleet a second relay
-        from one border only splits that border's uplink. At most ``AHEAD_ORDERS`` wait."""
+        One order waits per border, but for an order whose chunk's push took
+        ``2 x cut_through_after_s`` or longer to leave us (a thin site uplink): the border
+        forwards such a chunk while it arrives, so once its push has left, the next order
+        should be at the border by the time that relay ends, not a HAVE's round trip and
+        our next decision later. On the emulated WAN's model the relays into a region
+        otherwise lagged their pushes by a chunk, and each version lost up to 0.25 s
+        (docs/simulation.md round 30). A push that leaves faster holds the next order back
+        as before: in a fat-trainer fleet a second relay from one border only splits that
+        border's uplink. At most ``AHEAD_ORDERS`` wait, and one beyond the first goes
+        only over a connection ``b`` has relayed on (``_relayed_target``)."""
         slow = 2 * self.cfg.cut_through_after_s if self.cfg.cut_through else None
         waiting = 0
         for plans in self.plans.values():
@@ -1080,8 +1087,23 @@ class OriginRole(Role):
                         continue
                     waiting += 1
                     if waiting >= AHEAD_ORDERS or not self._left_slowly(pushes, i, slow):
-                        return True
-        return False
+                        return None
+        return waiting
+
+    def _relayed_target(self, bs: list[Peer], load: dict[int, int], b: Peer) -> Peer | None:
+        """The least loaded border of ``bs`` with a free inbound slot that border ``b`` is
+        linked to and has relayed on before, for an order beside one already waiting at
+        ``b`` (``_ahead_room``). A second relay at once over a fresh connection starts in
+        slow start beside a full inlet: on the emulated WAN's first versions such relays
+        took 1.3-2.6 s for 4 MiB against 0.5-0.8 s over a used one (docs/benchmarks.md
+        round 30)."""
+        used = self.relayed_to.get(b.conn)
+        best, best_n = None, self.cfg.border_inflight
+        for t in bs:
+            n = load.get(t.conn, 0)
+            if used and t.conn in used and t.node_id in b.links and n < best_n:
+                best, best_n = t, n
+        return best
 
     def _left_slowly(self, plan: RegionPlan | None, i: int, slow: float | None) -> bool:
         """Whether our push of chunk ``i`` in ``plan`` has left us, after ``slow`` seconds
