@@ -502,6 +502,31 @@ def test_an_order_beside_a_waiting_one_goes_only_over_a_connection_relayed_on() 
     assert role._relayed_target(bs, {3: 1}, pa).node_id == "b"  # the least loaded
 
 
+def test_relay_orders_beside_a_waiting_one_stay_on_the_target_relayed_to() -> None:
+    """r2 has two borders, b and c. a's pushes leave slowly, so a takes orders ahead of
+    its chunks; every one beside a waiting one goes to the border a's first order went to,
+    and none to the other (a fresh connection for a), even once that border is full."""
+    s = Signer()
+    o = _core("origin", "trainer", role="origin", signer=s, border_nodes=2)
+    a, b, c = (Script(o, k, node_id=n, region=r)
+               for k, n, r in ((1, "a", "r1"), (2, "b", "r2"), (3, "c", "r2")))
+    log: list[ev.Action] = []
+    for p in (a, b, c):
+        p.handshake()
+    for p, links in ((a, ("b", "c")), (b, ("a",)), (c, ("a",))):
+        p.send(wire.Links(links))
+    log += o.handle(ev.Publish(o.now, s.manifest(2, 12)))
+    for p in (a, b, c):
+        p.send(wire.Announce(s.manifest(2, 12)))
+        log += p.actions
+    for _ in range(3):
+        (last,) = [x.index for x in _sent_chunks(log) if x.conn == 1][-1:]
+        log += o.handle(ev.ChunkSent(o.now + 0.5, 1, 2, last))
+    targets = [f.target for f in a.frames(log) if isinstance(f, wire.Relay)]
+    assert len(targets) == o.cfg.border_inflight  # the first target's inbound slots, full
+    assert set(targets) == {targets[0]}
+
+
 def test_origin_replans_a_relay_on_arrival_that_fails() -> None:
     t = _Origin(2)
     (ia,) = t.pushes(1)
