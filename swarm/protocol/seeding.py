@@ -1037,12 +1037,8 @@ class OriginRole(Role):
                     continue
                 if not cand:
                     continue
-                if extra:
-                    t = self._relayed_target(bs, load, b)
-                else:
-                    t = self._target(bs, load, b.links, self.warm.get((b.conn, r)),
-                                     self._stay_used(self.relayed_to.get(b.conn), r),
-                                     self._used_depth(r))
+                t = (self._relayed_target(bs, load, b) if extra
+                     else self._relay_target(bs, load, b, r))
                 if t is None:
                     continue
                 self.warm[(b.conn, r)] = t.conn
@@ -1089,6 +1085,36 @@ class OriginRole(Role):
                     if waiting >= AHEAD_ORDERS or not self._left_slowly(pushes, i, slow):
                         return None
         return waiting
+
+    def _relay_target(self, bs: list[Peer], load: dict[int, int], b: Peer,
+                      r: str) -> Peer | None:
+        """The border of region ``r`` (``bs``) that border ``b`` relays its next chunk to.
+
+        Once ``b`` has relayed into ``r``, only over a connection it has relayed on: the
+        last one (``warm``) while it holds fewer than ``border_inflight`` transfers, else
+        the least loaded of them below one more than that (or ``_used_depth``), else
+        none: the order waits for a slot there. A fresh connection only for ``b``'s first
+        relay into ``r`` (``_target``). A second connection between the same two regions
+        adds nothing to the inlet they share, and starts in slow start beside a full one:
+        on the emulated WAN such relays took 1.0-3.5 s for 4 MiB against 0.1-0.7 s over a
+        used one, in a third of the versions, and set those versions' tails
+        (docs/benchmarks.md round 31)."""
+        warm = self.warm.get((b.conn, r))
+        used = self.relayed_to.get(b.conn)
+        if not used or not any(t.conn in used and t.node_id in b.links for t in bs):
+            return self._target(bs, load, b.links, warm, self._stay_used(used, r),
+                                self._used_depth(r))
+        depth = max(self._used_depth(r), self.cfg.border_inflight + 1)
+        best, best_n = None, depth
+        for t in bs:
+            if t.conn not in used or t.node_id not in b.links:
+                continue
+            n = load.get(t.conn, 0)
+            if t.conn == warm and n < self.cfg.border_inflight:
+                return t
+            if n < best_n:
+                best, best_n = t, n
+        return best
 
     def _relayed_target(self, bs: list[Peer], load: dict[int, int], b: Peer) -> Peer | None:
         """The least loaded border of ``bs`` with a free inbound slot that border ``b`` is
