@@ -527,6 +527,63 @@ def test_relay_orders_beside_a_waiting_one_stay_on_the_target_relayed_to() -> No
     assert set(targets) == {targets[0]}
 
 
+def test_a_border_relays_into_a_region_only_over_connections_it_has_relayed_on() -> None:
+    """``OriginRole._relay_target``: a border's first relay into a region may go to any
+    of its borders; once it has relayed into the region, only to one it relayed to (the
+    last one while it has a free slot, else the least loaded below ``border_inflight`` +
+    1), and to none (the order waits) rather than over a fresh connection."""
+    s = Signer()
+    o = _core("origin", "trainer", role="origin", signer=s, border_nodes=2)
+    a, b, c = (Script(o, k, node_id=n, region=r)
+               for k, n, r in ((1, "a", "r1"), (2, "b", "r2"), (3, "c", "r2")))
+    for p in (a, b, c):
+        p.handshake()
+    a.send(wire.Links(("b", "c")))
+    role, pa, full = o.role, o.peers[1], o.cfg.border_inflight
+    bs = role.borders["r2"]
+    # nothing relayed yet: the least loaded of the region's borders
+    assert role._relay_target(bs, {2: 1}, pa, "r2").node_id == "c"
+    role.relayed_to[1], role.warm[(1, "r2")] = {2}, 2
+    assert role._relay_target(bs, {}, pa, "r2").node_id == "b"
+    assert role._relay_target(bs, {2: full}, pa, "r2").node_id == "b"  # one deeper
+    assert role._relay_target(bs, {2: full + 1}, pa, "r2") is None  # waits: not c
+    role.relayed_to[1] = {2, 3}
+    assert role._relay_target(bs, {2: full, 3: 1}, pa, "r2").node_id == "c"  # b at its slots
+    assert role._relay_target(bs, {2: 1, 3: 0}, pa, "r2").node_id == "b"  # the last one first
+    # a is no longer linked to b: c, the one used connection left
+    role.relayed_to[1] = {2}
+    a.send(wire.Links(("c",)))
+    assert role._relay_target(bs, {}, pa, "r2").node_id == "c"
+
+
+def test_relays_from_a_border_stay_on_its_first_target_while_that_one_is_busy() -> None:
+    """r2 has two borders, b and c; a relays every chunk it stores into r2 and b (its
+    first target) sends no HAVE back, so b's inbound slots fill. a's later orders go to b
+    up to one past its slots and then wait; none goes to c over a fresh connection."""
+    s = Signer()
+    o = _core("origin", "trainer", role="origin", signer=s, border_nodes=2)
+    a, b, c = (Script(o, k, node_id=n, region=r)
+               for k, n, r in ((1, "a", "r1"), (2, "b", "r2"), (3, "c", "r2")))
+    log: list[ev.Action] = []
+    for p in (a, b, c):
+        p.handshake()
+    for p, links in ((a, ("b", "c")), (b, ("a",)), (c, ("a",))):
+        p.send(wire.Links(links))
+    log += o.handle(ev.Publish(o.now, s.manifest(2, 12)))
+    for p in (a, b, c):
+        p.send(wire.Announce(s.manifest(2, 12)))
+        log += p.actions
+    for _ in range(6):  # every push into r1 leaves fast; a stores each (its HAVE)
+        sent = [x.index for x in _sent_chunks(log) if x.conn == 1]
+        log += o.handle(ev.ChunkSent(o.now + 0.05, 1, 2, sent[-1]))
+        a.send(wire.Have(2, tuple(sent)))
+        log += a.actions
+        log += o.handle(ev.Tick(o.now))
+    targets = [f.target for f in a.frames(log) if isinstance(f, wire.Relay)]
+    assert len(targets) == o.cfg.border_inflight + 1
+    assert set(targets) == {targets[0]}
+
+
 def test_origin_replans_a_relay_on_arrival_that_fails() -> None:
     t = _Origin(2)
     (ia,) = t.pushes(1)
