@@ -1353,22 +1353,22 @@ def test_after_start_up_a_push_goes_to_an_idle_border_already_pushed_to() -> Non
     peers = [o.peers[k + 1] for k in range(3)]
     role.pushed_to.update({1, 2})
     assert role.window.startup
-    assert role._push_target(peers, {1: 1}, 1, "r1").conn == 1  # start-up: behind the first
+    assert role._push_target(peers, {1: 1}, 1, "r1", 2).conn == 1  # start-up: behind the first
     role.window.startup = False  # as if the window's start-up had ended
-    assert role._push_target(peers, {1: 1}, 1, "r1").conn == 2
-    assert role._push_target(peers, {}, 1, "r1").conn == 1  # the warm border while it idles
-    assert role._push_target(peers, {1: 1, 2: 1}, 1, "r1").conn == 1  # none idle: stack, not a2
+    assert role._push_target(peers, {1: 1}, 1, "r1", 2).conn == 2
+    assert role._push_target(peers, {}, 1, "r1", 2).conn == 1  # the warm border while it idles
+    assert role._push_target(peers, {1: 1, 2: 1}, 1, "r1", 2).conn == 1  # none idle: stack, not a2
     # the warm border full: the least loaded, as in start-up (``_target``) ...
-    assert role._push_target(peers, {1: 2, 2: 1}, 1, "r1").conn == 3
+    assert role._push_target(peers, {1: 2, 2: 1}, 1, "r1", 2).conn == 3
     # ... but where a fresh connection was measured slow (``_stay_used``), the least
     # loaded border already pushed to before a cold one
     role.cold_paths["r1"] = ColdPath()
     role.cold_paths["r1"].slow = True
-    assert role._push_target(peers, {1: 2, 2: 1}, 1, "r1").conn == 2
-    assert role._push_target(peers, {1: 2, 2: 2}, 1, "r1").conn == 3  # those full: a cold one
+    assert role._push_target(peers, {1: 2, 2: 1}, 1, "r1", 2).conn == 2
+    assert role._push_target(peers, {1: 2, 2: 2}, 1, "r1", 2).conn == 3  # those full: a cold one
     role.cold_paths["r1"].slow = False
     role.pushed_to.discard(2)
-    assert role._push_target(peers, {1: 1}, 1, "r1").conn == 1
+    assert role._push_target(peers, {1: 1}, 1, "r1", 2).conn == 1
     role.pushed_to.add(2)
     role.cfg = dataclasses.replace(role.cfg, spread_pushes=False)  # the shipped default
-    assert role._push_target(peers, {1: 1}, 1, "r1").conn == 1
+    assert role._push_target(peers, {1: 1}, 1, "r1", 2).conn == 1
