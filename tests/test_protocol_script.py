@@ -479,17 +479,22 @@ def test_a_border_holds_a_bounded_number_of_relay_orders_ahead_of_their_chunks()
     assert [f.index for f in t.relays(t.a)] == t.pushes(1)[:AHEAD_ORDERS]
 
 
-def test_an_order_beside_a_waiting_one_goes_only_over_a_connection_relayed_on() -> None:
-    """``OriginRole._relayed_target``: the border that a second relay-on-arrival order at
-    once may go to is one its sender was ordered to relay to before and that has a free
-    inbound slot; a fresh connection (slow start beside a full inlet) is not taken."""
-    s = Signer()
-    o = _core("origin", "trainer", role="origin", signer=s, border_nodes=2)
+def _a_linked_to_b_and_c() -> tuple[NodeCore, Script]:
+    """An origin, border a in r1 linked to b and c in r2 (conns 1, 2, 3)."""
+    o = _core("origin", "trainer", role="origin", border_nodes=2)
     a, b, c = (Script(o, k, node_id=n, region=r)
                for k, n, r in ((1, "a", "r1"), (2, "b", "r2"), (3, "c", "r2")))
     for p in (a, b, c):
         p.handshake()
     a.send(wire.Links(("b", "c")))
+    return o, a
+
+
+def test_an_order_beside_a_waiting_one_goes_only_over_a_connection_relayed_on() -> None:
+    """``OriginRole._relayed_target``: the border that a second relay-on-arrival order at
+    once may go to is one its sender was ordered to relay to before and that has a free
+    inbound slot; a fresh connection (slow start beside a full inlet) is not taken."""
+    o, _a = _a_linked_to_b_and_c()
     role = o.role
     bs = role.borders["r2"]
     pa = o.peers[1]
@@ -502,10 +507,9 @@ def test_an_order_beside_a_waiting_one_goes_only_over_a_connection_relayed_on() 
     assert role._relayed_target(bs, {3: 1}, pa).node_id == "b"  # the least loaded
 
 
-def test_relay_orders_beside_a_waiting_one_stay_on_the_target_relayed_to() -> None:
-    """r2 has two borders, b and c. a's pushes leave slowly, so a takes orders ahead of
-    its chunks; every one beside a waiting one goes to the border a's first order went to,
-    and none to the other (a fresh connection for a), even once that border is full."""
+def _a_relaying_into_b_and_c() -> tuple[NodeCore, Script, list[ev.Action]]:
+    """An origin, border a in r1 linked to b and c in r2, version 2 (12 chunks)
+    published and announced; the actions so far."""
     s = Signer()
     o = _core("origin", "trainer", role="origin", signer=s, border_nodes=2)
     a, b, c = (Script(o, k, node_id=n, region=r)
@@ -519,6 +523,14 @@ def test_relay_orders_beside_a_waiting_one_stay_on_the_target_relayed_to() -> No
     for p in (a, b, c):
         p.send(wire.Announce(s.manifest(2, 12)))
         log += p.actions
+    return o, a, log
+
+
+def test_relay_orders_beside_a_waiting_one_stay_on_the_target_relayed_to() -> None:
+    """r2 has two borders, b and c. a's pushes leave slowly, so a takes orders ahead of
+    its chunks; every one beside a waiting one goes to the border a's first order went to,
+    and none to the other (a fresh connection for a), even once that border is full."""
+    o, a, log = _a_relaying_into_b_and_c()
     for _ in range(3):
         (last,) = [x.index for x in _sent_chunks(log) if x.conn == 1][-1:]
         log += o.handle(ev.ChunkSent(o.now + 0.5, 1, 2, last))
@@ -532,13 +544,7 @@ def test_a_border_relays_into_a_region_only_over_connections_it_has_relayed_on()
     of its borders; once it has relayed into the region, only to one it relayed to (the
     last one while it has a free slot, else the least loaded below ``border_inflight`` +
     1), and to none (the order waits) rather than over a fresh connection."""
-    s = Signer()
-    o = _core("origin", "trainer", role="origin", signer=s, border_nodes=2)
-    a, b, c = (Script(o, k, node_id=n, region=r)
-               for k, n, r in ((1, "a", "r1"), (2, "b", "r2"), (3, "c", "r2")))
-    for p in (a, b, c):
-        p.handshake()
-    a.send(wire.Links(("b", "c")))
+    o, a = _a_linked_to_b_and_c()
     role, pa, full = o.role, o.peers[1], o.cfg.border_inflight
     bs = role.borders["r2"]
     # nothing relayed yet: the least loaded of the region's borders
@@ -560,19 +566,7 @@ def test_relays_from_a_border_stay_on_its_first_target_while_that_one_is_busy() 
     """r2 has two borders, b and c; a relays every chunk it stores into r2 and b (its
     first target) sends no HAVE back, so b's inbound slots fill. a's later orders go to b
     up to one past its slots and then wait; none goes to c over a fresh connection."""
-    s = Signer()
-    o = _core("origin", "trainer", role="origin", signer=s, border_nodes=2)
-    a, b, c = (Script(o, k, node_id=n, region=r)
-               for k, n, r in ((1, "a", "r1"), (2, "b", "r2"), (3, "c", "r2")))
-    log: list[ev.Action] = []
-    for p in (a, b, c):
-        p.handshake()
-    for p, links in ((a, ("b", "c")), (b, ("a",)), (c, ("a",))):
-        p.send(wire.Links(links))
-    log += o.handle(ev.Publish(o.now, s.manifest(2, 12)))
-    for p in (a, b, c):
-        p.send(wire.Announce(s.manifest(2, 12)))
-        log += p.actions
+    o, a, log = _a_relaying_into_b_and_c()
     for _ in range(6):  # every push into r1 leaves fast; a stores each (its HAVE)
         sent = [x.index for x in _sent_chunks(log) if x.conn == 1]
         log += o.handle(ev.ChunkSent(o.now + 0.05, 1, 2, sent[-1]))
