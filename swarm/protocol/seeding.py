@@ -1114,8 +1114,8 @@ class OriginRole(Role):
         none: the order waits for a slot there. A fresh connection only for ``b``'s first
         relay into ``r`` (``_target``). A second connection between the same two regions
         adds nothing to the inlet they share, and starts in slow start beside a full one:
-        on the emulated WAN such relays took 1.0-3.5 s for 4 MiB against 0.1-0.7 s over a
-        used one, in a third of the versions, and set those versions' tails
+        on the emulated WAN such relays took 1.0-4.5 s for 4 MiB against 0.1-0.9 s over a
+        used one, in half the versions of round 30's code, and set those versions' tails
         (docs/benchmarks.md round 31)."""
         warm = self.warm.get((b.conn, r))
         used = self.relayed_to.get(b.conn)
