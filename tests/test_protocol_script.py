@@ -244,6 +244,59 @@ def test_with_a_wait_an_order_for_a_chunk_arriving_long_enough_goes_at_once() ->
     assert _sent_chunks(o2.actions) == [ev.SendChunk(2, 2, 3, 1000, arriving=True)]
 
 
+def _arrives(n: NodeCore, conn: int, i: int, t0: float, took: float) -> None:
+    """Chunk ``i`` of version 2 arrives whole on ``conn``: first block at ``t0``, stored
+    ``took`` later."""
+    n.handle(ev.ChunkArriving(t0, conn, 2, i))
+    n.handle(ev.ChunkReceived(t0 + took, conn, 2, i, True))
+
+
+def test_over_a_link_whose_last_chunk_came_slowly_a_relay_starts_with_the_first_block() -> None:
+    """The last chunk over the link took ``2 x cut_through_after_s`` or more: the next one
+    will be arriving past the wait too, so its relay goes from its first block, whether
+    the order came before it or while it arrives."""
+    n, o, _b = _border_holding((0, 1), cut_through=True, cut_through_after_s=0.1)
+    _arrives(n, 1, 2, n.now, 0.25)  # 4 MiB at half a 100 Mbit/s uplink: slow
+    o.send(wire.Relay(2, 3, "b"))
+    got = n.handle(ev.ChunkArriving(n.now + 0.01, 1, 2, 3))
+    assert _sent_chunks(got) == [ev.SendChunk(2, 2, 3, 1000, arriving=True)]
+    assert n.counters.relays["cut_through"] == 1
+    assert not _sent_chunks(n.handle(ev.ChunkReceived(n.now + 0.3, 1, 2, 3, True)))  # not twice
+
+    n2, o2, _b2 = _border_holding((0, 1), cut_through=True, cut_through_after_s=0.1)
+    _arrives(n2, 1, 2, n2.now, 0.25)
+    n2.handle(ev.ChunkArriving(n2.now + 0.01, 1, 2, 3))
+    o2.send(wire.Relay(2, 3, "b"))  # arriving 0 s, but over a slow link: it goes now
+    assert _sent_chunks(o2.actions) == [ev.SendChunk(2, 2, 3, 1000, arriving=True)]
+
+
+def test_over_a_link_whose_last_chunk_came_fast_a_relay_still_waits() -> None:
+    """Under ``2 x cut_through_after_s`` (a fat path), or no chunk over that link yet, or
+    the slow chunk came over another link: the wait stands, and a chunk stored within it
+    goes whole."""
+    for before in ((1, 0.15), (None, 0.0), ("q", 0.5)):
+        n, o, _b = _border_holding((0, 1), cut_through=True, cut_through_after_s=0.1)
+        q = Script(n, 3, node_id="q", region="r")
+        q.handshake()
+        conn, took = before
+        if conn is not None:
+            _arrives(n, q.conn if conn == "q" else conn, 2, n.now, took)
+        o.send(wire.Relay(2, 3, "b"))
+        t0 = n.now + 0.01
+        assert not _sent_chunks(n.handle(ev.ChunkArriving(t0, 1, 2, 3))), before
+        assert _sent_chunks(n.handle(ev.ChunkReceived(t0 + 0.05, 1, 2, 3, True))) == [
+            ev.SendChunk(2, 2, 3, 1000)], before
+        assert n.counters.relays["cut_through"] == 0
+
+
+def test_a_failed_chunk_does_not_count_as_the_links_pace() -> None:
+    n, o, _b = _border_holding((0, 1), cut_through=True, cut_through_after_s=0.1)
+    n.handle(ev.ChunkArriving(n.now, 1, 2, 2))
+    n.handle(ev.ChunkReceived(n.now + 0.5, 1, 2, 2, False))  # corrupt: no pace learned
+    o.send(wire.Relay(2, 3, "b"))
+    assert not _sent_chunks(n.handle(ev.ChunkArriving(n.now + 0.01, 1, 2, 3)))
+
+
 def test_with_a_wait_an_arrival_that_stops_leaves_the_order_for_the_next_copy() -> None:
     n, o, _b = _border_holding((0, 1), cut_through=True, cut_through_after_s=0.1)
     q = Script(n, 3, node_id="q", region="r")

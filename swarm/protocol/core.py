@@ -202,6 +202,13 @@ class NodeCore(ReadModel):
         """When chunk ``i`` of ``v``'s first block came, while it is arriving; else None."""
         return self.arriving_at.get((v, i)) if (v, i) in self.arriving else None
 
+    def arrival_pace(self, v: int, i: int) -> float | None:
+        """While chunk ``i`` of ``v`` arrives: how long the last chunk that arrived whole
+        over the same link took, first block to stored (None: no such chunk yet)."""
+        conn = self.arriving.get((v, i))
+        p = self.peers.get(conn) if conn is not None else None
+        return p.arrival_s if p is not None else None
+
     def close(self, p: Peer, reason: str, level: str = "info") -> None:
         self.log(level, "peer_closed", peer=p.node_id or p.addr, conn=p.conn, reason=reason)
         self._out.append(ev.Close(p.conn, reason))
@@ -357,8 +364,11 @@ class NodeCore(ReadModel):
         self.exchange.on_withdrawn(p, e.version, e.index)
 
     def _on_chunk(self, e: ev.ChunkReceived) -> None:
-        self._arrived(e.conn, e.version, e.index)
         p = self.peers.get(e.conn)
+        key = (e.version, e.index)
+        if e.valid and p is not None and self.arriving.get(key) == e.conn:
+            p.arrival_s = self.now - self.arriving_at.get(key, self.now)
+        self._arrived(e.conn, e.version, e.index)
         if p is not None and p.state is not READY:
             # Nothing but the handshake is read from an unauthenticated peer, and
             # a peer that claimed an id in its HELLO is not blamed in that id's name.

@@ -26,7 +26,7 @@ class Peer:
     a key in ``bits`` means the peer knows that version's manifest."""
 
     __slots__ = (
-        "addr", "bits", "border", "busy", "can_req", "coming", "conn", "ewma", "hello_in",
+        "addr", "arrival_s", "bits", "border", "busy", "can_req", "coming", "conn", "ewma", "hello_in",
         "hello_out", "identity", "kept", "kind", "last_heard", "last_sent", "links", "listen_addr",
         "node_id", "outbound", "proto", "region", "relay_busy", "req", "role", "samples", "since",
         "state", "timeouts",
@@ -62,6 +62,8 @@ class Peer:
         self.timeouts = 0
         self.relay_busy = 0  # origin's view: relays this border is carrying out
         self.links: set[str] = set()  # origin's view: cross-region borders it is linked to
+        # how long the last chunk announced arriving from it took, first block to stored
+        self.arrival_s: float | None = None
 
     @property
     def is_origin(self) -> bool:
