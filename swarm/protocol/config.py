@@ -97,7 +97,8 @@ class CoreConfig:
     # (a fat path) is relayed whole once stored: from its first block, cut-through cost the
     # simulator's fat-trainer scenarios 5-13 %; after 0.2 s none moves, and the emulated long
     # lossy WAN is 21 % faster on a first version, 10 % on later ones (docs/simulation.md
-    # round 23)
+    # round 23). Over a link whose last chunk took 2 x cut_through_after_s or longer, from
+    # the first block at once (round 32)
     cut_through: bool = True
     cut_through_after_s: float = 0.2
     # origin: after the uplink window's start-up, a push goes to another border it has
