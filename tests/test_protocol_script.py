@@ -596,10 +596,21 @@ def test_a_border_relays_into_a_region_only_over_connections_it_has_relayed_on()
     """``OriginRole._relay_target``: a border's first relay into a region may go to any
     of its borders; once it has relayed into the region, only to one it relayed to (the
     last one while it has a free slot, else the least loaded below ``border_inflight`` +
-    1), and to none (the order waits) rather than over a fresh connection."""
+    1), and to none (the order waits) rather than over a fresh connection. Only into a
+    region whose pushes leave slowly (``_thin_path``); elsewhere the least loaded."""
     o, a = _a_linked_to_b_and_c()
     role, pa, full = o.role, o.peers[1], o.cfg.border_inflight
     bs = role.borders["r2"]
+    role.relayed_to[1], role.warm[(1, "r2")] = {2}, 2
+    for leave in (None, 0.1):  # pushes into r2 unmeasured, or leaving fast: c, fresh
+        role.leave_s.pop("r2", None)
+        if leave is not None:
+            role.leave_s["r2"] = leave
+        assert not role._thin_path("r2")
+        assert role._relay_target(bs, {2: full}, pa, "r2").node_id == "c"
+    role.leave_s["r2"] = 2 * o.cfg.cut_through_after_s  # 4 MiB in 0.4 s: thin
+    assert role._thin_path("r2")
+    del role.relayed_to[1], role.warm[(1, "r2")]
     # nothing relayed yet: the least loaded of the region's borders
     assert role._relay_target(bs, {2: 1}, pa, "r2").node_id == "c"
     role.relayed_to[1], role.warm[(1, "r2")] = {2}, 2
@@ -615,11 +626,18 @@ def test_a_border_relays_into_a_region_only_over_connections_it_has_relayed_on()
     assert role._relay_target(bs, {}, pa, "r2").node_id == "c"
 
 
-def test_relays_from_a_border_stay_on_its_first_target_while_that_one_is_busy() -> None:
+@pytest.mark.parametrize("thin", [True, False])
+def test_relays_from_a_border_stay_on_its_first_target_while_that_one_is_busy(thin: bool) -> None:
     """r2 has two borders, b and c; a relays every chunk it stores into r2 and b (its
-    first target) sends no HAVE back, so b's inbound slots fill. a's later orders go to b
-    up to one past its slots and then wait; none goes to c over a fresh connection."""
+    first target) sends no HAVE back, so b's inbound slots fill. Where pushes into r2
+    leave slowly (a thin path), a's later orders go to b up to one past its slots and then
+    wait; none goes to c over a fresh connection. Where they leave fast, c takes them."""
     o, a, log = _a_relaying_into_b_and_c()
+    for conn in (2, 3):  # the first pushes into r2 leave: in 0.5 s (thin) or 0.05 s
+        sent = [x.index for x in _sent_chunks(log) if x.conn == conn]
+        if sent:
+            log += o.handle(ev.ChunkSent(o.now + (0.5 if thin else 0.05), conn, 2, sent[0]))
+    assert o.role._thin_path("r2") is thin
     for _ in range(6):  # every push into r1 leaves fast; a stores each (its HAVE)
         sent = [x.index for x in _sent_chunks(log) if x.conn == 1]
         log += o.handle(ev.ChunkSent(o.now + 0.05, 1, 2, sent[-1]))
@@ -627,8 +645,11 @@ def test_relays_from_a_border_stay_on_its_first_target_while_that_one_is_busy() 
         log += a.actions
         log += o.handle(ev.Tick(o.now))
     targets = [f.target for f in a.frames(log) if isinstance(f, wire.Relay)]
-    assert len(targets) == o.cfg.border_inflight + 1
-    assert set(targets) == {targets[0]}
+    if thin:
+        assert len(targets) == o.cfg.border_inflight + 1
+        assert set(targets) == {targets[0]}
+    else:
+        assert set(targets) == {"b", "c"}
 
 
 def test_origin_replans_a_relay_on_arrival_that_fails() -> None:

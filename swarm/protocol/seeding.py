@@ -116,6 +116,10 @@ class OriginRole(Role):
         # and the push each such connection is on: an unmeasured relay is guessed this
         # slow (``_direct_faster``)
         self.cold_s: float | None = None
+        # seconds from a push's start to its last byte leaving us, per remote region
+        # (EWMA, full-size chunks): where it is long the site links are thin
+        # (``_thin_path``)
+        self.leave_s: dict[str, float] = {}
         # per region: first pushes against the fastest recent pushes over used
         # connections, and whether the first are cold_path_factor x the second
         # (``_push_timed``, ``_stay_used``, ``_used_depth``)
@@ -462,6 +466,10 @@ class OriginRole(Role):
                 entry = plan.inflight[i]
                 if entry[0] == ORIGIN_SRC and entry[2] is None and plan.remote:
                     self.uplink_pushes -= 1  # it has left: the uplink takes the next one
+                    if entry[3] is not None and self._full_size(v, i):
+                        dt = self.host.now - entry[3]
+                        old = self.leave_s.get(region)
+                        self.leave_s[region] = dt if old is None else 0.7 * old + 0.3 * dt
                 entry[2] = self.host.now + self.cfg.request_timeout_s
         return True
 
@@ -1098,13 +1106,28 @@ class OriginRole(Role):
         adds nothing to the inlet they share, and starts in slow start beside a full one:
         on the emulated WAN such relays took 1.0-4.5 s for 4 MiB against 0.1-0.9 s over a
         used one, in half the versions of round 30's code, and set those versions' tails
-        (docs/benchmarks.md round 31)."""
+        (docs/benchmarks.md round 31).
+
+        Only into a region whose pushes leave us slowly (``_thin_path``). Where they
+        leave fast (a fat trainer, borders whose own downlinks are the limit, not one
+        shared inlet) another connection into the region adds capacity: there the rule
+        held relays on one target per border, and ``fleet-10k``'s second version went
+        from 1.157x to 1.230x its bound (docs/simulation.md round 32)."""
         warm = self.warm.get((b.conn, r))
         used = self.relayed_to.get(b.conn)
-        if not used or not any(t.conn in used and t.node_id in b.links for t in bs):
+        if (not used or not self._thin_path(r)
+                or not any(t.conn in used and t.node_id in b.links for t in bs)):
             return self._target(bs, load, b.links, warm, self._stay_used(used, r),
                                 self._used_depth(r))
         return self._used_target(bs, load, warm, used, b.links, r)
+
+    def _thin_path(self, r: str) -> bool:
+        """Whether our pushes into region ``r`` have been taking ``2 x cut_through_after_s``
+        (0.4 s) or longer from start to last byte (EWMA): 4 MiB at under ~84 Mbit/s, a
+        thin site uplink or inlet. Not measured yet: no."""
+        slow = 2 * self.cfg.cut_through_after_s if self.cfg.cut_through else None
+        dt = self.leave_s.get(r)
+        return slow is not None and dt is not None and dt >= slow
 
     def _used_target(self, bs: list[Peer], load: dict[int, int], warm: int | None,
                      used: set[int], allowed: set[str] | None, r: str) -> Peer | None:
