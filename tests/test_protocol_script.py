@@ -1406,95 +1406,6 @@ def test_a_slow_relay_path_is_no_source_while_a_push_is_much_faster() -> None:
 
 
 
-def test_after_a_regions_first_version_pushes_into_a_thin_path_stay_on_borders_pushed_to(
-) -> None:
-    """``OriginRole._push_target``: in the first version the origin pushes into a remote
-    region, a push may go to any border (``_target``: the warm one, else the least
-    loaded); in a later one, into a region whose pushes leave slowly (``_thin_path``),
-    only to a border it pushed to (the warm one below ``border_inflight``, else the least
-    loaded up to one more), and to none rather than over a fresh connection. Unmeasured
-    or fast paths, and the origin's own region (a LAN), are not held to it."""
-    s = Signer()
-    o = _core("origin", "home", role="origin", signer=s, border_nodes=3, border_inflight=2)
-    xs = [Script(o, k + 1, node_id=f"a{k}", region="r1") for k in range(3)]
-    hs_ = [Script(o, k + 4, node_id=f"h{k}", region="home") for k in range(2)]
-    for x in xs + hs_:
-        x.handshake()
-    role = o.role
-    peers = [o.peers[k + 1] for k in range(3)]
-    home = [o.peers[k + 4] for k in range(2)]
-    role.pushed_to.update({1, 4})
-    role.first_fed.update({"r1": 2, "home": 2})
-    thin = 2 * o.cfg.cut_through_after_s
-    for leave in (None, thin / 4):  # unmeasured, fast: a later version spreads as the first
-        role.leave_s.pop("r1", None)
-        if leave is not None:
-            role.leave_s["r1"] = leave
-        assert role._push_target(peers, {1: 2}, 1, "r1", 3).conn == 2
-    role.leave_s["r1"] = thin
-    # the first version into r1: the warm border full, the least loaded (a fresh one)
-    assert role._push_target(peers, {1: 2}, 1, "r1", 2).conn == 2
-    # a later version: the border pushed to, one deeper, then none
-    assert role._push_target(peers, {1: 1}, 1, "r1", 3).conn == 1
-    assert role._push_target(peers, {1: 2}, 1, "r1", 3).conn == 1
-    assert role._push_target(peers, {1: 3}, 1, "r1", 3) is None
-    role.pushed_to.add(2)
-    assert role._push_target(peers, {1: 2, 2: 0}, 1, "r1", 3).conn == 2
-    assert role._push_target(peers, {1: 1, 2: 0}, 1, "r1", 3).conn == 1  # the warm one first
-    # no border pushed to is left in r1 (say they left): as in a first version
-    role.pushed_to.difference_update({1, 2})
-    assert role._push_target(peers, {1: 2}, 1, "r1", 3).conn == 2
-    # the origin's own region: the least loaded once the warm one is full
-    role.leave_s["home"] = thin
-    assert role._push_target(home, {4: 2}, 4, "home", 3).conn == 5
-
-
-@pytest.mark.parametrize("thin", [True, False])
-def test_a_later_versions_pushes_open_no_fresh_connection_into_a_thin_region(thin: bool) -> None:
-    """The origin pushed version 2 into r1 over a0 only; version 3 comes with a window of
-    eight. Behind a thin path a0 takes one past its inbound slots and the rest wait: a1
-    and a2 (fresh connections) get nothing. Where pushes leave fast, a1 and a2 take
-    pushes too."""
-    s = Signer()
-    o = _core("origin", "home", role="origin", signer=s, border_nodes=3, border_inflight=2)
-    xs = [Script(o, k + 1, node_id=f"a{k}", region="r1") for k in range(3)]
-    for x in xs:
-        x.handshake()
-    role = o.role
-    role.pushed_to.add(1)
-    role.first_fed["r1"] = 2
-    role.leave_s["r1"] = 2 * o.cfg.cut_through_after_s * (1.0 if thin else 0.25)
-    role.warm[(-1, "r1")] = 1
-    role.window.w = role.window.lo = role.window.best_w = 8
-    role.window.startup = False
-    log = o.handle(ev.Publish(o.now, s.manifest(3, 12)))
-    for x in xs:
-        x.send(wire.Announce(s.manifest(3, 12)))
-        log += x.actions
-    conns = [a.conn for a in _sent_chunks(log)]
-    if thin:
-        assert conns == [1] * (o.cfg.border_inflight + 1)
-    else:
-        assert {2, 3} <= set(conns)
-
-
-def test_the_first_version_pushed_into_a_region_is_remembered() -> None:
-    """``first_fed``: the version of the origin's first push into each region (what
-    ``_push_target``'s rule counts from)."""
-    s = Signer()
-    o = _core("origin", "home", role="origin", signer=s, border_nodes=3, border_inflight=2)
-    xs = [Script(o, k + 1, node_id=f"a{k}", region="r1") for k in range(3)]
-    for x in xs:
-        x.handshake()
-    assert not o.role.first_fed
-    log = o.handle(ev.Publish(o.now, s.manifest(2, 4)))
-    for x in xs:
-        x.send(wire.Announce(s.manifest(2, 4)))
-        log += x.actions
-    assert _sent_chunks(log)
-    assert o.role.first_fed == {"r1": 2}
-
-
 def test_after_start_up_a_push_goes_to_an_idle_border_already_pushed_to() -> None:
     """``spread_pushes``: a push queued behind another on the warm border adds nothing a probe of the uplink
     window can measure: after start-up it goes to another border the origin has pushed to
@@ -1510,22 +1421,22 @@ def test_after_start_up_a_push_goes_to_an_idle_border_already_pushed_to() -> Non
     peers = [o.peers[k + 1] for k in range(3)]
     role.pushed_to.update({1, 2})
     assert role.window.startup
-    assert role._push_target(peers, {1: 1}, 1, "r1", 2).conn == 1  # start-up: behind the first
+    assert role._push_target(peers, {1: 1}, 1, "r1").conn == 1  # start-up: behind the first
     role.window.startup = False  # as if the window's start-up had ended
-    assert role._push_target(peers, {1: 1}, 1, "r1", 2).conn == 2
-    assert role._push_target(peers, {}, 1, "r1", 2).conn == 1  # the warm border while it idles
-    assert role._push_target(peers, {1: 1, 2: 1}, 1, "r1", 2).conn == 1  # none idle: stack, not a2
+    assert role._push_target(peers, {1: 1}, 1, "r1").conn == 2
+    assert role._push_target(peers, {}, 1, "r1").conn == 1  # the warm border while it idles
+    assert role._push_target(peers, {1: 1, 2: 1}, 1, "r1").conn == 1  # none idle: stack, not a2
     # the warm border full: the least loaded, as in start-up (``_target``) ...
-    assert role._push_target(peers, {1: 2, 2: 1}, 1, "r1", 2).conn == 3
+    assert role._push_target(peers, {1: 2, 2: 1}, 1, "r1").conn == 3
     # ... but where a fresh connection was measured slow (``_stay_used``), the least
     # loaded border already pushed to before a cold one
     role.cold_paths["r1"] = ColdPath()
     role.cold_paths["r1"].slow = True
-    assert role._push_target(peers, {1: 2, 2: 1}, 1, "r1", 2).conn == 2
-    assert role._push_target(peers, {1: 2, 2: 2}, 1, "r1", 2).conn == 3  # those full: a cold one
+    assert role._push_target(peers, {1: 2, 2: 1}, 1, "r1").conn == 2
+    assert role._push_target(peers, {1: 2, 2: 2}, 1, "r1").conn == 3  # those full: a cold one
     role.cold_paths["r1"].slow = False
     role.pushed_to.discard(2)
-    assert role._push_target(peers, {1: 1}, 1, "r1", 2).conn == 1
+    assert role._push_target(peers, {1: 1}, 1, "r1").conn == 1
     role.pushed_to.add(2)
     role.cfg = dataclasses.replace(role.cfg, spread_pushes=False)  # the shipped default
-    assert role._push_target(peers, {1: 1}, 1, "r1", 2).conn == 1
+    assert role._push_target(peers, {1: 1}, 1, "r1").conn == 1

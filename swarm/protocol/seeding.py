@@ -126,10 +126,6 @@ class OriginRole(Role):
         self.cold_paths: dict[str, ColdPath] = {}
         self.first_push: dict[int, tuple[int, int]] = {}  # border conn -> (version, index)
         self.pushed_to: set[int] = set()  # border conns that carried a push of ours
-        # region -> the first version we pushed into it: after that version, pushes into
-        # a region behind a thin path stay on connections that carried one
-        # (``_push_target``)
-        self.first_fed: dict[str, int] = {}
         self.uplink_pushes = 0  # pushes into remote regions not yet confirmed by a HAVE
         self.window = UplinkWindow(c.uplink_window, max(c.uplink_window, c.uplink_window_max))
         # (sender conn | ORIGIN_SRC, region) -> the border conn it sent to last (``_target``)
@@ -986,24 +982,8 @@ class OriginRole(Role):
         return used if used and cp is not None and cp.slow else None
 
     def _push_target(self, bs: list[Peer], load: dict[int, int], warm: int | None,
-                     region: str, v: int) -> Peer | None:
-        """The border of ``bs`` a push of version ``v`` goes to.
-
-        Into a remote region behind a thin path (``_thin_path``: our pushes there take
-        0.4 s or more to leave) that we pushed an earlier version into, only over a
-        connection that carried a push of ours (``_used_target``: the warm one below
-        ``border_inflight``, else the least loaded up to one more, else None: the push
-        waits), where one is left. The first version's start-up spread the pushes over
-        as many borders as paid; a fresh connection now starts in slow start beside full
-        ones and adds nothing to a thin site uplink. On the emulated WAN the uplink
-        window grew to 8 in a third of the runs, the pushes past the used borders' slots
-        went to fresh ones and took 2.4-3.4 s for 4 MiB, and those versions were the
-        slow ones (docs/benchmarks.md rounds 31 and 33). Where pushes leave fast (a fat
-        trainer, each border's own downlink the limit) another border adds a downlink:
-        held to the first version's borders, ``fleet-10k``'s second version went from
-        1.157x to 1.229x its bound (docs/simulation.md round 31), so the rule is gated.
-
-        Otherwise ``_target`` (the warm connection, stacked
+                     region: str) -> Peer | None:
+        """The border of ``bs`` a push goes to: ``_target`` (the warm connection, stacked
         up to ``border_inflight``), except with ``spread_pushes`` (off by default: on a
         thin uplink the window's probe then becomes a parallel flow, docs/simulation.md
         round 17) after the uplink window's start-up, where a push
@@ -1017,11 +997,6 @@ class OriginRole(Role):
         docs/simulation.md round 17). A border the origin never pushed to is not taken for
         this (its connection would start from slow start). Start-up keeps stacking: its
         doubled rounds on a thin uplink would otherwise put every push on the wire at once."""
-        if (region != self.cfg.region and self.first_fed.get(region, v) < v
-                and self._thin_path(region)):
-            used = {b.conn for b in bs if b.conn in self.pushed_to}
-            if used:
-                return self._used_target(bs, load, warm, used, None, region)
         if self.window.startup or not self.cfg.spread_pushes:
             return self._target(bs, load, warm=warm, used=self._stay_used(self.pushed_to, region),
                             depth=self._used_depth(region))
@@ -1221,11 +1196,10 @@ class OriginRole(Role):
             return -1
         if plan.remote and (not self._uplink_free(r, plan) or self._push_capped(r)):
             return -1
-        t = self._push_target(bs, load, self.warm.get((ORIGIN_SRC, r)), r, v)
+        t = self._push_target(bs, load, self.warm.get((ORIGIN_SRC, r)), r)
         if t is None:
             return -1
         self.warm[(ORIGIN_SRC, r)] = t.conn
-        self.first_fed.setdefault(r, v)
         i = lowest(cand)
         if t.conn not in self.pushed_to and self._full_size(v, i):
             # (a short chunk first leaves the connection as cold as it was)
