@@ -134,7 +134,8 @@ class LoopbackFleet:
         ``config.json`` beside the base checkpoint (the in-process runner's shape).
         ``network``: extra ``[network]`` keys for the trainer and every node (e.g.
         ``{"unsent_limit_kib": 0}``). ``node_section``: extra ``[node]`` keys for every
-        node. A fleet on one machine starts its nodes without warm memory
+        node (its ``warm_memory_mib`` the trainer's too). A fleet on one machine starts its
+        nodes and its trainer without warm memory
         (``warm_memory_mib = 0``: a dozen nodes would hold 256 MiB each for nothing in a
         demo or a test) unless ``node_section`` sets it; the benchmarks pass the shipped
         value. ``node_log_level``: every node's ``[log] level`` (e.g. "debug": a line per
@@ -159,6 +160,7 @@ class LoopbackFleet:
         self.gateway = gateway
         self.network = dict(network or {})
         node_keys_extra = {"warm_memory_mib": 0, **(node_section or {})}
+        self.warm_memory_mib = int(node_keys_extra["warm_memory_mib"])  # the trainer's too
         self.node_section = "".join(f"{k} = {json.dumps(v)}\n" for k, v in node_keys_extra.items())
         self.model_config = model_config
         self.node_log = f'[log]\nlevel = "{node_log_level}"\n\n' if node_log_level else ""
@@ -263,7 +265,7 @@ class LoopbackFleet:
             raise FleetError(f"trainer_sections: cannot add to {sorted(unknown)}")
         (w / "trainer.toml").write_text(
             f'[node]\nid = "trainer"\nregion = "{self.trainer_region}"\nmodel = "{self.model}"\n'
-            f'role = "origin"\n\n'
+            f'role = "origin"\nwarm_memory_mib = {self.warm_memory_mib}\n\n'
             f'{common}listen = "{self.trainer_addr}"\n\n'
             f'[store]\ndir = "trainer-store"\nfsync = false\n{extra.get("store", "")}\n'
             f'[weights]\nbase = "base.safetensors"\nbase_version = 1\n\n'
