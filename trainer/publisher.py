@@ -159,8 +159,8 @@ def warm_memory(mib: int) -> bool:
     A dense version's encode takes its byte planes, the patch and its chunks from memory
     freed after the last version; glibc otherwise hands blocks that large back to the
     kernel, and each version's first touch of them was page faults and zeroed pages: on
-    the VM of docs/benchmarks.md a fresh trainer's 64 MiB encode took 0.07-0.38 s (0.25
-    at the median over its first versions), warm 0.04-0.08 s (round 33)."""
+    the emulated WAN's trainer a first dense 64 MiB version's encode took 0.35-0.44 s,
+    warm 0.06-0.08 s (docs/benchmarks.md round 33)."""
     global _warm_done
     if mib <= 0:
         return False
