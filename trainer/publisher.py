@@ -147,7 +147,7 @@ class PublishHandle:
 
 
 _warmed = threading.Lock()
-_warm_done = False
+_warm_done: bool | None = None  # warm_memory's result, once it ran in this process
 
 
 def warm_memory(mib: int) -> bool:
@@ -165,15 +165,15 @@ def warm_memory(mib: int) -> bool:
     if mib <= 0:
         return False
     with _warmed:
-        if _warm_done:
-            return True
-        _warm_done = True
+        if _warm_done is not None:
+            return _warm_done
         t0 = time.perf_counter()
         keep = mib << 20
         tuned = tune_malloc(keep)
         warmed = warm_heap(keep) if tuned else 0
         log.info("origin memory: malloc tuned for encode buffers: %s; warmed %d MiB of heap "
                  "in %.2f s", tuned, warmed >> 20, time.perf_counter() - t0)
+        _warm_done = tuned
         return tuned
 
 
