@@ -227,3 +227,103 @@ def test_a_start_up_that_saw_a_round_not_pay_ends_between_versions() -> None:
     assert fat.startup and fat.flat == 0 and fat.w == 8
     fat.restart(100.0)
     assert fat.startup and fat.w == 8
+
+
+# ------------------------------------------------ start-up on departures (``left``)
+
+
+def drive_departures(win: UplinkWindow, leave_s: dict[int, float], waves: int,
+                     backlog: int = 1000, fast_s: float = 0.2) -> list[int]:
+    """Waves of a full window of pushes issued together; each leaves ``leave_s[w]`` after
+    it was issued (the nearest window below). No HAVE comes back: only departures move
+    the window. Returns the window after each wave."""
+    now, seen = 0.0, []
+    for _ in range(waves):
+        w = win.w
+        issued = now
+        now += leave_s[max(k for k in leave_s if k <= w)]
+        for _ in range(w):
+            win.left(now, issued, fast_s, True, backlog, issued)
+        seen.append(win.w)
+    return seen
+
+
+def test_a_fat_uplink_doubles_on_departures_before_any_have() -> None:
+    # 10 Gbit/s out, each push capped at 1 Gbit/s by its border (4 MiB in 34 ms): the
+    # uplink is full at 10 in flight. HAVEs are a round trip away (fleet-10k: ~0.15 s);
+    # departures say the same 34 ms after the pushes start.
+    win = UplinkWindow(5, 256)
+    seen = drive_departures(win, {5: 0.034, 10: 0.034, 20: 0.068, 40: 0.136}, waves=12)
+    assert seen[:2] == [5, 10], seen  # the first wave starts the round, the second closes it
+    assert max(seen) >= 20 and not win.on_departures, seen
+    # two rounds that did not beat the best (20 and 40 leave at the uplink's rate) end it
+    assert win.dep_flat == 2 and win.startup  # the HAVE rounds still run the start-up
+
+
+def test_a_slow_push_ends_the_start_up_on_departures() -> None:
+    win = UplinkWindow(2, 256)
+    win.left(0.4, 0.0, 0.2, True, 1000, 0.0)  # 4 MiB in 0.4 s: a thin uplink
+    assert not win.on_departures and win.w == 2
+    drive_departures(win, {2: 0.01}, waves=10)  # fast ones later change nothing
+    assert win.w == 2
+
+
+def test_a_push_still_leaving_ends_it_too() -> None:
+    # one region behind a slow direct link: its push is still leaving while the others'
+    # come and go in 34 ms (slow-direct: without this, the window reached 12 while the
+    # slow link's first push was under way and that link took two more, 3.05 s against 2.22)
+    win = UplinkWindow(3, 256)
+    win.left(0.034, 0.0, 0.2, True, 1000, 0.0)
+    win.left(0.068, 0.034, 0.2, True, 1000, 0.0)
+    assert win.on_departures
+    win.left(0.21, 0.17, 0.2, True, 1000, 0.0)  # fast, but the oldest is 0.21 s old
+    assert not win.on_departures
+
+
+def test_departures_of_pushes_issued_before_a_doubling_do_not_count() -> None:
+    win = UplinkWindow(2, 256)
+    drive_departures(win, {2: 0.03}, waves=2)
+    assert win.w == 4 and win.since == pytest.approx(0.06)
+    for _ in range(10):  # stragglers of the smaller window
+        win.left(0.07, 0.05, 0.2, True, 1000, 0.05)
+    assert win.w == 4 and win.dep_start is None
+
+
+def test_start_up_on_departures_doubles_only_a_window_it_can_fill() -> None:
+    win = UplinkWindow(4, 256)
+    drive_departures(win, {4: 0.03}, waves=3, backlog=3)
+    assert win.w == 4 and win.on_departures
+
+
+def test_not_full_departures_and_an_ended_start_up_do_not_move_it() -> None:
+    win = UplinkWindow(2, 256)
+    for k in range(20):
+        win.left(0.01 * (k + 1), 0.01 * k, 0.2, False, 1000, 0.01 * k)
+    assert win.w == 2
+    done = UplinkWindow(2, 256)
+    drive_rates(done, {2: 12.0}, deliveries=40)  # a thin uplink's start-up ended
+    assert not done.startup and not done.on_departures
+    w = done.w
+    drive_departures(done, {1: 0.01}, waves=10)
+    assert done.w == w
+
+
+@settings(max_examples=200, deadline=None)
+@given(lo=st.integers(1, 8), span=st.integers(0, 64),
+       events=st.lists(st.tuples(st.sampled_from(("left", "delivered", "restart")),
+                                 st.floats(0.0, 0.5), st.floats(0.0, 0.5), st.booleans(),
+                                 st.integers(0, 64)), max_size=300))
+def test_departures_keep_the_window_within_its_bounds(
+        lo: int, span: int, events: list[tuple[str, float, float, bool, int]]) -> None:
+    win = UplinkWindow(lo, lo + span)
+    now = 0.0
+    for kind, dt, age, full, backlog in events:
+        now += dt
+        if kind == "left":
+            win.left(now, now - age, 0.2, full, backlog, now - 2 * age)
+        elif kind == "delivered":
+            win.delivered(1, now, full, backlog=backlog)
+        else:
+            win.restart(now)
+        assert lo <= win.w <= lo + span
+        assert lo <= win.best_w <= lo + span

@@ -41,6 +41,7 @@ KNOB_RANGES: dict[str, tuple[float, float]] = {
     "fleet_max": (1, 10_000_000), "unavailable_s": (0.0, _DAY),
     "relay_wait_s": (0.0, _DAY), "slow_relay_factor": (0.0, 1e6), "cold_path_factor": (0.0, 1e6),
     "serve_arriving_region": (0, 1_000_000), "cut_through_after_s": (0.0, 3600.0),
+    "fast_startup_s": (0.0, 3600.0),
 }
 
 
@@ -87,6 +88,11 @@ class CoreConfig:
     push_slots: int = 24  # origin: chunks it pushes into regions at once (counted until sent)
     uplink_window: int = 2  # origin: least chunks leaving through its site uplink at once (swarm.protocol.uplink)
     uplink_window_max: int = 256  # ... and most; the window adapts between them by measured delivery rate
+    # origin: while every push into a remote region leaves within this long (a fat site
+    # uplink: each push capped by its border's downlink), the uplink window's start-up
+    # doubles on the pushes' departures, a round trip before their HAVEs (0: off;
+    # swarm.protocol.uplink, docs/simulation.md round 34)
+    fast_startup_s: float = 0.2
     relay_slots: int = 1  # concurrent cross-region relays per border node
     # origin: a remote region whose pushes take this many times the fastest other remote
     # region's (a push under way counts its age) gets one push at a time; the rest of its

@@ -465,13 +465,30 @@ class OriginRole(Role):
             if plan is not None and i in plan.inflight:
                 entry = plan.inflight[i]
                 if entry[0] == ORIGIN_SRC and entry[2] is None and plan.remote:
+                    fast_s = self.cfg.fast_startup_s
+                    full = self._uplink_busy() >= self._uplink_limit()
                     self.uplink_pushes -= 1  # it has left: the uplink takes the next one
                     if entry[3] is not None and self._full_size(v, i):
+                        if fast_s > 0 and self.window.on_departures:
+                            self.window.left(self.host.now, entry[3], fast_s, full,
+                                             self._uplink_backlog(), self._oldest_push())
                         dt = self.host.now - entry[3]
                         old = self.leave_s.get(region)
                         self.leave_s[region] = dt if old is None else 0.7 * old + 0.3 * dt
                 entry[2] = self.host.now + self.cfg.request_timeout_s
         return True
+
+    def _oldest_push(self) -> float | None:
+        """When the oldest push into a remote region still leaving was issued."""
+        oldest = None
+        for plans in self.plans.values():
+            for plan in plans.values():
+                if plan.remote and plan.infl:
+                    for e in plan.inflight.values():
+                        if (e[0] == ORIGIN_SRC and e[2] is None and e[3] is not None
+                                and (oldest is None or e[3] < oldest)):
+                            oldest = e[3]
+        return oldest
 
     def on_acked(self, conn: int) -> None:
         """A push handed over on ``conn`` is still being acknowledged: its deadline

@@ -39,15 +39,29 @@ uplink, eight pushes at once that all arrived late (the simulator's `wan-3x4`: a
 version took 8.07 s, the first 7.58). Between versions the uplink is idle: ``restart``
 times the next round from the new version's transfers, not across the gap, and ends a
 start-up that has seen a round not pay at the best window measured.
+
+Where the site uplink is fat, a round timed by HAVEs is slow to come: on ``fleet-10k``
+(60 ms between sites) the first HAVE is back ~0.15 s after the first push, and the window
+went 5 → 10 → 20 at 0.19 and 0.40 s while the 10 Gbit/s uplink ran half empty and the
+regions' downlinks waited for chunks to spread. So start-up also runs on *departures*
+(``left``): while every push leaves the origin within ``fast_startup_s`` (0.2 s: 4 MiB at
+over 168 Mbit/s, each push capped by its border's downlink, not by the uplink), ``w``
+departures of pushes issued under the current window make a round, and the window doubles
+on it at once. A round whose departure rate does not beat the best by ``startup_gain``
+counts as flat (a doubling stacks pushes on busy borders before the next spreads them);
+two flat rounds in a row end it, as does a push that takes ``fast_startup_s`` to leave or
+is still leaving after as long (a thin uplink, a slow direct path: `wan-3x4`,
+`slow-direct`, where it never doubles or stops at the first slow push). The HAVE rounds go
+on beside it, and end the start-up as before.
 """
 
 from __future__ import annotations
 
 
 class UplinkWindow:
-    __slots__ = ("best", "best_w", "down", "flat", "full_rounds", "hi", "hold", "lo", "n",
-                 "nbytes", "probe_gain", "probing", "rounds", "since", "start", "startup",
-                 "startup_gain", "w")
+    __slots__ = ("best", "best_w", "dep_best", "dep_flat", "dep_n", "dep_on", "dep_start",
+                 "down", "flat", "full_rounds", "hi", "hold", "lo", "n", "nbytes", "probe_gain",
+                 "probing", "rounds", "since", "start", "startup", "startup_gain", "w")
 
     def __init__(self, lo: int, hi: int, *, startup_gain: float = 1.25,
                  probe_gain: float = 1.1, hold: int = 4, full_rounds: int = 2) -> None:
@@ -68,6 +82,12 @@ class UplinkWindow:
         self.n = 0
         self.nbytes = 0
         self.since = float("-inf")  # when ``w`` last changed (``delivered``)
+        # start-up on departures (``left``): on until a push leaves slowly
+        self.dep_on = True
+        self.dep_start: float | None = None
+        self.dep_n = 0
+        self.dep_best = 0.0  # pushes/s of the best departure round
+        self.dep_flat = 0  # departure rounds in a row that did not beat it
 
     def raise_floor(self, n: int) -> None:
         """At least ``n`` in flight from now on (``lo``), the window and its best with it."""
@@ -89,6 +109,47 @@ class UplinkWindow:
         if self.startup and self.flat:
             self.startup = False
             self.w = self.best_w
+
+    @property
+    def on_departures(self) -> bool:
+        """Whether start-up still doubles on departures (``left``)."""
+        return self.startup and self.dep_on
+
+    def left(self, now: float, issued: float, fast_s: float, full: bool,
+             backlog: int | None = None, oldest: float | None = None) -> None:
+        """A push's last byte left the origin; it was issued at ``issued``; ``oldest``:
+        when the oldest push still leaving was issued; ``full``: the window was full.
+        Start-up on departures (module docstring): ``w`` departures of pushes issued
+        under the current window make a round, and the window doubles on each, unless
+        two in a row did not beat the best departure rate by ``startup_gain``. A push that
+        took ``fast_s`` or longer to leave, or one still leaving after as long, ends it
+        for good; the HAVE rounds (``delivered``) go on as before."""
+        if not self.on_departures:
+            return
+        if now - issued >= fast_s or (oldest is not None and now - oldest >= fast_s):
+            self.dep_on = False
+            return
+        if issued < self.since or not full:
+            return
+        if self.dep_start is None:
+            self.dep_start, self.dep_n = now, 0  # the round is timed from a departure
+            return
+        self.dep_n += 1
+        if self.dep_n < self.w or now <= self.dep_start:
+            return
+        rate = self.dep_n / (now - self.dep_start)
+        self.dep_start, self.dep_n = None, 0
+        if rate >= self.dep_best * self.startup_gain:
+            self.dep_best, self.dep_flat = rate, 0
+        else:
+            self.dep_flat += 1  # a doubling may stack pushes on busy borders: one more
+        if self.dep_flat >= self.full_rounds or self.w >= self.hi:
+            self.dep_on = False
+            return
+        if backlog is None or backlog >= self.w:
+            self.w = min(self.hi, self.w * 2)
+            self.since = now
+            self.start = None
 
     def delivered(self, nbytes: int, now: float, full: bool,
                   started: float | None = None, sent: float | None = None,
