@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from typing import Any
 
 import pytest
 
@@ -560,11 +561,11 @@ def test_an_order_beside_a_waiting_one_goes_only_over_a_connection_relayed_on() 
     assert role._relayed_target(bs, {3: 1}, pa).node_id == "b"  # the least loaded
 
 
-def _a_relaying_into_b_and_c() -> tuple[NodeCore, Script, list[ev.Action]]:
+def _a_relaying_into_b_and_c(**knobs: Any) -> tuple[NodeCore, Script, list[ev.Action]]:
     """An origin, border a in r1 linked to b and c in r2, version 2 (12 chunks)
     published and announced; the actions so far."""
     s = Signer()
-    o = _core("origin", "trainer", role="origin", signer=s, border_nodes=2)
+    o = _core("origin", "trainer", role="origin", signer=s, border_nodes=2, **knobs)
     a, b, c = (Script(o, k, node_id=n, region=r)
                for k, n, r in ((1, "a", "r1"), (2, "b", "r2"), (3, "c", "r2")))
     log: list[ev.Action] = []
@@ -631,8 +632,10 @@ def test_relays_from_a_border_stay_on_its_first_target_while_that_one_is_busy(th
     """r2 has two borders, b and c; a relays every chunk it stores into r2 and b (its
     first target) sends no HAVE back, so b's inbound slots fill. Where pushes into r2
     leave slowly (a thin path), a's later orders go to b up to one past its slots and then
-    wait; none goes to c over a fresh connection. Where they leave fast, c takes them."""
-    o, a, log = _a_relaying_into_b_and_c()
+    wait; none goes to c over a fresh connection. Where they leave fast, c takes them.
+    The uplink window stays at its floor (no start-up on departures: with it, fast pushes
+    fill b's slots and every relay goes to c, which hides what this checks)."""
+    o, a, log = _a_relaying_into_b_and_c(fast_startup_s=0.0)
     for conn in (2, 3):  # the first pushes into r2 leave: in 0.5 s (thin) or 0.05 s
         sent = [x.index for x in _sent_chunks(log) if x.conn == conn]
         if sent:
