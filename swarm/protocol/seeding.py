@@ -466,10 +466,13 @@ class OriginRole(Role):
                 entry = plan.inflight[i]
                 if entry[0] == ORIGIN_SRC and entry[2] is None and plan.remote:
                     fast_s = self.cfg.fast_startup_s
-                    full = self._uplink_busy() >= self._uplink_limit()
+                    timed = entry[3] is not None and self._full_size(v, i)
+                    # the uplink window's start-up on departures, while it runs
+                    start_up = timed and fast_s > 0 and self.window.on_departures
+                    full = start_up and self._uplink_busy() >= self._uplink_limit()
                     self.uplink_pushes -= 1  # it has left: the uplink takes the next one
-                    if entry[3] is not None and self._full_size(v, i):
-                        if fast_s > 0 and self.window.on_departures:
+                    if timed:
+                        if start_up:
                             self.window.left(self.host.now, entry[3], fast_s, full,
                                              self._uplink_backlog(), self._oldest_push())
                         dt = self.host.now - entry[3]
