@@ -510,7 +510,7 @@ def run_patchswarm(lab: Any, args: argparse.Namespace, meter: Meter, oneshot: bo
                 # above all); every value moves again in each
                 later = []
                 view = new
-                trace = meter.last_trace  # --trace keeps the first version's
+                trace = meter.last_trace  # --trace: the first version's, printed with the run
                 for nv in range(2, args.versions + 1):
                     view = dense_next(view, seed * 1000 + nv)
                     time.sleep(2.0)  # the last version's applies and reports settle
@@ -525,9 +525,12 @@ def run_patchswarm(lab: Any, args: argparse.Namespace, meter: Meter, oneshot: bo
                     cpu1 = {k: cpu_seconds(p) for k, p in pids.items()}
                     io1 = {k: proc_counts(p) for k, p in pids.items()}
                     m1 = meter.snapshot()
-                    later.append(_figures(fleet, meter, sts, before, (cpu0, cpu1), (io0, io1),
-                                          (m0, m1), polls, t0, r.published_at, r.version,
-                                          r.patch_bytes))
+                    fig = _figures(fleet, meter, sts, before, (cpu0, cpu1), (io0, io1),
+                                   (m0, m1), polls, t0, r.published_at, r.version,
+                                   r.patch_bytes)
+                    if meter.last_trace is not None:  # --trace: each version's own samples
+                        fig["trace"], meter.last_trace = meter.last_trace, None
+                    later.append(fig)
                 out["later_versions"] = later
                 meter.last_trace = trace
     finally:
@@ -1046,7 +1049,8 @@ def main(argv: list[str] | None = None) -> int:
                          "clocks (default 0.5)")
     ap.add_argument("--trace", action="store_true",
                     help="sample the uplinks every 0.25 s during each transfer: Mbit/s into "
-                         "and out of every region over time, printed and kept in the JSON")
+                         "and out of every region over time, printed (the first version) and "
+                         "kept in the JSON (every version)")
     ap.add_argument("--swarm", action="append", metavar="KNOB=VALUE",
                     help="a protocol knob for the trainer and every node ([swarm] of their "
                          "configs; VALUE in JSON), e.g. --swarm uplink_window=3; repeatable")
