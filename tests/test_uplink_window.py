@@ -327,3 +327,14 @@ def test_departures_keep_the_window_within_its_bounds(
             win.restart(now)
         assert lo <= win.w <= lo + span
         assert lo <= win.best_w <= lo + span
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), "fast", True])
+def test_a_bad_fast_startup_s_is_refused_by_name(bad: object) -> None:
+    from swarm.errors import ConfigError
+    from swarm.protocol.config import CoreConfig, check_knobs
+
+    with pytest.raises(ConfigError, match="fast_startup_s"):
+        knobs = check_knobs({"fast_startup_s": bad}, "swarm")
+        CoreConfig(node_id="o", region="r", model="m", listen_addr="127.0.0.1:1",
+                   role="origin", **knobs)
