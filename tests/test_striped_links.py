@@ -129,9 +129,11 @@ async def _spread_and_window() -> None:
             c.data.append((2, i, False))
         c.wake.set()
         got = await _drain(messages)
-        # the peer finished none: WINDOW chunks went, whole, and then the writer waits
+        # the peer finished none: WINDOW chunks went, whole, and then the writer waits.
+        # The three connections' readers interleave at will, so a chunk whose last block
+        # rode a quicker connection may complete before an earlier one: compare sorted.
         asm = stripes.StripedAssembler()
-        whole = [w for _, m in got if (w := asm.feed(m)) is not None]
+        whole = sorted(w for _, m in got if (w := asm.feed(m)) is not None)
         assert [(seq, v, i) for seq, v, i, _ in whole] == [(s, 2, s) for s in range(stripes.WINDOW)]
         assert all(bytes(p) == CHUNKS[(2, i)] for _, _, i, p in whole)
         assert len(sent) == stripes.WINDOW and c.unfinished == set(range(stripes.WINDOW))
@@ -140,7 +142,7 @@ async def _spread_and_window() -> None:
         for seq in (0, 1):
             await c_done(c, seq)
         rest = await _drain(messages)
-        whole = [w for _, m in rest if (w := asm.feed(m)) is not None]
+        whole = sorted(w for _, m in rest if (w := asm.feed(m)) is not None)
         assert [(seq, i) for seq, _, i, _ in whole] == [(4, 4), (5, 5)]
         assert [e.index for e in sent] == list(range(stripes.WINDOW + 2))
 
