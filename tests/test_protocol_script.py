@@ -1000,6 +1000,55 @@ def test_a_region_behind_a_slow_direct_path_gets_one_push_at_a_time() -> None:
     assert 2 in {c for c, _ in off}, off
 
 
+def _never_fast_run(leave_s: float, slow_s: float = 0.5, **knobs: Any) -> list[tuple[int, int]]:
+    """Regions r1 and ``slow``, a window of four (two pushes each), no HAVE yet: r1's
+    pushes leave the origin after ``leave_s``, then r1's next two; after ``slow_s`` the
+    first of ``slow``'s leaves, its second still leaving. Where the freed place goes."""
+    s = Signer()
+    knobs = {"uplink_window": 4, "uplink_window_max": 4, **knobs}
+    o = _core("origin", "home", role="origin", signer=s, border_nodes=1, border_inflight=8,
+              relay=False, **knobs)
+    a = Script(o, 1, node_id="a", region="r1")
+    b = Script(o, 2, node_id="b", region="slow")
+    for x in (a, b):
+        x.handshake()
+    t = o.now
+    acts = o.handle(ev.Publish(t, s.manifest(2, 16)))
+    for x in (a, b):
+        x.send(wire.Announce(s.manifest(2, 16)))
+        acts += x.actions
+    first = _pushes(acts)
+    assert sorted(c for c, _ in first) == [1, 1, 2, 2], first
+    more: list[tuple[int, int]] = []
+    for conn, i in first:
+        if conn == 1:
+            more += _pushes(o.handle(ev.ChunkSent(t + leave_s, 1, 2, i)))
+    assert sorted(c for c, _ in more) == [1, 1], more  # r1's fair share again
+    conn, i = next(p for p in first if p[0] == 2)
+    return _pushes(o.handle(ev.ChunkSent(t + slow_s, 2, 2, i)))
+
+
+@pytest.mark.parametrize("leave_s", [0.03, 0.4])
+def test_a_region_whose_pushes_never_left_fast_is_capped_before_any_have(leave_s: float) -> None:
+    """``_push_capped`` before any HAVE has timed a path: r1's pushes left within
+    ``fast_startup_s`` of being issued, ``slow``'s, issued with them, did not: its direct
+    path is the cap, so the place its first push frees goes to r1 while its second is
+    still leaving (`slow-direct`: the third push into ``far`` went at 67 ms and landed
+    ~1.5 s later). Where r1's pushes also left slowly (a thin uplink shared by both) this
+    says nothing, and ``slow`` keeps its fair share; so it does with the rule off."""
+    nxt = _never_fast_run(leave_s)
+    if leave_s < 0.2:
+        assert nxt and {c for c, _ in nxt} == {1}, nxt
+    else:
+        assert {c for c, _ in nxt} == {2}, nxt
+    for off in ({"fast_startup_s": 0.0}, {"slow_path_factor": 0.0}):
+        assert {c for c, _ in _never_fast_run(leave_s, **off)} == {2}, off
+    if leave_s < 0.2:
+        # a region one of whose pushes left fast is no slow path: its next push, still
+        # leaving, waited behind that one on the border's connection
+        assert {c for c, _ in _never_fast_run(leave_s, slow_s=0.05)} == {2}
+
+
 def test_a_sender_goes_to_a_connection_it_has_sent_on_before_a_new_one() -> None:
     """``_target``: the warm border while it has room, else the least loaded of the
     borders the sender has sent chunks to (their TCP windows open), else the least loaded

@@ -120,6 +120,11 @@ class OriginRole(Role):
         # (EWMA, full-size chunks): where it is long the site links are thin
         # (``_thin_path``)
         self.leave_s: dict[str, float] = {}
+        # pushes that left within ``fast_startup_s``: the latest issue time among them, and
+        # the regions they went into (``_push_capped``: a region none of whose pushes
+        # left fast, while one issued with or after its own did, is behind a slow path)
+        self.fast_mark = float("-inf")
+        self.fast_regions: set[str] = set()
         # per region: first pushes against the fastest recent pushes over used
         # connections, and whether the first are cold_path_factor x the second
         # (``_push_timed``, ``_stay_used``, ``_used_depth``)
@@ -476,6 +481,9 @@ class OriginRole(Role):
                             self.window.left(self.host.now, entry[3], fast_s, full,
                                              self._uplink_backlog(), self._oldest_push())
                         dt = self.host.now - entry[3]
+                        if dt < fast_s:
+                            self.fast_mark = max(self.fast_mark, entry[3])
+                            self.fast_regions.add(region)
                         old = self.leave_s.get(region)
                         self.leave_s[region] = dt if old is None else 0.7 * old + 0.3 * dt
                 entry[2] = self.host.now + self.cfg.request_timeout_s
@@ -804,20 +812,33 @@ class OriginRole(Role):
         under way. A region behind a slow direct link gets its pushes one at a time and
         the rest of its copy by relay; the uplink window's other slots go to the others."""
         f = self.cfg.slow_path_factor
-        home = self.cfg.region  # pushes at home cross no uplink: no measure for remote paths
-        others = [s for x, s in self.push_s.items() if x != r and x != home]
-        if f <= 0 or not others:
+        if f <= 0:
             return False
         now = self.host.now
         oldest = None
+        leaving = None  # the oldest push into r still leaving us
         for plans in self.plans.values():
             plan = plans.get(r)
             if plan is not None and plan.infl:
                 for e in plan.inflight.values():
-                    if e[0] == ORIGIN_SRC and (oldest is None or e[3] < oldest):
+                    if e[0] != ORIGIN_SRC:
+                        continue
+                    if oldest is None or e[3] < oldest:
                         oldest = e[3]
+                    if e[2] is None and e[3] is not None and (leaving is None or e[3] < leaving):
+                        leaving = e[3]
         if oldest is None:
             return False  # nothing under way: one may go
+        if (leaving is not None and leaving <= self.fast_mark and r not in self.fast_regions
+                and self.cfg.fast_startup_s > 0):
+            # No push into r has left fast, and one issued with or after this one did,
+            # into another region: r's direct path is slower than the uplink. Known
+            # before any HAVE could time it (`slow-direct`: at 34 ms, not ~0.2 s).
+            return True
+        home = self.cfg.region  # pushes at home cross no uplink: no measure for remote paths
+        others = [s for x, s in self.push_s.items() if x != r and x != home]
+        if not others:
+            return False
         took = max(self.push_s.get(r, 0.0), now - oldest)
         return took > f * min(others)
 
