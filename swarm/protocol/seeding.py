@@ -810,7 +810,12 @@ class OriginRole(Role):
         origin is slow, ``slow_path_factor`` x the fastest other region's measured push
         (a push still under way counts as taking at least its age so far), and one is
         under way. A region behind a slow direct link gets its pushes one at a time and
-        the rest of its copy by relay; the uplink window's other slots go to the others."""
+        the rest of its copy by relay; the uplink window's other slots go to the others.
+        Before any HAVE has timed a push (the first version's first tenths of a second),
+        a region none of whose pushes has left within ``fast_startup_s`` counts as slow
+        while a push into it is still leaving that was issued no later than one into
+        another region that did leave that fast (pushes share the uplink: the difference
+        is the path's)."""
         f = self.cfg.slow_path_factor
         if f <= 0:
             return False
