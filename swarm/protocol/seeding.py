@@ -124,6 +124,7 @@ class OriginRole(Role):
         # the regions they went into (``_push_capped``: a region none of whose pushes
         # left fast, while one issued with or after its own did, is behind a slow path)
         self.fast_mark = float("-inf")
+        self.fast_took = 0.0  # how long the push issued at ``fast_mark`` took to leave
         self.fast_regions: set[str] = set()
         # per region: first pushes against the fastest recent pushes over used
         # connections, and whether the first are cold_path_factor x the second
@@ -482,7 +483,10 @@ class OriginRole(Role):
                                              self._uplink_backlog(), self._oldest_push())
                         dt = self.host.now - entry[3]
                         if dt < fast_s:
-                            self.fast_mark = max(self.fast_mark, entry[3])
+                            if entry[3] > self.fast_mark:
+                                self.fast_mark, self.fast_took = entry[3], dt
+                            elif entry[3] == self.fast_mark:
+                                self.fast_took = max(self.fast_took, dt)
                             self.fast_regions.add(region)
                         old = self.leave_s.get(region)
                         self.leave_s[region] = dt if old is None else 0.7 * old + 0.3 * dt
@@ -814,8 +818,8 @@ class OriginRole(Role):
         Before any HAVE has timed a push (the first version's first tenths of a second),
         a region none of whose pushes has left within ``fast_startup_s`` counts as slow
         while a push into it is still leaving that was issued no later than one into
-        another region that did leave that fast (pushes share the uplink: the difference
-        is the path's)."""
+        another region that did leave that fast, and has been leaving for longer than
+        that one took (pushes share the uplink: the difference is the path's)."""
         f = self.cfg.slow_path_factor
         if f <= 0:
             return False
@@ -835,10 +839,11 @@ class OriginRole(Role):
         if oldest is None:
             return False  # nothing under way: one may go
         if (leaving is not None and leaving <= self.fast_mark and r not in self.fast_regions
-                and self.cfg.fast_startup_s > 0):
+                and now - leaving > self.fast_took and self.cfg.fast_startup_s > 0):
             # No push into r has left fast, and one issued with or after this one did,
-            # into another region: r's direct path is slower than the uplink. Known
-            # before any HAVE could time it (`slow-direct`: at 34 ms, not ~0.2 s).
+            # into another region, in less time than this one has been leaving: r's
+            # direct path is slower than the uplink. Known before any HAVE could time it
+            # (`slow-direct`: at 67 ms, not ~0.2 s).
             return True
         home = self.cfg.region  # pushes at home cross no uplink: no measure for remote paths
         others = [s for x, s in self.push_s.items() if x != r and x != home]
