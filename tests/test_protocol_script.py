@@ -959,24 +959,33 @@ def test_origin_pushes_into_a_region_stay_on_its_warm_connection() -> None:
     assert len(set(used)) == 1, used
 
 
-def _slow_path_run(factor: float) -> tuple[list[tuple[int, int]], float]:
-    """Two remote regions, one push window of four (two each): r1's pushes are delivered
-    in 0.1 s, r2's two are still on their way at 0.5 s when they leave the origin. What
-    the origin pushes next, and when."""
+def _r1_and_slow(**knobs: Any) -> tuple[NodeCore, Script, list[tuple[int, int]]]:
+    """An origin with a window of four and a border in each of regions r1 (conn 1) and
+    ``slow`` (conn 2), a version of 16 chunks published: (origin, r1's border, the first
+    pushes, two into each region)."""
     s = Signer()
-    o = _core("origin", "home", role="origin", signer=s, border_nodes=1, uplink_window=4,
-              uplink_window_max=4, border_inflight=8, relay=False, slow_path_factor=factor)
+    knobs = {"uplink_window": 4, "uplink_window_max": 4, **knobs}
+    o = _core("origin", "home", role="origin", signer=s, border_nodes=1, border_inflight=8,
+              relay=False, **knobs)
     a = Script(o, 1, node_id="a", region="r1")
     b = Script(o, 2, node_id="b", region="slow")
     for x in (a, b):
         x.handshake()
-    t = o.now
-    acts = o.handle(ev.Publish(t, s.manifest(2, 16)))
+    acts = o.handle(ev.Publish(o.now, s.manifest(2, 16)))
     for x in (a, b):
         x.send(wire.Announce(s.manifest(2, 16)))
         acts += x.actions
     first = _pushes(acts)
     assert sorted(c for c, _ in first) == [1, 1, 2, 2], first
+    return o, a, first
+
+
+def _slow_path_run(factor: float) -> tuple[list[tuple[int, int]], float]:
+    """Two remote regions, one push window of four (two each): r1's pushes are delivered
+    in 0.1 s, r2's two are still on their way at 0.5 s when they leave the origin. What
+    the origin pushes next, and when."""
+    o, a, first = _r1_and_slow(slow_path_factor=factor)
+    t = o.now
     for conn, i in first:  # r1's pushes leave and are confirmed in 0.1 s
         if conn == 1:
             o.handle(ev.ChunkSent(t + 0.1, 1, 2, i))
@@ -1004,21 +1013,8 @@ def _never_fast_run(leave_s: float, slow_s: float = 0.5, **knobs: Any) -> list[t
     """Regions r1 and ``slow``, a window of four (two pushes each), no HAVE yet: r1's
     pushes leave the origin after ``leave_s``, then r1's next two; after ``slow_s`` the
     first of ``slow``'s leaves, its second still leaving. Where the freed place goes."""
-    s = Signer()
-    knobs = {"uplink_window": 4, "uplink_window_max": 4, **knobs}
-    o = _core("origin", "home", role="origin", signer=s, border_nodes=1, border_inflight=8,
-              relay=False, **knobs)
-    a = Script(o, 1, node_id="a", region="r1")
-    b = Script(o, 2, node_id="b", region="slow")
-    for x in (a, b):
-        x.handshake()
+    o, _a, first = _r1_and_slow(**knobs)
     t = o.now
-    acts = o.handle(ev.Publish(t, s.manifest(2, 16)))
-    for x in (a, b):
-        x.send(wire.Announce(s.manifest(2, 16)))
-        acts += x.actions
-    first = _pushes(acts)
-    assert sorted(c for c, _ in first) == [1, 1, 2, 2], first
     more: list[tuple[int, int]] = []
     for conn, i in first:
         if conn == 1:
