@@ -5,6 +5,7 @@ room again."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import time
 
@@ -58,3 +59,6 @@ def test_full_disk_is_local_and_recovers() -> None:
             assert _healthz(victim.api_addr)[0] == 200
     finally:
         subprocess.run(["umount", "-l", str(store)], capture_output=True)
+        # the fleet's own clean-up ran while the tmpfs was still mounted on the store, so
+        # the mount point (and the work directory holding it) outlived it
+        shutil.rmtree(fleet.workdir, ignore_errors=True)
