@@ -87,6 +87,8 @@ def status_dict(driver: Driver, model: str) -> dict[str, Any]:
         "withdrawn_chunks": counters.get("withdrawn", 0),
         # answers this node started while the chunk still arrived here (serve_arriving)
         "served_arriving": counters.get("served_arriving", 0),
+        # chunks offered to region peers (COMING) at a version's end only (a small region)
+        "endgame_coming": counters.get("endgame_coming", 0),
         "wire_bytes": dict(driver.wire_bytes),
         "apply_seconds": {str(k): round(v, 6) for k, v in driver.apply_seconds.items()},
         # where each apply's time went (wait, read, stage, commit, engine; cpu_s: the
@@ -352,6 +354,11 @@ class _Collector:
                                 "sending to a region peer while they still arrived here",
                                 labels=labels)
         c.add_metric(who, float(st.get("served_arriving", 0)))
+        yield c
+        c = CounterMetricFamily("patchswarm_chunks_offered_endgame", "Chunks this node "
+                                "offered its region's peers while they arrived, at a "
+                                "version's end only (serve_arriving_endgame)", labels=labels)
+        c.add_metric(who, float(st.get("endgame_coming", 0)))
         yield c
         g = GaugeMetricFamily("patchswarm_store_bytes", "Bytes held in the chunk store",
                               labels=labels)

@@ -142,6 +142,23 @@ def test_without_the_knob_coming_is_ignored() -> None:
     assert p["c"].send(wire.Coming(V, (2,))) == [] and not p["c"].closed()
 
 
+def test_an_answer_paced_by_its_arrival_does_not_time_the_peer() -> None:
+    """A chunk asked for while it arrives at a peer comes at the arrival's pace there
+    (a slow cross-region relay): its time says nothing of the peer, and counted it
+    would make the region's border look like a slow outlier to evict."""
+    n, p = _node(serve_arriving=True)
+    assert p["c"].send(wire.Coming(V, (2,))) == [wire.Request(V, (2,))]
+    n.handle(ev.ChunkReceived(n.now + 3.0, p["c"].conn, V, 2, True))
+    c = n.peers[p["c"].conn]
+    assert c.samples == 0 and c.ewma == 0.0 and not n.requests.early
+    # an ordinary answer is timed as ever
+    p["b"].send(wire.Have(V, (3,)))
+    c_frames = p["c"].send(wire.Have(V, (0,)))
+    assert c_frames == [wire.Request(V, (0,))]
+    n.handle(ev.ChunkReceived(n.now + 0.5, p["c"].conn, V, 0, True))
+    assert c.samples == 1 and c.ewma == 0.5
+
+
 def test_a_withdrawal_blames_nobody_and_the_chunk_is_asked_of_someone_else() -> None:
     n, p = _node(serve_arriving=True)
     # c says chunk 2 arrives there; we ask it (the only source)
@@ -175,6 +192,77 @@ def test_a_withdrawal_before_the_handshake_is_ignored() -> None:
     assert n.counters.withdrawn == 0 and not s.closed()
 
 
+def _arrive_from(n: NodeCore, p: Script, i: int) -> list[ev.Action]:
+    return n.handle(ev.ChunkArriving(n.now, p.conn, V, i))
+
+
+def test_a_small_region_is_offered_a_version_s_last_chunks_arriving_from_outside() -> None:
+    """Shipped defaults: a node of a small region offers nothing while chunks arrive,
+    until it lacks at most ``serve_arriving_endgame`` (3) chunks, none of them held
+    whole by a region peer. Then the ones arriving from outside the region are offered
+    to the region's peers that lack them, at once and once each."""
+    n, p = _node(serve_arriving_region=CoreConfig.serve_arriving_region)
+    assert CoreConfig.serve_arriving_endgame == 3
+    got = _arrive_from(n, p["x"], 0)  # lacks 0, 1, 2, 3: four
+    assert _comings(p["c"], got) == []
+    # chunk 1 stored (from b): it lacks 0 (arriving from x), 2 and 3 (nobody holds them)
+    got = n.handle(ev.ChunkReceived(n.now, p["b"].conn, V, 1, True))
+    assert _comings(p["c"], got) == [wire.Coming(V, (0,))] == _comings(p["d"], got)
+    assert _comings(p["b"], got) == [wire.Coming(V, (0,))]  # b lacks 0 too
+    assert _comings(p["x"], got) == _comings(p["origin"], got) == []
+    assert n.counters.endgame_coming == 1
+    # the origin's push of 2 arriving: offered too; 0 is not offered again
+    got = _arrive_from(n, p["origin"], 2)
+    assert _comings(p["c"], got) == [wire.Coming(V, (2,))]
+    # a region peer asking for an offered chunk gets it while it arrives
+    assert p["c"].send(wire.Request(V, (0,))) == []
+    assert _chunks(p["c"].actions) == [ev.SendChunk(p["c"].conn, V, 0, 1000, True)]
+
+
+def test_no_endgame_offer_while_a_region_peer_holds_a_missing_chunk_whole() -> None:
+    n, p = _node(serve_arriving_region=CoreConfig.serve_arriving_region, have_batch_s=0.0)
+    n.handle(ev.ChunkReceived(n.now, p["b"].conn, V, 1, True))
+    p["c"].send(wire.Have(V, (3,)))  # c holds 3 whole: there is something to fetch
+    assert _comings(p["d"], _arrive_from(n, p["x"], 0)) == []
+    # 3 stored here: 0 (from x) and 2 (nobody holds it) are left: 0 is offered
+    got = n.handle(ev.ChunkReceived(n.now, p["c"].conn, V, 3, True))
+    assert _comings(p["d"], got) == [wire.Coming(V, (0,))] == _comings(p["c"], got)
+    # a chunk arriving from a region peer is that peer's to offer, not ours
+    got = _arrive_from(n, p["d"], 2)
+    assert not [f for s in p.values() for f in _comings(s, got)]
+    assert n.counters.endgame_coming == 1
+
+
+def test_the_endgame_offer_waits_until_that_few_chunks_are_missing() -> None:
+    n, p = _node(serve_arriving_region=CoreConfig.serve_arriving_region,
+                 serve_arriving_endgame=2)
+    n.handle(ev.ChunkReceived(n.now, p["b"].conn, V, 1, True))
+    got = _arrive_from(n, p["x"], 0)  # lacks 0, 2 and 3: three, none held in the region
+    assert not [f for s in p.values() for f in _comings(s, got)]
+    got = n.handle(ev.ChunkReceived(n.now, p["origin"].conn, V, 2, True))  # two left
+    assert _comings(p["c"], got) == [wire.Coming(V, (0,))]
+
+
+def test_the_endgame_offer_is_off_at_zero_or_without_serve_arriving() -> None:
+    for knobs in ({"serve_arriving_endgame": 0}, {"serve_arriving": False}):
+        n, p = _node(serve_arriving_region=CoreConfig.serve_arriving_region, **knobs)
+        n.handle(ev.ChunkReceived(n.now, p["b"].conn, V, 1, True))
+        got = _arrive_from(n, p["x"], 0)
+        assert not [f for s in p.values() for f in _comings(s, got)], knobs
+        assert n.counters.endgame_coming == 0
+
+
+def test_an_endgame_offer_whose_chunk_fails_is_made_again_for_the_next_copy() -> None:
+    n, p = _node(serve_arriving_region=CoreConfig.serve_arriving_region, max_bad_chunks=5)
+    n.handle(ev.ChunkReceived(n.now, p["b"].conn, V, 1, True))
+    n.handle(ev.ChunkReceived(n.now, p["b"].conn, V, 3, True))
+    n.handle(ev.ChunkReceived(n.now, p["b"].conn, V, 2, True))
+    assert _comings(p["c"], _arrive_from(n, p["x"], 0)) == [wire.Coming(V, (0,))]
+    n.handle(ev.ChunkReceived(n.now, p["x"].conn, V, 0, False))  # corrupt: x is blamed
+    assert not n.is_arriving(V, 0) and not n.told_coming
+    assert _comings(p["c"], _arrive_from(n, p["origin"], 0)) == [wire.Coming(V, (0,))]
+
+
 # ---------------------------------------------------------------- in-memory fleets
 
 def _done(hosts) -> bool:  # type: ignore[no-untyped-def]
@@ -194,14 +282,16 @@ def test_a_fleet_serving_arriving_chunks_gets_every_version_with_one_copy_per_re
 
 @settings(max_examples=25, deadline=None)
 @given(st.sets(st.integers(0, 11), max_size=4), st.lists(st.tuples(st.floats(0.0, 0.5),
-       st.integers(0, 9)), max_size=3), st.integers(0, 3))
+       st.integers(0, 9)), max_size=3), st.integers(0, 3), st.booleans())
 def test_arriving_chunks_that_turn_out_corrupt_or_whose_sender_dies_are_withdrawn(
-        bad: set[int], kills: list[tuple[float, int]], seed: int) -> None:
+        bad: set[int], kills: list[tuple[float, int]], seed: int, endgame_only: bool) -> None:
     """The origin's first copy of some chunks is corrupt, and nodes die mid-transfer,
-    while region peers already forward those chunks as they arrive. Every live node
-    still gets the version; only the origin is ever blamed for a corrupt chunk; no
-    request or arrival is left behind in a live node."""
-    s, net, o, hosts = fleet(2, 5, seed=seed, serve_arriving=True, serve_arriving_region=0,
+    while region peers already forward those chunks as they arrive (every chunk, or with
+    the shipped region threshold only a version's last few: ``serve_arriving_endgame``).
+    Every live node still gets the version; only the origin is ever blamed for a corrupt
+    chunk; no request, arrival or offer is left behind in a live node."""
+    s, net, o, hosts = fleet(2, 5, seed=seed, serve_arriving=True,
+                             serve_arriving_region=48 if endgame_only else 0,
                              max_bad_chunks=100, request_timeout_s=2.0)
     first: set[int] = set()
     corrupt = corrupt_first_copies(bad, first)
@@ -232,7 +322,7 @@ def test_arriving_chunks_that_turn_out_corrupt_or_whose_sender_dies_are_withdraw
     assert len(first) - lost <= found <= len(first)
     net.run(net.now + 5)
     for h in live:
-        assert not h.core.arriving
+        assert not h.core.arriving and not h.core.told_coming
         assert all(not p.req for p in h.core.peers.values())
 
 
@@ -242,7 +332,9 @@ def test_a_fleet_of_processes_serving_arriving_chunks_ends_bitwise_equal() -> No
     """Real node processes, two regions of three, chunks of four blocks, with
     ``serve_arriving``: region peers ask for chunks while they still arrive at a
     neighbour and get them block by block; every node ends on the trainer's digest,
-    one copy per region, nothing corrupt, nothing withdrawn."""
+    one copy per region, nothing corrupt, nothing withdrawn. (On loopback a region's
+    peers hold a chunk before the version's end, so the endgame offer of a region this
+    small, ``serve_arriving_endgame``, is the scripted tests' and the emulated WAN's.)"""
     from lab.fleet import LoopbackFleet
 
     with LoopbackFleet(2, 3, chunk_size=1 << 20, lr=1e-4, swarm={"serve_arriving": True, "serve_arriving_region": 0}) as fleet:
@@ -255,6 +347,7 @@ def test_a_fleet_of_processes_serving_arriving_chunks_ends_bitwise_equal() -> No
         assert sum(st["withdrawn_chunks"] for st in statuses.values()) == 0
         metrics = fleet.http(fleet.nodes[0].addr, "/metrics").decode()
         assert "patchswarm_chunks_served_arriving" in metrics
+        assert "patchswarm_chunks_offered_endgame" in metrics
 
 
 def test_an_answer_sent_while_its_chunk_arrives_takes_only_a_free_slot() -> None:

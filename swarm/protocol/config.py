@@ -40,7 +40,8 @@ KNOB_RANGES: dict[str, tuple[float, float]] = {
     "apply_retry_s": (0.0, _DAY), "status_interval_s": (0.0, _DAY), "status_delay_s": (0.0, 3600.0),
     "fleet_max": (1, 10_000_000), "unavailable_s": (0.0, _DAY),
     "relay_wait_s": (0.0, _DAY), "slow_relay_factor": (0.0, 1e6), "cold_path_factor": (0.0, 1e6),
-    "serve_arriving_region": (0, 1_000_000), "cut_through_after_s": (0.0, 3600.0),
+    "serve_arriving_region": (0, 1_000_000), "serve_arriving_endgame": (0, 1 << 20),
+    "cut_through_after_s": (0.0, 3600.0),
     "fast_startup_s": (0.0, 3600.0),
 }
 
@@ -120,6 +121,11 @@ class CoreConfig:
     # regions 1-4 % (docs/simulation.md, round 10)
     serve_arriving: bool = True
     serve_arriving_region: int = 48
+    # ... and in a smaller region at the end of a version: once a node lacks at most this
+    # many chunks, none of them held whole by a region peer, it offers those arriving here
+    # from outside the region. Nothing else is left to fetch then, so its peers take them
+    # while they arrive instead of a hop after the last byte (docs/protocol.md) (0: off)
+    serve_arriving_endgame: int = 3
     border_grace_s: float = 5.0  # wait before re-sending what a departed border held
     relay_wait_s: float = 5.0  # origin: push a chunk a linked region could relay only after relays into the region stalled this long
     # origin: a region whose relays into another take this many times a push into it is

@@ -43,6 +43,7 @@ from swarm.protocol.haves import HaveBatch, have_frames
 from swarm.protocol.liveness import heartbeat
 from swarm.protocol.membership import AddressBook
 from swarm.protocol.peer import CROSS, ORIGIN, SAME, Peer
+from swarm.protocol.picker import iter_bits
 from swarm.protocol.readmodel import ReadModel
 from swarm.protocol.requests import PickPolicy, RarestFirst
 from swarm.protocol.roles import NodeRole, Role
@@ -80,6 +81,7 @@ class NodeCore(ReadModel):
         # chunks whose first block came and that are not stored yet: (v, i) -> conn (cut-through)
         self.arriving: dict[tuple[int, int], int] = {}
         self.arriving_at: dict[tuple[int, int], float] = {}  # ... and when its first block came
+        self.told_coming: set[tuple[int, int]] = set()  # ... offered to the region (COMING)
         self.apply = ApplyState()
         self.haves = HaveBatch(config.have_batch_s)
         self._next_hb = now + config.heartbeat_s
@@ -291,6 +293,7 @@ class NodeCore(ReadModel):
             for key in [k for k, c in self.arriving.items() if c == p.conn]:
                 del self.arriving[key]
                 self.arriving_at.pop(key, None)
+                self.told_coming.discard(key)
         if p.node_id and self.by_id.get(p.node_id) == p.conn:
             del self.by_id[p.node_id]
         if p.state is not READY:
@@ -324,6 +327,47 @@ class NodeCore(ReadModel):
             if c.serve_arriving and (c.serve_arriving_region <= 1 or
                                      self.book.region_count(c.region) + 1 >= c.serve_arriving_region):
                 self._tell_arriving(e.conn, v, i)
+                self.told_coming.add((v, i))
+            else:
+                self._endgame_coming(v)
+
+    def _endgame_coming(self, v: int) -> None:
+        """``serve_arriving_endgame``: at the end of ``v``, offer (COMING) the chunks
+        arriving here from outside the region to the region's peers that lack them.
+
+        Below ``serve_arriving_region`` a node offers nothing while it arrives: a peer
+        that asks for an arriving chunk waits on it at the arrival's pace, its request to
+        this node taken, while this node may come to hold other chunks it could have
+        had at full speed. At the end nothing else is left: this node lacks at most
+        ``serve_arriving_endgame`` chunks, each arriving here from outside the region
+        or held whole by none of its region peers, and the hop after the last byte (a
+        whole chunk over a region link, then the verify) is what the region waits for."""
+        c = self.cfg
+        if not (c.serve_arriving and c.serve_arriving_endgame > 0):
+            return
+        st = self.versions.get(v)
+        if st is None:
+            return
+        missing = st.full & ~st.have
+        if not missing or missing.bit_count() > c.serve_arriving_endgame:
+            return
+        coming: list[tuple[int, int]] = []
+        for i in iter_bits(missing):
+            conn = self.arriving.get((v, i))
+            src = self.peers.get(conn) if conn is not None else None
+            if src is not None and src.kind is not SAME:
+                coming.append((conn, i))  # type: ignore[arg-type]
+                continue
+            bit = 1 << i
+            for p in self.peers.values():
+                if (p.kind is SAME and p.state is READY
+                        and p.bits.get(v, 0) & ~p.coming.get(v, 0) & bit):
+                    return  # a region peer holds one whole: there is something to fetch
+        for conn, i in coming:
+            if (v, i) not in self.told_coming:
+                self.told_coming.add((v, i))
+                self.counters.endgame_coming += 1
+                self._tell_arriving(conn, v, i)
 
     def _tell_arriving(self, src: int, v: int, i: int) -> None:
         """``serve_arriving``: COMING to the region's peers that lack chunk ``i``, so
@@ -346,6 +390,7 @@ class NodeCore(ReadModel):
         if self.arriving.get((v, i)) == conn:
             del self.arriving[(v, i)]
             self.arriving_at.pop((v, i), None)
+            self.told_coming.discard((v, i))
 
     def _on_not_stored(self, e: ev.ChunkNotStored) -> None:
         self._arrived(e.conn, e.version, e.index)
@@ -375,6 +420,8 @@ class NodeCore(ReadModel):
             self.close(p, "chunk before the handshake", "warning")
             return
         self.exchange.on_chunk(e)
+        if e.valid and self.arriving:
+            self._endgame_coming(e.version)
 
     def _on_frame(self, e: ev.FrameReceived) -> None:
         p = self.peers.get(e.conn)

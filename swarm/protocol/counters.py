@@ -8,7 +8,7 @@ from swarm.protocol.peer import KINDS, PeerKind
 
 
 class Counters:
-    __slots__ = ("bad_chunks", "dup_chunks", "local_faults", "recv_bytes", "recv_chunks", "region_recv",
+    __slots__ = ("bad_chunks", "dup_chunks", "endgame_coming", "local_faults", "recv_bytes", "recv_chunks", "region_recv",
                  "region_sent", "relay_alive", "relays", "sent_bytes", "sent_chunks", "served_arriving", "uploads_cancelled",
                  "version_refused", "withdrawn")
 
@@ -31,6 +31,8 @@ class Counters:
         self.relay_alive = 0
         self.withdrawn = 0  # chunks a peer withdrew while sending them to us (not its fault)
         self.served_arriving = 0  # answers we started while the chunk still arrived here
+        # chunks offered (COMING) at a version's end only (``serve_arriving_endgame``)
+        self.endgame_coming = 0
         # answers under way that their requester cancelled (it got the chunk elsewhere
         # first): stopped (``ev.StopChunk``) instead of sent whole for nothing
         self.uploads_cancelled = 0
@@ -62,6 +64,7 @@ class Counters:
             "local_faults": self.local_faults, "relays": dict(self.relays),
             "relay_alive": self.relay_alive,
             "withdrawn": self.withdrawn, "served_arriving": self.served_arriving,
+            "endgame_coming": self.endgame_coming,
             "uploads_cancelled": self.uploads_cancelled,
             "version_refused": self.version_refused,
         }

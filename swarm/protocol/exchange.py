@@ -237,10 +237,13 @@ class ChunkExchange:
             p.busy = False
             t0 = p.req.get((v, i))
             if t0 is not None:
-                dt = self.host.now - t0
-                p.ewma = dt if p.samples == 0 else 0.7 * p.ewma + 0.3 * dt
-                p.samples += 1
                 p.timeouts = 0
+                # an answer that came at its chunk's arrival pace there (``serve_arriving``)
+                # times that arrival, not the peer: it would make a border a slow outlier
+                if not (self.requests.early and (p.conn, v, i) in self.requests.early):
+                    dt = self.host.now - t0
+                    p.ewma = dt if p.samples == 0 else 0.7 * p.ewma + 0.3 * dt
+                    p.samples += 1
             requested = self.requests.forget(p, (v, i), self.versions)
         else:
             requested = False
