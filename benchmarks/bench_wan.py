@@ -58,7 +58,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from node.config import DEFAULT_WARM_MEMORY_MIB  # noqa: E402
+from node.config import DEFAULT_ORIGIN_WARM_MEMORY_MIB, DEFAULT_WARM_MEMORY_MIB  # noqa: E402
 from node.logs import TextFormatter  # noqa: E402
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -368,7 +368,8 @@ def _fleet(lab: Any, args: argparse.Namespace, workdir: Path) -> Any:
     node = {"warm_memory_mib": args.warm_mib}
     fleet = LoopbackFleet(lab.regions, lab.hosts_per_region, chunk_size=args.chunk_size,
                           lab=lab, tls=args.tls, workdir=workdir, swarm=knobs, network=network,
-                          node_section=node, node_log_level="debug" if args.keep_logs else None)
+                          node_section=node, trainer_warm_memory_mib=args.origin_warm_mib,
+                          node_log_level="debug" if args.keep_logs else None)
     # the trainer occupies the last host of region 0: no node there
     fleet.nodes = [n for n in fleet.nodes
                    if (n.host, n.netns) != (lab.ip_trainer, lab.ns_trainer)]
@@ -807,7 +808,8 @@ def inner(args: argparse.Namespace) -> int:
         "lt_cross_peers": args.lt_cross_peers, "lt_pex": not args.lt_no_pex,
         "uplink_burst_kib": args.uplink_burst_kib, "flow_bound_s": round(bound, 3),
         "swarm_knobs": args.swarm or [], "host_sysctls": dict(args.sysctl),
-        "warm_memory_mib": args.warm_mib, "loss": args.loss, "versions": args.versions,
+        "warm_memory_mib": args.warm_mib, "origin_warm_memory_mib": args.origin_warm_mib,
+        "loss": args.loss, "versions": args.versions,
         "congestion_control": args.congestion if args.congestion is not None else "bbr",
         # the [network] knobs set (None: the shipped value)
         **{key: getattr(args, key) for _f, key, *_ in NETWORK_KNOBS},
@@ -1089,6 +1091,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="[node] warm_memory_mib of every node: heap touched at start so the "
                          "first version runs on warm memory (0: off; default: the shipped "
                          f"{DEFAULT_WARM_MEMORY_MIB})")
+    ap.add_argument("--origin-warm-mib", type=int, default=DEFAULT_ORIGIN_WARM_MEMORY_MIB,
+                    metavar="MIB", help="the trainer's [node] warm_memory_mib (default: the "
+                    f"shipped origin's {DEFAULT_ORIGIN_WARM_MEMORY_MIB})")
     ap.add_argument("--keep-logs", default=None, metavar="DIR",
                     help="copy every node's log (and the origin's, logged at INFO) to "
                          "DIR/run<k>-<system>/ before the run's files are removed; the nodes "

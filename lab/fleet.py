@@ -116,6 +116,7 @@ class LoopbackFleet:
                  model_config: dict[str, Any] | None = None,
                  network: dict[str, Any] | None = None,
                  node_section: dict[str, Any] | None = None,
+                 trainer_warm_memory_mib: int | None = None,
                  node_log_level: str | None = None) -> None:
         """``lab``: place every node (and the trainer) on an emulated host of a
         ``lab.netlab.NetLab`` instead of 127.0.x.x. The calling process must
@@ -138,7 +139,8 @@ class LoopbackFleet:
         nodes and its trainer without warm memory
         (``warm_memory_mib = 0``: a dozen nodes would hold 256 MiB each for nothing in a
         demo or a test) unless ``node_section`` sets it; the benchmarks pass the shipped
-        value. ``node_log_level``: every node's ``[log] level`` (e.g. "debug": a line per
+        value. ``trainer_warm_memory_mib``: the trainer's own (default: the nodes').
+        ``node_log_level``: every node's ``[log] level`` (e.g. "debug": a line per
         chunk transfer, for timelines)."""
         if regions < 1 or nodes_per_region < 1:
             raise FleetError("need at least one region and one node per region")
@@ -160,7 +162,8 @@ class LoopbackFleet:
         self.gateway = gateway
         self.network = dict(network or {})
         node_keys_extra = {"warm_memory_mib": 0, **(node_section or {})}
-        self.warm_memory_mib = int(node_keys_extra["warm_memory_mib"])  # the trainer's too
+        self.warm_memory_mib = int(node_keys_extra["warm_memory_mib"] if trainer_warm_memory_mib
+                                   is None else trainer_warm_memory_mib)  # the trainer's
         self.node_section = "".join(f"{k} = {json.dumps(v)}\n" for k, v in node_keys_extra.items())
         self.model_config = model_config
         self.node_log = f'[log]\nlevel = "{node_log_level}"\n\n' if node_log_level else ""

@@ -64,6 +64,11 @@ _SECTIONS = {
 MAX_CONFIG_BYTES = 1024 * 1024
 MAX_WARM_MEMORY_MIB = 1536  # glibc's trim threshold is an int (node.daemon.tune_malloc)
 DEFAULT_WARM_MEMORY_MIB = 256
+# an origin's encode works on several views' worth of buffers (the last view, the new one,
+# byte planes, the patch and its chunks) beside the trainer's own: with 256 MiB a dense
+# 64 MiB version's encode still faulted 12-16k fresh pages from the second version on
+# (docs/benchmarks.md round 36)
+DEFAULT_ORIGIN_WARM_MEMORY_MIB = 1024
 
 
 @dataclass(frozen=True)
@@ -414,7 +419,8 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = Non
     node_id = _nonempty(_get(node, "node", "id", str), "node.id")
     region = _nonempty(_get(node, "node", "region", str), "node.region", 64)
     model = _nonempty(_get(node, "node", "model", str), "node.model")
-    warm = _get(node, "node", "warm_memory_mib", int, DEFAULT_WARM_MEMORY_MIB)
+    warm = _get(node, "node", "warm_memory_mib", int,
+                DEFAULT_ORIGIN_WARM_MEMORY_MIB if role == "origin" else DEFAULT_WARM_MEMORY_MIB)
     if not 0 <= warm <= MAX_WARM_MEMORY_MIB:
         raise ConfigError(f"node.warm_memory_mib: must be in 0..{MAX_WARM_MEMORY_MIB} "
                           f"(0 = off), got {warm}")

@@ -153,6 +153,18 @@ def test_origin_needs_a_signing_key(tmp_path: Path) -> None:
         parse_config(_doc(node={"role": "origin"}), tmp_path)
 
 
+def test_an_origin_warms_more_heap_by_default(tmp_path: Path) -> None:
+    """An origin's encode needs several views' worth of buffers: its default warm heap
+    is DEFAULT_ORIGIN_WARM_MEMORY_MIB, a node's stays 256; set, either is as given."""
+    from node.config import DEFAULT_ORIGIN_WARM_MEMORY_MIB
+
+    origin = {"node": {"role": "origin"}, "publish": {"signing_key": "trainer.key"}}
+    assert parse_config(_doc(**origin), tmp_path).warm_memory_mib == DEFAULT_ORIGIN_WARM_MEMORY_MIB == 1024
+    origin["node"]["warm_memory_mib"] = 0
+    assert parse_config(_doc(**origin), tmp_path).warm_memory_mib == 0
+    assert parse_config(_doc(), tmp_path).warm_memory_mib == 256
+
+
 def test_file_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(tmp_path / "missing.toml")
