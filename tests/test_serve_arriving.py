@@ -198,15 +198,17 @@ def _arrive_from(n: NodeCore, p: Script, i: int) -> list[ev.Action]:
 
 def test_a_small_region_is_offered_a_version_s_last_chunks_arriving_from_outside() -> None:
     """Shipped defaults: a node of a small region offers nothing while chunks arrive,
-    until it lacks at most ``serve_arriving_endgame`` (3) chunks, none of them held
+    until it lacks at most ``serve_arriving_endgame`` (2) chunks, none of them held
     whole by a region peer. Then the ones arriving from outside the region are offered
     to the region's peers that lack them, at once and once each."""
     n, p = _node(serve_arriving_region=CoreConfig.serve_arriving_region)
-    assert CoreConfig.serve_arriving_endgame == 3
+    assert CoreConfig.serve_arriving_endgame == 2
     got = _arrive_from(n, p["x"], 0)  # lacks 0, 1, 2, 3: four
     assert _comings(p["c"], got) == []
-    # chunk 1 stored (from b): it lacks 0 (arriving from x), 2 and 3 (nobody holds them)
-    got = n.handle(ev.ChunkReceived(n.now, p["b"].conn, V, 1, True))
+    got = n.handle(ev.ChunkReceived(n.now, p["b"].conn, V, 1, True))  # three
+    assert _comings(p["c"], got) == []
+    # chunk 3 stored: it lacks 0 (arriving from x) and 2 (nobody holds it)
+    got = n.handle(ev.ChunkReceived(n.now, p["origin"].conn, V, 3, True))
     assert _comings(p["c"], got) == [wire.Coming(V, (0,))] == _comings(p["d"], got)
     assert _comings(p["b"], got) == [wire.Coming(V, (0,))]  # b lacks 0 too
     assert _comings(p["x"], got) == _comings(p["origin"], got) == []
@@ -222,24 +224,32 @@ def test_a_small_region_is_offered_a_version_s_last_chunks_arriving_from_outside
 def test_no_endgame_offer_while_a_region_peer_holds_a_missing_chunk_whole() -> None:
     n, p = _node(serve_arriving_region=CoreConfig.serve_arriving_region, have_batch_s=0.0)
     n.handle(ev.ChunkReceived(n.now, p["b"].conn, V, 1, True))
-    p["c"].send(wire.Have(V, (3,)))  # c holds 3 whole: there is something to fetch
+    n.handle(ev.ChunkReceived(n.now, p["origin"].conn, V, 3, True))
+    p["c"].send(wire.Have(V, (2,)))  # c holds 2 whole: there is something to fetch
     assert _comings(p["d"], _arrive_from(n, p["x"], 0)) == []
-    # 3 stored here: 0 (from x) and 2 (nobody holds it) are left: 0 is offered
-    got = n.handle(ev.ChunkReceived(n.now, p["c"].conn, V, 3, True))
+    # 2 stored here: only 0 (from x) is left, offered now
+    got = n.handle(ev.ChunkReceived(n.now, p["c"].conn, V, 2, True))
     assert _comings(p["d"], got) == [wire.Coming(V, (0,))] == _comings(p["c"], got)
-    # a chunk arriving from a region peer is that peer's to offer, not ours
-    got = _arrive_from(n, p["d"], 2)
-    assert not [f for s in p.values() for f in _comings(s, got)]
+
+
+def test_a_chunk_arriving_from_a_region_peer_is_not_offered_at_the_end() -> None:
+    n, p = _node(serve_arriving_region=CoreConfig.serve_arriving_region)
+    n.handle(ev.ChunkReceived(n.now, p["b"].conn, V, 1, True))
+    n.handle(ev.ChunkReceived(n.now, p["origin"].conn, V, 3, True))
+    assert not [f for s in p.values() for f in _comings(s, _arrive_from(n, p["d"], 2))]
+    got = _arrive_from(n, p["x"], 0)  # 2 comes from d: that peer's to offer, not ours
+    assert _comings(p["c"], got) == [wire.Coming(V, (0,))]
     assert n.counters.endgame_coming == 1
 
 
 def test_the_endgame_offer_waits_until_that_few_chunks_are_missing() -> None:
     n, p = _node(serve_arriving_region=CoreConfig.serve_arriving_region,
-                 serve_arriving_endgame=2)
+                 serve_arriving_endgame=1)
     n.handle(ev.ChunkReceived(n.now, p["b"].conn, V, 1, True))
-    got = _arrive_from(n, p["x"], 0)  # lacks 0, 2 and 3: three, none held in the region
+    n.handle(ev.ChunkReceived(n.now, p["origin"].conn, V, 3, True))
+    got = _arrive_from(n, p["x"], 0)  # lacks 0 and 2: two, none held in the region
     assert not [f for s in p.values() for f in _comings(s, got)]
-    got = n.handle(ev.ChunkReceived(n.now, p["origin"].conn, V, 2, True))  # two left
+    got = n.handle(ev.ChunkReceived(n.now, p["origin"].conn, V, 2, True))  # one left
     assert _comings(p["c"], got) == [wire.Coming(V, (0,))]
 
 

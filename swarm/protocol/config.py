@@ -125,7 +125,7 @@ class CoreConfig:
     # many chunks, none of them held whole by a region peer, it offers those arriving here
     # from outside the region. Nothing else is left to fetch then, so its peers take them
     # while they arrive instead of a hop after the last byte (docs/protocol.md) (0: off)
-    serve_arriving_endgame: int = 3
+    serve_arriving_endgame: int = 2
     border_grace_s: float = 5.0  # wait before re-sending what a departed border held
     relay_wait_s: float = 5.0  # origin: push a chunk a linked region could relay only after relays into the region stalled this long
     # origin: a region whose relays into another take this many times a push into it is
