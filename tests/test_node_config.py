@@ -201,3 +201,14 @@ def test_example_configs_parse(tmp_path: Path) -> None:
 def test_arbitrary_documents_never_crash(doc: dict) -> None:
     with contextlib.suppress(ConfigError):
         parse_config(doc, Path("/nonexistent"))
+
+
+def test_a_one_shot_publish_warms_only_what_one_version_needs(tmp_path: Path) -> None:
+    """``patchswarm publish`` publishes one version: the origin's larger default heap is
+    for a long-running one's later versions, so it warms a node's default at most."""
+    from trainer.cli_publish import one_version_memory
+
+    origin = {"node": {"role": "origin"}, "publish": {"signing_key": "trainer.key"}}
+    assert one_version_memory(parse_config(_doc(**origin), tmp_path)).warm_memory_mib == 256
+    origin["node"]["warm_memory_mib"] = 64
+    assert one_version_memory(parse_config(_doc(**origin), tmp_path)).warm_memory_mib == 64
