@@ -70,13 +70,18 @@ async def _striped(lanes: int) -> AsyncIterator[tuple[Driver, Conn, asyncio.Queu
         await server.close()
 
 
-async def _until(cond: Any) -> None:
-    """Wait (5 s at most) until the driver's reader tasks took what was fed."""
+async def _until(cond: Any, tasks: list[asyncio.Task] | None = None) -> None:
+    """Wait (5 s at most) until the driver's reader tasks took what was fed; a reader task
+    that died meanwhile is reported with its own error, not as a timeout."""
     for _ in range(500):
         if cond():
             return
+        for t in tasks or ():
+            if t.done() and not t.cancelled() and t.exception() is not None:
+                raise AssertionError(f"a reader task died: {t.exception()!r}") from t.exception()
         await asyncio.sleep(0.01)
-    raise AssertionError("the driver did not take the fed messages")
+    states = [("done" if t.done() else "running") for t in tasks or ()]
+    raise AssertionError(f"the driver did not take the fed messages (reader tasks: {states})")
 
 
 def _receiving(drv: Driver) -> tuple[Conn, Any, Any, list[asyncio.Task]]:
@@ -354,7 +359,9 @@ def test_a_receiver_asks_again_for_a_chunk_stuck_on_a_lane() -> None:
         clock = [asyncio.get_running_loop().time()]
         drv.now = lambda: clock[0]  # type: ignore[method-assign]
 
-        until = _until
+        async def until(cond: Any) -> None:
+            await _until(cond, tasks)  # the reader tasks made below
+
         whole: list[tuple[int, int, bytes]] = []
         buffers: list[memoryview] = []
 
@@ -593,7 +600,9 @@ def test_a_receiver_takes_a_chunk_restarted_striped_without_losing_its_relays(or
 
         drv._on_chunk = record  # type: ignore[method-assign]
 
-        until = _until
+        async def until(cond: Any) -> None:
+            await _until(cond, tasks)  # the reader tasks made below
+
 
         def kinds(t: type) -> list[ev.Event]:
             return [e for e in events if isinstance(e, t)]
