@@ -40,7 +40,8 @@ import os
 import shutil
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -84,6 +85,7 @@ def _aligned(n: int) -> memoryview:
 def _address(view: memoryview) -> int:
     return numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data if len(view) else 0
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
+PUT_WORKERS = 4  # put_chunks: chunk files written and fsync'ed at once
 MAX_ACTIVE_BYTES = 1024
 
 
@@ -245,6 +247,27 @@ class ChunkStore:
     def _atomic_write(self, dest: Path, data: bytes | memoryview, *, what: str) -> bool:
         """Write ``dest`` via tmp/ + fsync + rename + directory fsync; True when its
         aligned part went with O_DIRECT."""
+        tmp, wrote_direct = self._write_tmp(dest, data, what=what)
+        try:
+            os.replace(tmp, dest)
+            self._sync_dir(dest.parent)
+        except OSError as exc:
+            self._fail_write(exc, what, [tmp])
+        return wrote_direct
+
+    def _fail_write(self, exc: OSError, what: str, tmps: list[Path]) -> NoReturn:
+        for tmp in tmps:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        if exc.errno in _DISK_FULL:
+            raise StoreError(
+                f"disk full writing {what} to {self.root}; earlier versions are intact"
+            ) from None
+        raise StoreError(f"cannot write {what}: {exc.strerror or exc}") from None
+
+    def _write_tmp(self, dest: Path, data: bytes | memoryview, *, what: str) -> tuple[Path, bool]:
+        """Write ``data`` to a fresh file in tmp/ named after ``dest`` and fsync it (not
+        renamed yet); the file and whether its aligned part went with O_DIRECT."""
         tmp = self.root / "tmp" / f"{dest.name}.{os.getpid()}.{threading.get_ident()}.part"
         try:
             view = memoryview(data).cast("B")
@@ -273,17 +296,9 @@ class ChunkStore:
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, dest)
-            self._sync_dir(dest.parent)
-            return wrote_direct
+            return tmp, wrote_direct
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            if exc.errno in _DISK_FULL:
-                raise StoreError(
-                    f"disk full writing {what} to {self.root}; earlier versions are intact"
-                ) from None
-            raise StoreError(f"cannot write {what}: {exc.strerror or exc}") from None
+            self._fail_write(exc, what, [tmp])
 
     def _open_write(self, tmp: Path, direct: bool) -> int:
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
@@ -434,6 +449,84 @@ class ChunkStore:
             self._used += len(data)
             if keep:
                 self._remember(version, index, memoryview(data).cast("B").toreadonly())
+
+    def put_chunks(self, version: int, chunks: Sequence[bytes | bytearray | memoryview], *,
+                   keep: bool = False, workers: int = PUT_WORKERS,
+                   placed: Callable[[int], None] | None = None) -> None:
+        """Keep every chunk of ``version`` at once: the trainer storing its own payload,
+        whose manifest it hashed from these very bytes (only lengths are checked, as
+        ``put_chunk(..., hashed=True)``).
+
+        The same durability as one ``put_chunk`` per chunk when it returns, for less
+        wall time: the chunk files are written and fsync'ed in ``workers`` threads at
+        once (a device takes parallel flushes far faster than serial ones), then renamed
+        into place and their directory fsync'ed once, not once per chunk. If any write
+        fails nothing of this call is renamed into place (its temp files are removed)
+        and the first error is raised; a crash part-way leaves temp files (deleted at
+        the next open) or whole chunk files, as before. ``keep`` as for ``put_chunk``;
+        ``placed(i)`` is called as chunk ``i`` is renamed into place (fault injection)."""
+        m = self._manifest(version)
+        if len(chunks) != m.chunk_count:
+            raise ChunkError(f"{len(chunks)} chunks given for version {version}, whose "
+                             f"manifest has {m.chunk_count}; not stored")
+        for i, data in enumerate(chunks):
+            n = memoryview(data).nbytes
+            if n != m.chunk_length(i):
+                raise ChunkError(f"chunk {i} of version {version} ({n} bytes) is not the "
+                                 f"manifest's ({m.chunk_length(i)} bytes); not stored")
+        with self._mutex:
+            have = self._scan(version)
+            todo = [i for i in range(len(chunks)) if i not in have]
+            size = sum(memoryview(chunks[i]).nbytes for i in todo)
+            self._check_quota(size, f"{len(todo)} chunks of version {version}")
+            # held across the writes, as put_chunk holds it across its one write
+            written: dict[int, tuple[Path, bool]] = {}
+            errors: list[StoreError] = []
+            lock = threading.Lock()
+
+            def one(i: int) -> None:
+                try:
+                    got = self._write_tmp(self._cpath(version, i), chunks[i],
+                                          what=f"chunk {i} of version {version}")
+                except StoreError as exc:
+                    with lock:
+                        errors.append(exc)
+                    return
+                with lock:
+                    written[i] = got
+
+            k = max(1, min(workers, len(todo)))
+            if k == 1:
+                for i in todo:
+                    one(i)
+                    if errors:
+                        break
+            else:
+                with ThreadPoolExecutor(k, thread_name_prefix="store-put") as pool:
+                    list(pool.map(one, todo))
+            tmps = [t for t, _d in written.values()]
+            if errors:
+                for tmp in tmps:
+                    with contextlib.suppress(OSError):
+                        tmp.unlink()
+                raise errors[0]
+            try:
+                for i in todo:
+                    os.replace(written[i][0], self._cpath(version, i))
+                    if placed is not None:
+                        placed(i)
+                if todo:
+                    self._sync_dir(self._cpath(version, 0).parent)
+            except OSError as exc:
+                self._fail_write(exc, f"chunks of version {version}",
+                                 [t for t in tmps if t.exists()])
+            for i in todo:
+                if written[i][1]:
+                    self._direct_written.add((version, i))
+                have.add(i)
+                self._used += memoryview(chunks[i]).nbytes
+                if keep:
+                    self._remember(version, i, memoryview(chunks[i]).cast("B").toreadonly())
 
     def _remember(self, version: int, index: int, view: memoryview) -> None:
         """Keep a verified chunk in memory, dropping the oldest past ``recent_bytes``."""

@@ -139,20 +139,21 @@ def test_disk_error_mid_publish_rolls_back_in_process(trainer: Path, monkeypatch
     try:
         pub.publish(load_file(str(trainer / "step1.safetensors")))
         calls = {"n": 0}
-        real = pub.store.put_chunk
+        real = pub.store._write_tmp  # one chunk file's write (the trainer writes them at once)
 
-        def full_disk(v, i, data, **kw):
+        def full_disk(dest, data, **kw):
             calls["n"] += 1
             if calls["n"] == 1:
                 from swarm.errors import StoreError
 
                 raise StoreError("No space left on device")
-            return real(v, i, data, **kw)
+            return real(dest, data, **kw)
 
-        monkeypatch.setattr(pub.store, "put_chunk", full_disk)
+        monkeypatch.setattr(pub.store, "_write_tmp", full_disk)
         with pytest.raises(Exception, match="No space left"):
             pub.publish(load_file(str(trainer / "step2.safetensors")))
-        monkeypatch.setattr(pub.store, "put_chunk", real)
+        assert calls["n"] >= 1
+        monkeypatch.setattr(pub.store, "_write_tmp", real)
         assert pub.store.versions() == [2] and pub.version == 2
         assert pub.publish(load_file(str(trainer / "step2.safetensors"))).version == 3
     finally:

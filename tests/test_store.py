@@ -304,6 +304,92 @@ def test_disk_full_is_a_clear_error_and_keeps_earlier_versions(tiny_fs):
         assert s.complete(6)
 
 
+
+# ------------------------------------------------- put_chunks (the trainer's batch)
+
+
+def test_put_chunks_stores_a_whole_version_in_parallel(tmp_path):
+    """The trainer's batch write: every chunk at its final name, the same bytes as
+    ``put_chunk`` would leave, readable after a restart; chunks already held are
+    skipped, and ``placed`` hears of each chunk as it goes into place."""
+    payload, raw, m = version(1, n_chunks=9)
+    parts = split_payload(payload, CHUNK)
+    with ChunkStore(tmp_path, trust=TRUST) as s:
+        s.put_manifest(raw, m)
+        s.put_chunk(1, 4, parts[4])
+        seen: list[int] = []
+        s.put_chunks(1, list(parts), keep=True, workers=4, placed=seen.append)
+        assert sorted(seen) == [0, 1, 2, 3, 5, 6, 7, 8]  # chunk 4 was held already
+        assert s.complete(1) and s.payload(1) == payload
+        assert s.used_bytes == len(raw) + len(payload)
+        assert not list((tmp_path / "tmp").iterdir())
+        s.put_chunks(1, list(parts))  # idempotent
+    with ChunkStore(tmp_path, trust=TRUST) as s:
+        assert s.complete(1) and s.payload(1) == payload
+
+
+def test_put_chunks_checks_count_and_lengths_before_writing(tmp_path):
+    payload, raw, m = version(1)
+    parts = list(split_payload(payload, CHUNK))
+    with ChunkStore(tmp_path) as s:
+        s.put_manifest(raw, m)
+        with pytest.raises(ChunkError, match="5 chunks given for version 1, whose manifest has 6"):
+            s.put_chunks(1, parts[:5])
+        bad = [*parts[:3], parts[3][:-1], *parts[4:]]
+        with pytest.raises(ChunkError, match=r"chunk 3 of version 1 \(16383 bytes\) is not the manifest's"):
+            s.put_chunks(1, bad)
+        with pytest.raises(StoreError, match="not in the store"):
+            s.put_chunks(2, parts)
+        assert s.have(1) == set() and not list((tmp_path / "versions").glob("*/chunks/*"))
+
+
+def test_put_chunks_quota_refuses_the_batch(tmp_path):
+    with ChunkStore(tmp_path, quota_bytes=10 * CHUNK) as s:
+        p1 = put_all(s, 1)
+        payload, raw, m = version(2)
+        s.put_manifest(raw, m)
+        with pytest.raises(StoreError, match="quota"):
+            s.put_chunks(2, list(split_payload(payload, CHUNK)))
+        assert s.payload(1) == p1 and s.have(2) == set()
+
+
+def test_put_chunks_failing_write_places_nothing(tmp_path, monkeypatch):
+    """One chunk's write fails (after others were written): none of the batch goes into
+    place, no temp file stays, the error is the store's; earlier versions are intact."""
+    with ChunkStore(tmp_path) as s:
+        p1 = put_all(s, 1)
+        payload, raw, m = version(2, n_chunks=8)
+        s.put_manifest(raw, m)
+        real = s._write_tmp
+
+        def flaky(dest, data, *, what):
+            if dest.name == f"{5:08d}":
+                time.sleep(0.05)  # the others are written by now
+                raise StoreError(f"cannot write {what}: injected")
+            return real(dest, data, what=what)
+
+        monkeypatch.setattr(s, "_write_tmp", flaky)
+        with pytest.raises(StoreError, match="cannot write chunk 5 of version 2: injected"):
+            s.put_chunks(2, list(split_payload(payload, CHUNK)), workers=3)
+        assert s.have(2) == set() and s.payload(1) == p1
+        assert not list((tmp_path / "tmp").iterdir())
+        assert not list((tmp_path / "versions" / f"{2:020d}" / "chunks").iterdir())
+        monkeypatch.setattr(s, "_write_tmp", real)
+        s.put_chunks(2, list(split_payload(payload, CHUNK)))  # and it goes through later
+        assert s.payload(2) == payload
+
+
+def test_put_chunks_disk_full_is_a_clear_error(tiny_fs):
+    with ChunkStore(tiny_fs) as s:
+        p1 = put_all(s, 1)  # ~96 KiB
+        payload, raw, m = version(2, n_chunks=12)  # ~192 KiB more: does not fit
+        s.put_manifest(raw, m)
+        with pytest.raises(StoreError, match="disk full"):
+            s.put_chunks(2, list(split_payload(payload, CHUNK)), workers=4)
+        assert s.payload(1) == p1 and s.have(2) == set()
+        assert not list((tiny_fs / "tmp").iterdir())
+
+
 # ------------------------------------------------------------ SIGKILL test
 
 N_VERSIONS = 12

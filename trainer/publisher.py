@@ -567,11 +567,11 @@ class Publisher:
             # (immutable bytes): the origin's pushes read it from there, not from disk with
             # a hash again. A larger one is not: a kept slice pins the whole payload.
             keep = len(payload) <= self.store.recent_bytes
-            for i, chunk in enumerate(split_payload(payload, self.cfg.chunk_size)):
-                # hashed into the manifest from these very bytes a moment ago
-                self.store.put_chunk(version, i, chunk, hashed=True, keep=keep)
-                if i == 0:
-                    _crash_point("chunk")
+            # hashed into the manifest from these very bytes a moment ago; written and
+            # fsync'ed in parallel, durable (like the manifest) before the commit point
+            self.store.put_chunks(version, list(split_payload(payload, self.cfg.chunk_size)),
+                                  keep=keep,
+                                  placed=lambda i: _crash_point("chunk") if i == 0 else None)
             _crash_point("chunks")
             self.store.set_active(version, m.target_digest)
         except BaseException:
