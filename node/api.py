@@ -94,6 +94,8 @@ def status_dict(driver: Driver, model: str) -> dict[str, Any]:
         # where each apply's time went (wait, read, stage, commit, engine; cpu_s: the
         # applying thread's CPU), the last 16 versions
         "apply_split": {str(k): v for k, v in getattr(driver, "apply_splits", {}).items()},
+        # applies that raised the decode-ahead thread's priority while they waited for it
+        "prestage_boosts": getattr(driver, "prestage_boosts", 0),
         # confidential versions this node relays but cannot open (no key for them)
         "no_key_versions": {str(k): v for k, v in getattr(driver, "no_key_versions", {}).items()},
         "activated_at": {str(k): v for k, v in driver.activated_at.items()},

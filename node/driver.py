@@ -233,6 +233,8 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
         # its own low-priority thread (``_prestage_pool``), shut down by ``stop``
         self._pre_pool: ThreadPoolExecutor | None = None
         self._pre_closed = False
+        self._pre_tid: int | None = None  # the prestage thread's id (Linux niceness)
+        self.prestage_boosts = 0  # applies that raised the prestage thread's priority
         self._applying = False
         self._ahead_bytes = 0  # of the last apply's payload, decoded while it downloaded
         self.apply_split: dict[str, float] = {}

@@ -8,6 +8,7 @@ bitwise; a base that moved after the digest was taken is hashed again at commit.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import threading
@@ -281,6 +282,71 @@ def test_prestage_runs_in_its_own_low_priority_thread_shut_down_by_stop() -> Non
 
     asyncio.run(main())
     assert not _prestage_threads()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
+def test_an_apply_waiting_for_the_prestage_raises_its_priority_until_its_next_step() -> None:
+    """An apply that waits for the prestage thread's slice raises that thread to the
+    loop's priority (where the system allows it), and the thread's next step lowers it
+    again; where raising is refused nothing changes and the apply still waits."""
+    from node.driver import PRESTAGE_NICE, Driver
+
+    old, _ = _dense_case(tensors=1)
+    w = _holder(old)
+
+    async def main() -> None:
+        drv = Driver(None, None, None, weights=w, host="127.0.0.1", port=0)  # type: ignore[arg-type]
+        gate, inside = threading.Event(), threading.Event()
+        seen: list[int] = []
+
+        real_step = drv._prestage_step
+
+        def busy_step(v: int) -> None:  # a slice's decode that takes a while
+            with contextlib.suppress(AttributeError):  # the real step: no store here
+                real_step(v)
+            seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+            inside.set()
+            assert gate.wait(10)
+            seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+        drv._prestage_step = busy_step  # type: ignore[method-assign]
+        drv._prestage_kick(2)
+        assert await asyncio.to_thread(inside.wait, 10)
+        loop_prio = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        allowed = loop_prio < PRESTAGE_NICE
+        try:  # can this process raise a thread's priority at all?
+            os.setpriority(os.PRIO_PROCESS, drv._pre_tid, PRESTAGE_NICE + 1)
+            os.setpriority(os.PRIO_PROCESS, drv._pre_tid, PRESTAGE_NICE)
+        except PermissionError:
+            allowed = False
+
+        async def no_apply(version: int, t0: float) -> None:
+            pass
+
+        drv._apply_locked = no_apply  # type: ignore[method-assign]
+        applying = asyncio.ensure_future(drv._apply(2))  # waits for the slice
+        await asyncio.sleep(0.05)
+        assert not applying.done()
+        gate.set()
+        await applying
+        assert seen[0] >= PRESTAGE_NICE
+        if allowed:
+            assert drv.prestage_boosts == 1 and seen[1] == loop_prio
+        else:
+            assert drv.prestage_boosts == 0 and seen[1] == seen[0]
+        # the thread's next step lowers it again
+        gate.clear()
+        inside.clear()
+        drv._prestage_kick(2)
+        assert await asyncio.to_thread(inside.wait, 10)
+        assert seen[2] >= PRESTAGE_NICE
+        gate.set()
+        await asyncio.shield(drv._pre_task)
+        drv._boost_prestage()  # nothing running: nothing to raise
+        assert drv.prestage_boosts == (1 if allowed else 0)
+        await drv.stop(drain_s=0.1)
+
+    asyncio.run(main())
 
 
 def test_lower_thread_priority_never_raises(monkeypatch) -> None:
