@@ -71,9 +71,10 @@ async def _striped(lanes: int) -> AsyncIterator[tuple[Driver, Conn, asyncio.Queu
 
 
 async def _until(cond: Any, tasks: list[asyncio.Task] | None = None) -> None:
-    """Wait (5 s at most) until the driver's reader tasks took what was fed; a reader task
-    that died meanwhile is reported with its own error, not as a timeout."""
-    for _ in range(500):
+    """Wait (30 s at most: a loaded 2-core CI box once took over 5) until the driver's
+    reader tasks took what was fed; a reader task that died meanwhile is reported with
+    its own error, not as a timeout."""
+    for _ in range(3000):
         if cond():
             return
         for t in tasks or ():
