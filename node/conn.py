@@ -78,7 +78,7 @@ class Conn:
     sock: Any = None  # the TCP socket under the link (options, BBR restarts), if known
     restart: CongestionRestart = field(default_factory=CongestionRestart)
     restart_timer: asyncio.TimerHandle | None = None  # the next CongestionRestart.next_check
-    cut_through: bool = False  # the chunk being sent is forwarded as it arrives
+    handed: int = 0  # bytes of the chunk being sent handed to the link so far
     # striped links (docs/striped-links.md): the extra connections, the token they carry,
     # the receiving assembler, and the sender's seq counter and unfinished window
     identity: tuple[str, str, str] | None = None

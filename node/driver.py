@@ -623,7 +623,7 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
                         await c.wake.wait()
                         continue
                     v, i, arriving = c.data.popleft()
-                    c.sending, c.stop = (v, i), None
+                    c.sending, c.stop, c.handed = (v, i), None, 0
                     stream = self.arrivals.get((v, i)) if arriving else None
                     started = self.now()
                     c.in_chunk = True
@@ -712,8 +712,8 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
                         continue
                     c.out[seq] = [v, i, payload, 0, 0]  # kept until PSD2: blocks may be asked again
                 if offset == 0 and self.congestion_restart_s > 0:
-                    c.cut_through = stream is not None
-                    if c.restart.chunk_started(self.now()):
+                    paced = stream is not None and stream.got < stream.length
+                    if c.restart.chunk_started(self.now(), paced=paced):
                         self._restart_congestion(c, "after_idle")
                     self._arm_restart_check(c)
                 block: bytes | memoryview = payload[offset:end]
@@ -733,7 +733,7 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
                         self._probe_loss(c, offset == 0)
                     self.wire_bytes["sent"] += await c.link.send(
                         wire.pack_block_header(v, i, n, offset), block)
-                offset = end
+                offset = c.handed = end
                 if offset >= n:
                     if log.isEnabledFor(logging.DEBUG):
                         log.debug("chunk_sent", extra={"fields": {
@@ -897,6 +897,7 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
             self._arrival_failed(key, a)
             return
         a.buf, a.got, a.state = payload, a.length, "stored"
+        self._source_done(a)
         a.changed()
 
     def _arrivals_end(self, conn: int) -> None:
@@ -930,6 +931,7 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
             a = None
         if a is not None:
             a.got = a.length  # every byte is here; the last block waits for the verdict
+            self._source_done(a)
         key = (v, i)
         self.verifying[key] = self.verifying.get(key, 0) + 1
         try:

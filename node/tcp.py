@@ -111,6 +111,13 @@ def congestion_of(sock: Any) -> str | None:
 # window, the round-trip floor it measured kept.
 CONGESTION_RESTART_S = 1.0  # shipped [network] congestion_restart_s (0: never)
 RESTART_IDLE_S = 0.2  # a chunk after this long without one on the link starts afresh
+# A relay forwarded as its chunk arrives is paced by its source until the chunk is all
+# here; a link still this far behind then, whose BBR estimate is under the source's
+# arrival rate / STALE_FACTOR, holds a stale estimate (a cut-through relay crawled at
+# 1.5-5 Mbit/s for 2.8 s after its source had finished at 23 Mbit/s, through an inlet
+# 80 % idle: docs/benchmarks.md round 38) and starts over at once.
+RELAY_LAG_BYTES = 512 << 10
+STALE_FACTOR = 4.0
 TCP_CC_INFO = 26  # linux/tcp.h; struct tcp_bbr_info for BBR
 BBR_INFO = struct.Struct("=IIIII")  # bw_lo, bw_hi (bytes/s), min_rtt (us), pacing, cwnd gain
 
@@ -159,10 +166,14 @@ class CongestionRestart:
     (4 MiB: 0.34 s at 100 Mbit/s), so on a link that keeps up nothing restarts mid-chunk.
     ``every_s`` = 0 turns it off. Time comes in as arguments; the driver looks at
     ``next_check``, on a timer of its own: a writer can wait on a squeezed socket for
-    long, and after its last block it has nothing more to send."""
+    long, and after its last block it has nothing more to send.
 
-    __slots__ = ("every_s", "idle_s", "last_end", "last_restart", "restarts", "started",
-                 "tails")
+    A chunk forwarded as it arrives (``paced``) goes at its source's pace, which says
+    nothing of the link: the long-chunk rule runs for it only from when all its bytes
+    are here (``source_done``), as if it started then."""
+
+    __slots__ = ("every_s", "free_from", "idle_s", "last_end", "last_restart", "restarts",
+                 "started", "tails")
 
     def __init__(self, every_s: float = CONGESTION_RESTART_S,
                  idle_s: float = RESTART_IDLE_S) -> None:
@@ -170,28 +181,50 @@ class CongestionRestart:
         self.last_end: float | None = None  # when the link's last chunk was all sent
         self.last_restart = float("-inf")
         self.started: float | None = None  # the chunk being sent: when it began
+        # from when the chunk being sent goes at the link's own pace (None: a chunk
+        # forwarded as it arrives, whose source is still sending it)
+        self.free_from: float | None = None
         self.restarts = 0
         self.tails = 0  # tail checks left for the last chunk sent
 
-    def chunk_started(self, now: float) -> bool:
-        """A chunk begins on the link: True if BBR is to start over now."""
+    def chunk_started(self, now: float, paced: bool = False) -> bool:
+        """A chunk begins on the link (``paced``: forwarded as it arrives): True if BBR is
+        to start over now."""
         self.started, self.tails = now, 0
+        self.free_from = None if paced else now
         if self.every_s <= 0:
             return False
         if self.last_end is None or now - self.last_end >= self.idle_s:
             return self._restart(now)
         return False
 
+    def source_done(self, now: float) -> None:
+        """The paced chunk being sent is all here: from now on its pace is the link's."""
+        if self.started is not None and self.free_from is None:
+            self.free_from = now
+
     def block(self, now: float) -> bool:
         """A chunk is sending: True if BBR is to start over now."""
-        if self.every_s <= 0 or self.started is None:
+        if self.every_s <= 0 or self.started is None or self.free_from is None:
             return False
-        if now - max(self.started, self.last_restart) >= self.every_s:
+        if now - max(self.free_from, self.last_restart) >= self.every_s:
             return self._restart(now)
         return False
 
+    def stale(self, now: float, lag: int, link_bps: float | None,
+              source_bps: float) -> bool:
+        """The paced chunk being sent is all here (call ``source_done`` first); ``lag``
+        bytes of it are not yet handed to the socket, whose BBR estimate is ``link_bps``
+        (None: unknown) against the ``source_bps`` it arrived at: True if BBR is to start
+        over now (a link that fell behind its source at a fraction of its rate: a stale
+        estimate, not a share of a full path)."""
+        if (self.every_s <= 0 or self.started is None or lag < RELAY_LAG_BYTES
+                or link_bps is None or link_bps * STALE_FACTOR >= source_bps):
+            return False
+        return self._restart(now)
+
     def chunk_ended(self, now: float) -> None:
-        self.started, self.last_end = None, now
+        self.started, self.free_from, self.last_end = None, None, now
         self.tails = TAIL_CHECKS if self.every_s > 0 else 0
 
     def tail(self, now: float, unacked: int | None) -> bool:
@@ -216,7 +249,9 @@ class CongestionRestart:
         if self.every_s <= 0:
             return None
         if self.started is not None:
-            return max(self.started, self.last_restart) + self.every_s
+            if self.free_from is None:
+                return None  # at its source's pace: ``source_done`` says when to look
+            return max(self.free_from, self.last_restart) + self.every_s
         if self.tails > 0 and self.last_end is not None:
             return max(self.last_end, self.last_restart) + self.every_s
         return None

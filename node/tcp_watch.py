@@ -9,9 +9,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from node.conn import Conn
+from node.conn import Arrival, Conn
 from node.tcp import (
     acked_bytes,
+    bbr_bandwidth,
     keeps_window_across_idle,
     restart_congestion,
     unacked_bytes,
@@ -83,14 +84,35 @@ class TcpWatch:
             return
         now = self.now()
         if c.restart.started is not None:
-            # a chunk forwarded as it arrives goes at its source's pace: not restarted
-            why = "long_chunk" if not c.cut_through and c.restart.block(now) else None
+            # (a chunk forwarded as it arrives is looked at only once it is all here)
+            why = "long_chunk" if c.restart.block(now) else None
         else:
             unacked = unacked_bytes(c.sock)
             why = f"tail ({unacked} bytes unacknowledged)" if c.restart.tail(now, unacked) else None
         if why is not None:
             self._restart_congestion(c, why)
         self._arm_restart_check(c)
+
+    def _source_done(self, a: Arrival) -> None:
+        """Every byte of chunk ``a`` is here: the links forwarding it as it arrived go at
+        their own pace from now (``CongestionRestart.source_done``), and one that fell
+        far behind it at a fraction of its arrival rate starts BBR over at once
+        (``CongestionRestart.stale``)."""
+        if self.congestion_restart_s <= 0 or not a.watchers:
+            return
+        now = self.now()
+        source_bps = a.length / max(now - a.t0, 1e-3)
+        bbr = self.congestion_in_use is not None and keeps_window_across_idle(
+            self.congestion_in_use)
+        for c in a.watchers:
+            r = c.restart
+            if r.started is None or r.free_from is not None or c.closing:
+                continue  # not yet started on it, or not forwarded as it arrived
+            r.source_done(now)
+            link_bps = bbr_bandwidth(c.sock) if bbr and c.sock is not None else None
+            if r.stale(now, a.length - c.handed, link_bps, source_bps):
+                self._restart_congestion(c, "stale_relay")
+            self._arm_restart_check(c)
 
     def _restart_congestion(self, c: Conn, why: str) -> None:
         """Start BBR over on ``c``'s socket (``node.tcp.CongestionRestart`` says when);

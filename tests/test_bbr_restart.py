@@ -14,6 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from node.tcp import (
+    RELAY_LAG_BYTES,
+    STALE_FACTOR,
     TAIL_CHECKS,
     TAIL_MIN_BYTES,
     CongestionRestart,
@@ -81,7 +83,8 @@ def test_no_restart_without_a_socket_an_algorithm_or_with_reno() -> None:
 EVERY, IDLE = 1.0, 0.2
 steps = st.lists(st.tuples(st.sampled_from(["start", "block", "end"]),
                            st.floats(min_value=0.0, max_value=0.7)), max_size=60)
-tail_steps = st.lists(st.tuples(st.sampled_from(["start", "block", "end", "tail"]),
+tail_steps = st.lists(st.tuples(st.sampled_from(["start", "paced", "done", "block", "end",
+                                                 "tail"]),
                                 st.floats(min_value=0.0, max_value=0.7),
                                 st.sampled_from([0, 28, TAIL_MIN_BYTES - 1, TAIL_MIN_BYTES,
                                                  1 << 20])), max_size=60)
@@ -161,21 +164,29 @@ def test_tail_and_next_check_decisions_match_the_rule(seq) -> None:
     """A sent chunk's bytes still unacknowledged ``EVERY`` after it was handed over (or
     after the last restart) restart BBR, at most ``TAIL_CHECKS`` looks a chunk, none once
     all is acknowledged but a control frame's worth; ``next_check`` says when the next
-    look is due."""
+    look is due. A chunk forwarded as it arrives (``paced``) is not looked at until all of
+    it is here (``source_done``), and then as if it started at that moment."""
     r = CongestionRestart(EVERY, IDLE)
     now, started, last_end, last_restart, tails = 0.0, None, None, float("-inf"), 0
+    free = None  # from when the chunk being sent goes at the link's pace
     for kind, dt, unacked in seq:
         now += dt
-        if kind == "start":
+        if kind in ("start", "paced"):
             want = last_end is None or now - last_end >= IDLE
             started, tails = now, 0
-            assert r.chunk_started(now) is want
+            free = now if kind == "start" else None
+            assert r.chunk_started(now, paced=kind == "paced") is want
+        elif kind == "done":
+            r.source_done(now)
+            if started is not None and free is None:
+                free = now
+            want = False
         elif kind == "block":
-            want = started is not None and now - max(started, last_restart) >= EVERY
+            want = free is not None and now - max(free, last_restart) >= EVERY
             assert r.block(now) is want
         elif kind == "end":
             r.chunk_ended(now)
-            started, last_end, tails, want = None, now, TAIL_CHECKS, False
+            started, free, last_end, tails, want = None, None, now, TAIL_CHECKS, False
         else:
             looks = (started is None and last_end is not None and tails > 0
                      and now - max(last_end, last_restart) >= EVERY)
@@ -186,11 +197,37 @@ def test_tail_and_next_check_decisions_match_the_rule(seq) -> None:
         if want:
             last_restart = now
         if started is not None:
-            assert r.next_check() == max(started, last_restart) + EVERY
+            assert r.next_check() == (None if free is None else max(free, last_restart) + EVERY)
         elif tails > 0:
             assert r.next_check() == max(last_end, last_restart) + EVERY
         else:
             assert r.next_check() is None
+
+
+def test_a_relay_that_fell_behind_its_source_at_a_fraction_of_its_rate_is_stale() -> None:
+    """All of a forwarded chunk is here: a link far behind it whose BBR estimate is under
+    the source's rate / STALE_FACTOR starts over at once; one that kept up, one with a
+    fair share of a full path, one whose estimate is unknown, or a link with restarts off
+    does not, and nothing restarts before ``source_done`` either way."""
+    src = 23e6 / 8  # bytes/s: the source's arrival (4 MiB in 1.45 s)
+    slow = src / STALE_FACTOR * 0.9
+    for lag, link, want in ((RELAY_LAG_BYTES, slow, True), (4 << 20, 0.0, True),
+                            (RELAY_LAG_BYTES - 1, slow, False),  # kept up
+                            (4 << 20, src / STALE_FACTOR, False),  # a share of a full path
+                            (4 << 20, None, False)):  # not BBR: no estimate
+        r = CongestionRestart(EVERY, IDLE)
+        r.chunk_started(0.0, paced=True)
+        assert r.next_check() is None and not r.block(5.0)
+        r.source_done(5.0)
+        assert r.stale(5.0, lag, link, src) is want
+        assert r.restarts == 1 + want  # the first: the chunk after idle
+        assert r.next_check() == 6.0
+    off = CongestionRestart(0.0, IDLE)
+    off.chunk_started(0.0, paced=True)
+    off.source_done(1.0)
+    assert not off.stale(1.0, 4 << 20, 0.0, src) and off.restarts == 0
+    idle = CongestionRestart(EVERY, IDLE)  # between chunks: nothing to judge
+    assert not idle.stale(1.0, 4 << 20, 0.0, src)
 
 
 def test_off_means_no_checks_at_all() -> None:
@@ -275,5 +312,51 @@ async def _tail_restart() -> None:
         assert drv.congestion_restarts - before == TAIL_CHECKS  # every look, then no more
         assert c.restart_timer is None and congestion_of(cli) == "bbr"
     finally:
+        for s in (cli, acc, srv):
+            s.close()
+
+
+@needs_bbr
+def test_the_driver_judges_a_cut_through_relay_once_its_source_is_done() -> None:
+    """A relay forwarded as its chunk arrives: no timer while the source sends (the timer
+    used to re-arm every millisecond once the chunk ran past ``every_s``); when the chunk
+    is all here, a link far behind it at a fraction of its rate starts BBR over at once
+    (``stale_relay``), one that kept up is looked at ``every_s`` later."""
+    asyncio.run(_relay_restart())
+
+
+async def _relay_restart() -> None:
+    from node.conn import Arrival
+
+    srv, cli, acc = tcp_pair()
+    try:
+        drv, c = _driver_with(cli, 0.2)
+        n = 4 << 20
+        a = Arrival(conn=7, buf=memoryview(bytearray(n)), length=n, got=1 << 20,
+                    t0=drv.now() - 0.01)  # arriving at 3 Gbit/s: far above a fresh link
+        a.watchers.append(c)
+        assert c.restart.chunk_started(drv.now(), paced=True)  # after idle: one restart
+        drv._arm_restart_check(c)
+        assert c.restart_timer is None  # nothing to look at while the source sends
+        await asyncio.sleep(0.3)
+        assert c.restart.restarts == 1
+        c.handed = 1 << 20  # 3 MiB behind it when it is all here
+        a.got = n
+        drv._source_done(a)
+        assert c.restart.restarts == 2 and drv.congestion_restarts == 1
+        assert congestion_of(cli) == "bbr" and c.restart_timer is not None
+        drv._chunk_ended(c)
+
+        c.restart = CongestionRestart(0.2, IDLE)
+        c.restart.chunk_started(drv.now(), paced=True)
+        c.handed = n - (64 << 10)  # kept up with it
+        drv._source_done(a)
+        assert c.restart.restarts == 1 and drv.congestion_restarts == 1
+        assert c.restart_timer is not None and c.restart.next_check() is not None
+        drv._source_done(a)  # told twice: nothing more
+        assert c.restart.restarts == 1
+    finally:
+        if c.restart_timer is not None:
+            c.restart_timer.cancel()
         for s in (cli, acc, srv):
             s.close()

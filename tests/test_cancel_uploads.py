@@ -289,13 +289,12 @@ async def _twin_arriving(twin: bytes, check: Any) -> AsyncIterator[SimpleNamespa
         await _until(lambda: c.blocks.received == 2 * BLOCK_BYTES)
         arrival = drv.arrivals[(2, 0)]
 
-        class Watcher:  # a relay cutting through from it
-            wake = asyncio.Event()
-
-        arrival.watchers.append(Watcher)
+        watcher = type(c)(id=9, link=c.link, outbound=True, addr="relay")  # cutting through
+        watcher.restart.chunk_started(drv.now(), paced=True)  # at the source's pace
+        arrival.watchers.append(watcher)
         other = type(c)(id=8, link=c.link, outbound=True, addr="other")
         drv.conns[8] = other
-        yield SimpleNamespace(drv=drv, c=c, events=events, arrival=arrival, watcher=Watcher,
+        yield SimpleNamespace(drv=drv, c=c, events=events, arrival=arrival, watcher=watcher,
                               other=other, psb1=psb1,
                               feed=lambda msg: _feed(p0, _frame(msg), [65536]))
     finally:
@@ -323,6 +322,7 @@ def _twin_receiver(prefix_same: bool) -> None:
             assert mine == [ev.ChunkWhole, ev.ChunkReceived]  # twins cancelled before the hash
             if prefix_same:
                 assert arrival.state == "stored" and arrival.buf is verified
+                assert t.watcher.restart.free_from is not None  # now at the link's own pace
                 assert arrival.got == len(good) and drv.arrivals[(2, 0)] is arrival
                 t.feed(t.psb1[2])  # a late block of link 7's copy
                 await _until(lambda: c.blocks.received == 3 * BLOCK_BYTES)
@@ -346,6 +346,32 @@ def test_relays_from_a_stopped_twin_go_on_from_the_verified_copy() -> None:
 
 def test_relays_from_a_twin_that_differs_from_the_verified_copy_are_withdrawn() -> None:
     _twin_receiver(prefix_same=False)
+
+
+def test_a_relay_cutting_through_goes_at_its_own_pace_once_the_chunk_is_all_here() -> None:
+    """The relay's congestion restarts (``CongestionRestart``) leave it alone while the
+    chunk arrives, and judge it by its own pace from its last byte's arrival, before the
+    hash's verdict."""
+    good = os.urandom(4 * BLOCK_BYTES)
+    seen: list[float | None] = []
+
+    def check(v: int, i: int, payload: Any) -> None:  # (in a thread) what the hash sees
+        seen.append(t.watcher.restart.free_from)
+
+    async def go() -> None:
+        nonlocal t
+        async with _twin_arriving(good, check) as t:
+            assert t.watcher.restart.free_from is None and t.watcher.restart.next_check() is None
+            t.feed(t.psb1[2])
+            await _until(lambda: t.c.blocks.received == 3 * BLOCK_BYTES)
+            assert t.watcher.restart.free_from is None  # one block still to come
+            t.feed(t.psb1[3])
+            await _until(lambda: t.arrival.state == "stored")
+            assert seen and seen[0] is not None  # judged from before the verdict
+            assert t.watcher.restart.next_check() is not None
+
+    t: Any = None
+    asyncio.run(go())
 
 
 def test_a_fleet_of_processes_with_every_chunk_twinned_ends_bitwise_equal() -> None:
