@@ -112,8 +112,8 @@ def congestion_of(sock: Any) -> str | None:
 CONGESTION_RESTART_S = 1.0  # shipped [network] congestion_restart_s (0: never)
 RESTART_IDLE_S = 0.2  # a chunk after this long without one on the link starts afresh
 # A relay forwarded as its chunk arrives is paced by its source until the chunk is all
-# here; a link still this far behind then, whose BBR estimate is under the source's
-# arrival rate / STALE_FACTOR, holds a stale estimate (a cut-through relay crawled at
+# here or the link falls this far behind its arrival; a link this far behind whose BBR
+# estimate is under the source's arrival rate / STALE_FACTOR holds a stale estimate (a cut-through relay crawled at
 # 1.5-5 Mbit/s for 2.8 s after its source had finished at 23 Mbit/s, through an inlet
 # 80 % idle: docs/benchmarks.md round 38) and starts over at once.
 RELAY_LAG_BYTES = 512 << 10
@@ -169,8 +169,9 @@ class CongestionRestart:
     long, and after its last block it has nothing more to send.
 
     A chunk forwarded as it arrives (``paced``) goes at its source's pace, which says
-    nothing of the link: the long-chunk rule runs for it only from when all its bytes
-    are here (``source_done``), as if it started then."""
+    nothing of the link: the long-chunk rule runs for it only from when its pace is the
+    link's own (``own_pace``: all its bytes are here, or the link fell
+    ``RELAY_LAG_BYTES`` behind them), as if it started then."""
 
     __slots__ = ("every_s", "free_from", "idle_s", "last_end", "last_restart", "restarts",
                  "started", "tails")
@@ -198,8 +199,9 @@ class CongestionRestart:
             return self._restart(now)
         return False
 
-    def source_done(self, now: float) -> None:
-        """The paced chunk being sent is all here: from now on its pace is the link's."""
+    def own_pace(self, now: float) -> None:
+        """The paced chunk being sent goes at the link's own pace from now (all of it is
+        here, or the link fell behind its arrival)."""
         if self.started is not None and self.free_from is None:
             self.free_from = now
 
@@ -213,11 +215,11 @@ class CongestionRestart:
 
     def stale(self, now: float, lag: int, link_bps: float | None,
               source_bps: float) -> bool:
-        """The paced chunk being sent is all here (call ``source_done`` first); ``lag``
-        bytes of it are not yet handed to the socket, whose BBR estimate is ``link_bps``
-        (None: unknown) against the ``source_bps`` it arrived at: True if BBR is to start
-        over now (a link that fell behind its source at a fraction of its rate: a stale
-        estimate, not a share of a full path)."""
+        """The paced chunk being sent goes at the link's own pace (``own_pace``); ``lag``
+        bytes of what arrived are not yet handed to the socket, whose BBR estimate is
+        ``link_bps`` (None: unknown) against the ``source_bps`` the chunk arrives at: True
+        if BBR is to start over now (a link that fell behind its source at a fraction of
+        its rate: a stale estimate, not a share of a full path)."""
         if (self.every_s <= 0 or self.started is None or lag < RELAY_LAG_BYTES
                 or link_bps is None or link_bps * STALE_FACTOR >= source_bps):
             return False
@@ -250,7 +252,7 @@ class CongestionRestart:
             return None
         if self.started is not None:
             if self.free_from is None:
-                return None  # at its source's pace: ``source_done`` says when to look
+                return None  # at its source's pace: ``own_pace`` says when to look
             return max(self.free_from, self.last_restart) + self.every_s
         if self.tails > 0 and self.last_end is not None:
             return max(self.last_end, self.last_restart) + self.every_s

@@ -165,7 +165,8 @@ def test_tail_and_next_check_decisions_match_the_rule(seq) -> None:
     after the last restart) restart BBR, at most ``TAIL_CHECKS`` looks a chunk, none once
     all is acknowledged but a control frame's worth; ``next_check`` says when the next
     look is due. A chunk forwarded as it arrives (``paced``) is not looked at until all of
-    it is here (``source_done``), and then as if it started at that moment."""
+    it is here or the link fell behind it (``own_pace``), and then as if it started at that
+    moment."""
     r = CongestionRestart(EVERY, IDLE)
     now, started, last_end, last_restart, tails = 0.0, None, None, float("-inf"), 0
     free = None  # from when the chunk being sent goes at the link's pace
@@ -177,7 +178,7 @@ def test_tail_and_next_check_decisions_match_the_rule(seq) -> None:
             free = now if kind == "start" else None
             assert r.chunk_started(now, paced=kind == "paced") is want
         elif kind == "done":
-            r.source_done(now)
+            r.own_pace(now)
             if started is not None and free is None:
                 free = now
             want = False
@@ -208,7 +209,7 @@ def test_a_relay_that_fell_behind_its_source_at_a_fraction_of_its_rate_is_stale(
     """All of a forwarded chunk is here: a link far behind it whose BBR estimate is under
     the source's rate / STALE_FACTOR starts over at once; one that kept up, one with a
     fair share of a full path, one whose estimate is unknown, or a link with restarts off
-    does not, and nothing restarts before ``source_done`` either way."""
+    does not, and nothing restarts before ``own_pace`` either way."""
     src = 23e6 / 8  # bytes/s: the source's arrival (4 MiB in 1.45 s)
     slow = src / STALE_FACTOR * 0.9
     for lag, link, want in ((RELAY_LAG_BYTES, slow, True), (4 << 20, 0.0, True),
@@ -218,13 +219,13 @@ def test_a_relay_that_fell_behind_its_source_at_a_fraction_of_its_rate_is_stale(
         r = CongestionRestart(EVERY, IDLE)
         r.chunk_started(0.0, paced=True)
         assert r.next_check() is None and not r.block(5.0)
-        r.source_done(5.0)
+        r.own_pace(5.0)
         assert r.stale(5.0, lag, link, src) is want
         assert r.restarts == 1 + want  # the first: the chunk after idle
         assert r.next_check() == 6.0
     off = CongestionRestart(0.0, IDLE)
     off.chunk_started(0.0, paced=True)
-    off.source_done(1.0)
+    off.own_pace(1.0)
     assert not off.stale(1.0, 4 << 20, 0.0, src) and off.restarts == 0
     idle = CongestionRestart(EVERY, IDLE)  # between chunks: nothing to judge
     assert not idle.stale(1.0, 4 << 20, 0.0, src)
@@ -318,10 +319,11 @@ async def _tail_restart() -> None:
 
 @needs_bbr
 def test_the_driver_judges_a_cut_through_relay_once_its_source_is_done() -> None:
-    """A relay forwarded as its chunk arrives: no timer while the source sends (the timer
-    used to re-arm every millisecond once the chunk ran past ``every_s``); when the chunk
-    is all here, a link far behind it at a fraction of its rate starts BBR over at once
-    (``stale_relay``), one that kept up is looked at ``every_s`` later."""
+    """A relay forwarded as its chunk arrives: no timer while it keeps up with its source
+    (the timer used to re-arm every millisecond once the chunk ran past ``every_s``); once
+    it falls ``RELAY_LAG_BYTES`` behind the arrival, or the chunk is all here, a link far
+    behind it at a fraction of its rate starts BBR over at once (``stale_relay``), one
+    that kept up is looked at ``every_s`` later."""
     asyncio.run(_relay_restart())
 
 
@@ -342,18 +344,31 @@ async def _relay_restart() -> None:
         assert c.restart.restarts == 1
         c.handed = 1 << 20  # 3 MiB behind it when it is all here
         a.got = n
-        drv._source_done(a)
+        drv._relays_own_pace(a)
         assert c.restart.restarts == 2 and drv.congestion_restarts == 1
         assert congestion_of(cli) == "bbr" and c.restart_timer is not None
         drv._chunk_ended(c)
 
+        # still arriving: judged once it falls RELAY_LAG_BYTES behind, not before
+        c.restart = CongestionRestart(0.2, IDLE)
+        c.restart.chunk_started(drv.now(), paced=True)
+        a.got, c.handed = (1 << 20) + RELAY_LAG_BYTES - 1, 1 << 20
+        drv._relays_own_pace(a)
+        assert c.restart.free_from is None and drv.congestion_restarts == 1
+        a.got += 1
+        drv._relays_own_pace(a)
+        assert c.restart.free_from is not None and drv.congestion_restarts == 2
+        assert c.restart_timer is not None
+        drv._chunk_ended(c)
+        a.got = n
+
         c.restart = CongestionRestart(0.2, IDLE)
         c.restart.chunk_started(drv.now(), paced=True)
         c.handed = n - (64 << 10)  # kept up with it
-        drv._source_done(a)
-        assert c.restart.restarts == 1 and drv.congestion_restarts == 1
+        drv._relays_own_pace(a)
+        assert c.restart.restarts == 1 and drv.congestion_restarts == 2
         assert c.restart_timer is not None and c.restart.next_check() is not None
-        drv._source_done(a)  # told twice: nothing more
+        drv._relays_own_pace(a)  # told twice: nothing more
         assert c.restart.restarts == 1
     finally:
         if c.restart_timer is not None:

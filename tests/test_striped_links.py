@@ -615,14 +615,12 @@ def test_a_receiver_takes_a_chunk_restarted_striped_without_losing_its_relays(or
             arrival = drv.arrivals[(2, 0)]
             assert arrival.got == 2 * BLOCK_BYTES and len(kinds(ev.ChunkArriving)) == 1
 
-            class Watcher:  # a relay cutting through from it
-                wake = asyncio.Event()
-
-            arrival.watchers.append(Watcher)
+            watcher = Conn(id=9, link=c.link, outbound=True, addr="relay")  # cutting through
+            arrival.watchers.append(watcher)
             if order == "striped_first":
                 _feed(p2, PREFACE + frame(psb2[0]), [65536])
                 await until(lambda: arrival.buf is not c.blocks.buffer)
-                assert arrival.got == BLOCK_BYTES and Watcher.wake.is_set()
+                assert arrival.got == BLOCK_BYTES and watcher.wake.is_set()
                 assert (2, 0) in c.restriped
                 _feed(p0, frame(psb1[2]), [65536])  # a late block of the link's copy
                 await until(lambda: c.blocks.received == 3 * BLOCK_BYTES)
