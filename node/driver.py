@@ -827,7 +827,6 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
                 a.got = got
                 if a.watchers:
                     a.changed()
-                    self._relays_own_pace(a)
             now = self.now()
             if now - c.heard_at >= 0.25:  # the core needs to know the link is alive, not every block
                 c.heard_at = now
@@ -898,7 +897,7 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
             self._arrival_failed(key, a)
             return
         a.buf, a.got, a.state = payload, a.length, "stored"
-        self._relays_own_pace(a)
+        self._source_done(a)
         a.changed()
 
     def _arrivals_end(self, conn: int) -> None:
@@ -932,7 +931,7 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
             a = None
         if a is not None:
             a.got = a.length  # every byte is here; the last block waits for the verdict
-            self._relays_own_pace(a)
+            self._source_done(a)
         key = (v, i)
         self.verifying[key] = self.verifying.get(key, 0) + 1
         try:

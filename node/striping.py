@@ -500,7 +500,6 @@ class StripedLinks:
                 a.got = asm.prefix(seq)
                 if a.watchers:
                     a.changed()
-                    self._relays_own_pace(a)
         now = self.now()
         if now - c.heard_at >= 0.25:
             c.heard_at = now

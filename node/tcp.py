@@ -112,12 +112,16 @@ def congestion_of(sock: Any) -> str | None:
 CONGESTION_RESTART_S = 1.0  # shipped [network] congestion_restart_s (0: never)
 RESTART_IDLE_S = 0.2  # a chunk after this long without one on the link starts afresh
 # A relay forwarded as its chunk arrives is paced by its source until the chunk is all
-# here or the link falls this far behind its arrival; a link this far behind whose BBR
-# estimate is under the source's arrival rate / STALE_FACTOR holds a stale estimate (a cut-through relay crawled at
-# 1.5-5 Mbit/s for 2.8 s after its source had finished at 23 Mbit/s, through an inlet
-# 80 % idle: docs/benchmarks.md round 38) and starts over at once.
+# here; a link then this far behind it, whose BBR estimate is under the source's arrival
+# rate / STALE_FACTOR although it has had STALE_SETTLE_RTTS round trips since the chunk
+# began or BBR last started over (its start-up from the initial window gains x16 in
+# four), holds a stale estimate (cut-through relays crawled at 1.5-5 Mbit/s for 1.8-2.8 s
+# after their source had finished at ~23 Mbit/s, through an inlet 80-90 % idle:
+# docs/benchmarks.md round 38) and starts over at once. Judged while the chunk still
+# arrived, relays that began behind it fired within 10 ms of a restart (round 38).
 RELAY_LAG_BYTES = 512 << 10
 STALE_FACTOR = 4.0
+STALE_SETTLE_RTTS = 4
 TCP_CC_INFO = 26  # linux/tcp.h; struct tcp_bbr_info for BBR
 BBR_INFO = struct.Struct("=IIIII")  # bw_lo, bw_hi (bytes/s), min_rtt (us), pacing, cwnd gain
 
@@ -142,14 +146,22 @@ def restart_congestion(sock: Any, name: str) -> bool:
 def bbr_bandwidth(sock: Any) -> float | None:
     """BBR's bottleneck-rate estimate of ``sock`` in bytes/s (``TCP_CC_INFO``), or None
     where the socket does not run BBR or the platform cannot say."""
+    model = bbr_model(sock)
+    return None if model is None else model[0]
+
+
+def bbr_model(sock: Any) -> tuple[float, float] | None:
+    """BBR's model of ``sock``: (bottleneck-rate estimate in bytes/s, round-trip floor in
+    seconds), from ``TCP_CC_INFO``; None where the socket does not run BBR or the
+    platform cannot say."""
     try:
         raw = sock.getsockopt(socket.IPPROTO_TCP, TCP_CC_INFO, BBR_INFO.size)
     except (OSError, AttributeError):
         return None
     if len(raw) < BBR_INFO.size:
         return None
-    lo, hi, _rtt, _pg, _cg = BBR_INFO.unpack(raw[:BBR_INFO.size])
-    return float((hi << 32) | lo)
+    lo, hi, rtt_us, _pg, _cg = BBR_INFO.unpack(raw[:BBR_INFO.size])
+    return float((hi << 32) | lo), rtt_us / 1e6
 
 
 class CongestionRestart:
@@ -169,9 +181,8 @@ class CongestionRestart:
     long, and after its last block it has nothing more to send.
 
     A chunk forwarded as it arrives (``paced``) goes at its source's pace, which says
-    nothing of the link: the long-chunk rule runs for it only from when its pace is the
-    link's own (``own_pace``: all its bytes are here, or the link fell
-    ``RELAY_LAG_BYTES`` behind them), as if it started then."""
+    nothing of the link: the long-chunk rule runs for it only from when all its bytes are
+    here (``own_pace``), as if it started then."""
 
     __slots__ = ("every_s", "free_from", "idle_s", "last_end", "last_restart", "restarts",
                  "started", "tails")
@@ -200,8 +211,7 @@ class CongestionRestart:
         return False
 
     def own_pace(self, now: float) -> None:
-        """The paced chunk being sent goes at the link's own pace from now (all of it is
-        here, or the link fell behind its arrival)."""
+        """The paced chunk being sent is all here: from now on its pace is the link's."""
         if self.started is not None and self.free_from is None:
             self.free_from = now
 
@@ -213,15 +223,17 @@ class CongestionRestart:
             return self._restart(now)
         return False
 
-    def stale(self, now: float, lag: int, link_bps: float | None,
-              source_bps: float) -> bool:
-        """The paced chunk being sent goes at the link's own pace (``own_pace``); ``lag``
-        bytes of what arrived are not yet handed to the socket, whose BBR estimate is
-        ``link_bps`` (None: unknown) against the ``source_bps`` the chunk arrives at: True
-        if BBR is to start over now (a link that fell behind its source at a fraction of
-        its rate: a stale estimate, not a share of a full path)."""
+    def stale(self, now: float, lag: int, link_bps: float | None, source_bps: float,
+              settle_s: float = 0.0) -> bool:
+        """The paced chunk being sent is all here (``own_pace``); ``lag`` bytes of it are
+        not yet handed to the socket, whose BBR estimate is ``link_bps`` (None: unknown)
+        against the ``source_bps`` it arrived at: True if BBR is to start over now (a link
+        that fell behind its source at a fraction of its rate: a stale estimate, not a
+        share of a full path), unless the chunk began or BBR last started over less than
+        ``settle_s`` ago (its start-up is still ramping)."""
         if (self.every_s <= 0 or self.started is None or lag < RELAY_LAG_BYTES
-                or link_bps is None or link_bps * STALE_FACTOR >= source_bps):
+                or link_bps is None or link_bps * STALE_FACTOR >= source_bps
+                or now - max(self.started, self.last_restart) < settle_s):
             return False
         return self._restart(now)
 

@@ -11,9 +11,9 @@ from typing import Any
 
 from node.conn import Arrival, Conn
 from node.tcp import (
-    RELAY_LAG_BYTES,
+    STALE_SETTLE_RTTS,
     acked_bytes,
-    bbr_bandwidth,
+    bbr_model,
     keeps_window_across_idle,
     restart_congestion,
     unacked_bytes,
@@ -94,28 +94,25 @@ class TcpWatch:
             self._restart_congestion(c, why)
         self._arm_restart_check(c)
 
-    def _relays_own_pace(self, a: Arrival) -> None:
-        """Chunk ``a`` arrived further, or whole: the links forwarding it as it arrives
-        whose pace is their own from now, not its source's (all of it is here, or they fell
-        ``RELAY_LAG_BYTES`` behind it), are judged by the long-chunk rule from now
-        (``CongestionRestart.own_pace``), and one far behind it at a fraction of its
-        arrival rate starts BBR over at once (``CongestionRestart.stale``)."""
+    def _source_done(self, a: Arrival) -> None:
+        """Every byte of chunk ``a`` is here: the links forwarding it as it arrived go at
+        their own pace from now (``CongestionRestart.own_pace``), and one that fell far
+        behind it at a fraction of its arrival rate starts BBR over at once
+        (``CongestionRestart.stale``)."""
         if self.congestion_restart_s <= 0 or not a.watchers:
             return
         now = self.now()
-        whole = a.got >= a.length
-        source_bps = a.got / max(now - a.t0, 1e-3)
+        source_bps = a.length / max(now - a.t0, 1e-3)
+        in_use = self.congestion_in_use
+        bbr = in_use is not None and keeps_window_across_idle(in_use)
         for c in a.watchers:
             r = c.restart
             if r.started is None or r.free_from is not None or c.closing:
-                continue  # not yet started on it, or not forwarded at its arrival's pace
-            lag = a.got - c.handed
-            if not whole and lag < RELAY_LAG_BYTES:
-                continue  # keeping up with its source
+                continue  # not yet started on it, or not forwarded as it arrived
             r.own_pace(now)
-            in_use = self.congestion_in_use
-            bbr = in_use is not None and keeps_window_across_idle(in_use) and c.sock is not None
-            if r.stale(now, lag, bbr_bandwidth(c.sock) if bbr else None, source_bps):
+            model = bbr_model(c.sock) if bbr and c.sock is not None else None
+            if model is not None and r.stale(now, a.length - c.handed, model[0], source_bps,
+                                             STALE_SETTLE_RTTS * model[1]):
                 self._restart_congestion(c, "stale_relay")
             self._arm_restart_check(c)
 
