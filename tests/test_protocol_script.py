@@ -522,6 +522,25 @@ def test_a_border_takes_its_next_relay_order_once_a_slow_push_to_it_left(leave_s
     assert t.relays(t.a) == [wire.Relay(2, ia, "b"), wire.Relay(2, ia2, "b")]
 
 
+def test_on_a_thin_path_a_push_that_left_fast_does_not_hold_the_next_order_back() -> None:
+    """Pushes into r1 have been taking 0.4 s or more to leave us (a thin path, EWMA): the
+    border forwards their chunks as they arrive, so a relay order beside a waiting one
+    goes with its push, even where the push before it left fast. A deep TCP window takes
+    a push's bytes at once, and they then queue in the network: on the emulated WAN an
+    order held back until then reached its border 0.3-0.6 s behind the chunk's first
+    bytes, and the relay's link idled (docs/benchmarks.md round 39)."""
+    t = _Origin(8, border_inflight=3)
+    (ia,) = t.pushes(1)
+    t.handle(ev.ChunkSent(t.o.now + 0.5, 1, 2, ia))  # slow: the path is thin
+    ia2 = t.pushes(1)[1]
+    t.send(t.a, wire.Have(2, (ia,)))
+    t.send(t.b, wire.Have(2, (ia,)))
+    t.handle(ev.ChunkSent(t.o.now + 0.3, 1, 2, ia2))  # fast, but the EWMA stays thin
+    assert t.o.role._thin_path("r1")
+    ia3 = t.pushes(1)[2]
+    assert t.relays(t.a) == [wire.Relay(2, j, "b") for j in (ia, ia2, ia3)]
+
+
 def test_a_border_holds_a_bounded_number_of_relay_orders_ahead_of_their_chunks() -> None:
     t = _Origin(16, border_inflight=8)
     for _ in range(6):  # every push leaves slowly; no HAVE comes back
@@ -589,7 +608,9 @@ def test_relay_orders_beside_a_waiting_one_stay_on_the_target_relayed_to() -> No
         (last,) = [x.index for x in _sent_chunks(log) if x.conn == 1][-1:]
         log += o.handle(ev.ChunkSent(o.now + 0.5, 1, 2, last))
     targets = [f.target for f in a.frames(log) if isinstance(f, wire.Relay)]
-    assert len(targets) == o.cfg.border_inflight  # the first target's inbound slots, full
+    # the first target's inbound slots, full: one past border_inflight on a thin path
+    assert o.role._thin_path("r1")
+    assert len(targets) == o.cfg.border_inflight + 1
     assert set(targets) == {targets[0]}
 
 

@@ -1131,6 +1131,7 @@ class OriginRole(Role):
         border's uplink. At most ``AHEAD_ORDERS`` wait, and one beyond the first goes
         only over a connection ``b`` has relayed on (``_relayed_target``)."""
         slow = 2 * self.cfg.cut_through_after_s if self.cfg.cut_through else None
+        thin = self._thin_path(b.region)
         waiting = 0
         for plans in self.plans.values():
             pushes = plans.get(b.region)
@@ -1141,7 +1142,7 @@ class OriginRole(Role):
                     if e[0] != b.conn or e[3] is not None:
                         continue
                     waiting += 1
-                    if waiting >= AHEAD_ORDERS or not self._left_slowly(pushes, i, slow):
+                    if waiting >= AHEAD_ORDERS or not (thin or self._left_slowly(pushes, i, slow)):
                         return None
         return waiting
 
@@ -1203,9 +1204,15 @@ class OriginRole(Role):
         ``b`` (``_ahead_room``). A second relay at once over a fresh connection starts in
         slow start beside a full inlet: on the emulated WAN's first versions such relays
         took 1.3-2.6 s for 4 MiB against 0.5-0.8 s over a used one (docs/benchmarks.md
-        round 30)."""
+        round 30).
+
+        Where pushes into ``b``'s region leave us slowly (``_thin_path``), one slot more:
+        a relay holds its slot until the target's HAVE, which comes a queue's drain after
+        the relay's last byte left ``b`` (0.3-0.6 s on the emulated WAN), and an order
+        held back that long travels behind the push it is for and reaches ``b`` after
+        the chunk's first bytes (docs/benchmarks.md round 39)."""
         used = self.relayed_to.get(b.conn)
-        best, best_n = None, self.cfg.border_inflight
+        best, best_n = None, self.cfg.border_inflight + (1 if self._thin_path(b.region) else 0)
         for t in bs:
             n = load.get(t.conn, 0)
             if used and t.conn in used and t.node_id in b.links and n < best_n:
