@@ -290,6 +290,26 @@ def test_over_a_link_whose_last_chunk_came_fast_a_relay_still_waits() -> None:
         assert n.counters.relays["cut_through"] == 0
 
 
+@pytest.mark.parametrize("last", [1000, 100])
+def test_a_short_last_chunk_does_not_count_as_the_links_pace(last: int) -> None:
+    """A version's short last chunk comes in a few milliseconds over any path: the link's
+    pace stays that of its last full chunk (slow here), so the next relay over it still
+    goes from the first block. A last chunk of full size that came fast does count."""
+    s = Signer()
+    n = _core("a", "r", signer=s, active_version=1, cut_through=True, cut_through_after_s=0.1)
+    n.handle(ev.LocalChunks(0.0, s.manifest(2, 4, last_chunk=last), (0, 1)))
+    o = Script(n, 1, node_id="origin", region="trainer", role="origin", outbound=True)
+    o.handshake()
+    o.send(wire.Role(wire.ROLE_KEEP))
+    Script(n, 2, node_id="b", region="r2").handshake()
+    _arrives(n, 1, 2, n.now, 0.25)  # a full chunk, slowly
+    _arrives(n, 1, 3, n.now + 0.3, 0.005)  # the last one, at once
+    n.handle(ev.LocalChunks(n.now, s.manifest(3, 4), ()))
+    o.send(wire.Relay(3, 0, "b"))
+    got = _sent_chunks(n.handle(ev.ChunkArriving(n.now + 0.01, 1, 3, 0)))
+    assert got == ([ev.SendChunk(2, 3, 0, 1000, arriving=True)] if last < 500 else [])
+
+
 def test_a_failed_chunk_does_not_count_as_the_links_pace() -> None:
     n, o, _b = _border_holding((0, 1), cut_through=True, cut_through_after_s=0.1)
     n.handle(ev.ChunkArriving(n.now, 1, 2, 2))

@@ -204,9 +204,18 @@ class NodeCore(ReadModel):
         """When chunk ``i`` of ``v``'s first block came, while it is arriving; else None."""
         return self.arriving_at.get((v, i)) if (v, i) in self.arriving else None
 
+    def full_size(self, v: int, i: int) -> bool:
+        """Whether chunk ``i`` of ``v`` is at least half a full chunk (not a patch's short
+        last chunk): only such transfers time a path."""
+        st = self.versions.get(v)
+        return st is None or 2 * st.chunk_length(i) >= st.chunk_length(0)
+
     def arrival_pace(self, v: int, i: int) -> float | None:
-        """While chunk ``i`` of ``v`` arrives: how long the last chunk that arrived whole
-        over the same link took, first block to stored (None: no such chunk yet)."""
+        """While chunk ``i`` of ``v`` arrives: how long the last chunk of full size that
+        arrived whole over the same link took, first block to stored (None: no such
+        chunk yet). A version's short last chunk comes in a few milliseconds over any
+        path: taken as the pace, the next version's first relay over that link waited
+        ``cut_through_after_s`` for its chunk (docs/benchmarks.md round 39)."""
         conn = self.arriving.get((v, i))
         p = self.peers.get(conn) if conn is not None else None
         return p.arrival_s if p is not None else None
@@ -411,7 +420,8 @@ class NodeCore(ReadModel):
     def _on_chunk(self, e: ev.ChunkReceived) -> None:
         p = self.peers.get(e.conn)
         key = (e.version, e.index)
-        if e.valid and p is not None and self.arriving.get(key) == e.conn:
+        if (e.valid and p is not None and self.arriving.get(key) == e.conn
+                and self.full_size(e.version, e.index)):
             p.arrival_s = self.now - self.arriving_at.get(key, self.now)
         self._arrived(e.conn, e.version, e.index)
         if p is not None and p.state is not READY:

@@ -752,8 +752,7 @@ class OriginRole(Role):
     def _full_size(self, v: int, i: int) -> bool:
         """Whether chunk ``i`` of ``v`` is at least half a full chunk: only such transfers
         time a path (``push_s``, ``relay_s``, ``cold_s``, the uplink window's rounds)."""
-        st = self.host.holding(v)
-        return st is None or 2 * st.chunk_length(i) >= st.chunk_length(0)
+        return self.host.full_size(v, i)
 
     def _direct_faster(self, r: str) -> bool:
         """Whether a chunk has been reaching region ``r`` sooner pushed by the origin than
