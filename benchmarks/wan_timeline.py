@@ -151,6 +151,34 @@ def inlet_use(rows: list[dict[str, Any]], bucket_s: float, chunk_bytes: int,
             for reg, b in sorted(into.items())}
 
 
+def relay_lags(rows: list[dict[str, Any]], hop_s: float = 0.045) -> list[dict[str, Any]]:
+    """Per relay the origin ordered across regions: when it ordered it, when the chunk's
+    first block reached the relaying border, when the border began sending it on, and
+    ``lag``: how long after it could have begun that was (the later of the order plus
+    ``hop_s``, a one-way trip, and the first block). A lag of ``cut_through_after_s``
+    (0.2 s) is a relay that waited to learn the chunk arrives slowly; one of 0.3-0.9 s was,
+    in round 39, an order that travelled behind its push's bytes (docs/benchmarks.md)."""
+    first: dict[tuple[str, int], float] = {}
+    began: dict[tuple[str, int], float] = {}
+    for r in rows:
+        if r["kind"] == "received":
+            first.setdefault((r["to"], r["index"]), r["start"])
+        elif r["kind"] == "sent" and r["from"] != "origin":
+            began.setdefault((r["from"], r["index"]), r["start"])
+    out = []
+    for r in rows:
+        if r["kind"] != "relay_ordered":
+            continue
+        b, i = r.get("border", "?"), r["index"]
+        fb, go = first.get((b, i)), began.get((b, i))
+        if fb is None or go is None:
+            continue
+        out.append({"index": i, "border": b, "target": r.get("target", "?"),
+                    "ordered": r["start"], "first_block": fb, "began": go,
+                    "lag": round(go - max(r["start"] + hop_s, fb), 3)})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("logdir", type=Path, help="one run's logs (bench_wan.py --keep-logs DIR/run<k>-patchswarm)")
@@ -160,6 +188,9 @@ def main() -> None:
     ap.add_argument("--inlets", type=float, default=None, metavar="S",
                     help="also print each remote region's inlet use in slices of S seconds "
                          "(%% of --inlet-mbit, chunks of --chunk-mib)")
+    ap.add_argument("--relay-lags", action="store_true",
+                    help="also print, per relay ordered, how long after it could have begun "
+                         "the border began it (relay_lags)")
     ap.add_argument("--inlet-mbit", type=float, default=100.0)
     ap.add_argument("--chunk-mib", type=float, default=4.0)
     args = ap.parse_args()
@@ -175,6 +206,14 @@ def main() -> None:
         use = inlet_use(rows, args.inlets, int(args.chunk_mib * 2**20), args.inlet_mbit * 1e6)
         for reg, shares in use.items():
             print(f"  region {reg}: " + " ".join(f"{100 * x:3.0f}" for x in shares))
+    if args.relay_lags:
+        lags = relay_lags(rows)
+        print("relays: ordered, first block at the border, begun, lag (s)")
+        for x in lags:
+            print(f"  #{x['index']:<3} {x['border']:>5} -> {x['target']:<5} {x['ordered']:6.2f} "
+                  f"{x['first_block']:6.2f} {x['began']:6.2f} {x['lag']:+6.2f}")
+        late = [x["lag"] for x in lags if x["lag"] > 0.1]
+        print(f"  {len(late)} of {len(lags)} began over 0.1 s late, {sum(late):.2f} s in all")
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
         print(f"wrote {args.out}")

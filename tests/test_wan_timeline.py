@@ -80,3 +80,21 @@ def test_inlet_use_spreads_each_received_chunk_over_its_transfer() -> None:
     assert use["2"] == [0.0, round(half, 3), round(half, 3)]
     assert use["1"] == [round(2 * half, 3)]
     assert set(use) == {"1", "2"}
+
+
+def test_relay_lags_time_each_relay_from_when_it_could_have_begun() -> None:
+    rows = [
+        {"kind": "relay_ordered", "start": 0.0, "end": 0.0, "index": 1, "border": "n2-2",
+         "target": "n1-0"},  # ordered ahead: the chunk's first block is the limit
+        {"kind": "received", "from": "origin", "to": "n2-2", "index": 1, "start": 0.5, "end": 1.1},
+        {"kind": "sent", "from": "n2-2", "to": "n1-0", "index": 1, "start": 0.5, "end": 1.1},
+        {"kind": "received", "from": "origin", "to": "n2-2", "index": 2, "start": 1.1, "end": 1.7},
+        {"kind": "relay_ordered", "start": 1.2, "end": 1.2, "index": 2, "border": "n2-2",
+         "target": "n1-0"},  # ordered while it arrives: the order's trip is the limit
+        {"kind": "sent", "from": "n2-2", "to": "n1-0", "index": 2, "start": 1.65, "end": 1.9},
+        {"kind": "relay_ordered", "start": 1.3, "end": 1.3, "index": 3, "border": "n2-2",
+         "target": "n1-0"},  # never carried out: left out
+    ]
+    lags = wan_timeline.relay_lags(rows)
+    assert [(x["index"], x["lag"]) for x in lags] == [(1, 0.0), (2, 0.405)]
+    assert lags[1]["first_block"] == 1.1 and lags[1]["began"] == 1.65

@@ -45,7 +45,8 @@ ORIGIN_SRC = -1
 # most likely lost a path and sent a sixth of a copy more through the thin uplink
 MIN_PATH_SAMPLES = 3
 # relay-on-arrival orders a border may hold at once (``_ahead_room``): more than one only while
-# each waiting order's chunk came through a slow push that has left us
+# each waiting order's chunk came through a slow push that has left us, or pushes into the
+# border's region have been slow to leave (a thin path)
 AHEAD_ORDERS = 4
 
 
@@ -1128,7 +1129,13 @@ class OriginRole(Role):
         (docs/simulation.md round 30). A push that leaves faster holds the next order back
         as before: in a fat-trainer fleet a second relay from one border only splits that
         border's uplink. At most ``AHEAD_ORDERS`` wait, and one beyond the first goes
-        only over a connection ``b`` has relayed on (``_relayed_target``)."""
+        only over a connection ``b`` has relayed on (``_relayed_target``).
+
+        Where pushes into ``b``'s region have been leaving slowly (``_thin_path``), the
+        next order goes with its push whatever the push before it did: a deep TCP window
+        takes a push's bytes at once, so it "left" fast though its bytes still queue in
+        the network, and an order held back until then travelled behind them, reaching
+        ``b`` 0.3-0.9 s after the chunk's first block (docs/benchmarks.md round 39)."""
         slow = 2 * self.cfg.cut_through_after_s if self.cfg.cut_through else None
         thin = self._thin_path(b.region)
         waiting = 0
