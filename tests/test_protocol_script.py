@@ -545,10 +545,10 @@ def test_a_border_takes_its_next_relay_order_once_a_slow_push_to_it_left(leave_s
 def test_on_a_thin_path_a_push_that_left_fast_does_not_hold_the_next_order_back() -> None:
     """Pushes into r1 have been taking 0.4 s or more to leave us (a thin path, EWMA): the
     border forwards their chunks as they arrive, so a relay order beside a waiting one
-    goes with its push, even where the push before it left fast. A deep TCP window takes
-    a push's bytes at once, and they then queue in the network: on the emulated WAN an
-    order held back until then reached its border 0.3-0.6 s behind the chunk's first
-    bytes, and the relay's link idled (docs/benchmarks.md round 39)."""
+    goes once the push before it has left, even where that push left fast. A deep TCP
+    window takes a push's bytes at once, and they then queue in the network: on the
+    emulated WAN an order held back for the HAVE reached its border 0.3-0.6 s behind the
+    next chunk's first bytes, and the relay's link idled (docs/benchmarks.md round 39)."""
     t = _Origin(8, border_inflight=3)
     (ia,) = t.pushes(1)
     t.handle(ev.ChunkSent(t.o.now + 0.5, 1, 2, ia))  # slow: the path is thin

@@ -45,8 +45,8 @@ ORIGIN_SRC = -1
 # most likely lost a path and sent a sixth of a copy more through the thin uplink
 MIN_PATH_SAMPLES = 3
 # relay-on-arrival orders a border may hold at once (``_ahead_room``): more than one only while
-# each waiting order's chunk came through a slow push that has left us, or pushes into the
-# border's region have been slow to leave (a thin path)
+# each waiting order's chunk came through a slow push that has left us (on a thin path: a
+# push that has left)
 AHEAD_ORDERS = 4
 
 
@@ -1131,13 +1131,17 @@ class OriginRole(Role):
         border's uplink. At most ``AHEAD_ORDERS`` wait, and one beyond the first goes
         only over a connection ``b`` has relayed on (``_relayed_target``).
 
-        Where pushes into ``b``'s region have been leaving slowly (``_thin_path``), the
-        next order goes with its push whatever the push before it did: a deep TCP window
-        takes a push's bytes at once, so it "left" fast though its bytes still queue in
-        the network, and an order held back until then travelled behind them, reaching
-        ``b`` 0.3-0.9 s after the chunk's first block (docs/benchmarks.md round 39)."""
+        Where pushes into ``b``'s region have been leaving slowly on average
+        (``_thin_path``), the next order goes once the push before it has left, however
+        fast: a deep TCP window takes a push's bytes at once, so it "left" fast though its
+        bytes still queue in the network, and an order held back for its HAVE instead
+        travelled behind the next push, reaching ``b`` 0.3-0.9 s after that chunk's first
+        block (docs/benchmarks.md round 39). (Sending it before that push has left cost
+        the simulator's ``lossy-long-bbr`` 5 % on its first version: an order commits the
+        chunk's relay to ``b`` before the origin knows the path it is on.)"""
         slow = 2 * self.cfg.cut_through_after_s if self.cfg.cut_through else None
-        thin = self._thin_path(b.region)
+        if slow is not None and self._thin_path(b.region):
+            slow = 0.0  # a thin path: the push before it has left, however fast
         waiting = 0
         for plans in self.plans.values():
             pushes = plans.get(b.region)
@@ -1148,7 +1152,7 @@ class OriginRole(Role):
                     if e[0] != b.conn or e[3] is not None:
                         continue
                     waiting += 1
-                    if waiting >= AHEAD_ORDERS or not (thin or self._left_slowly(pushes, i, slow)):
+                    if waiting >= AHEAD_ORDERS or not self._left_slowly(pushes, i, slow):
                         return None
         return waiting
 
