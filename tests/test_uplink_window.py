@@ -182,6 +182,45 @@ def test_start_up_does_not_double_a_window_it_cannot_fill() -> None:
     assert win.w == 16
 
 
+def test_no_probe_after_a_flat_round_that_the_version_cannot_time() -> None:
+    # The emulated WAN (round 40): a second version's round at 4 did not pay, start-up
+    # doubled once more with 8 chunks left to cross, and the version's last pushes went
+    # 8 at once through the 100 Mbit/s uplink; the round at 8 was never whole and the
+    # restart took it back. A probe needs a round's transfers after it: more than 2 x w.
+    def run(backlog: int) -> UplinkWindow:
+        win = UplinkWindow(2, 256)
+        now = 0.0
+        for w, rate in ((2, 10.0), (4, 10.0)):  # 2 pays (the first round), 4 does not
+            assert win.w == w
+            win.delivered(1, now, True, backlog=100 if w == 2 else backlog)  # round starts
+            for _ in range(w):
+                now += 1.0 / rate
+                win.delivered(1, now, True, backlog=100 if w == 2 else backlog)
+        return win
+
+    short = run(backlog=8)
+    assert short.startup and short.flat == 1 and short.w == 4, (short.w, short.flat)
+    long = run(backlog=9)
+    assert long.startup and long.flat == 1 and long.w == 8
+    # the round after the one not taken ends the start-up at the best window, as before
+    now = 10.0
+    short.delivered(1, now, True, backlog=3)
+    for _ in range(4):
+        now += 0.1
+        short.delivered(1, now, True, backlog=3)
+    assert not short.startup and short.w == short.best_w == 2
+    # a round that paid still doubles into a backlog the doubled window can fill (the
+    # next version times it: ``restart`` keeps a start-up whose rounds all paid)
+    paid = UplinkWindow(2, 256)
+    now = 0.0
+    for w, rate in ((2, 10.0), (4, 20.0)):
+        paid.delivered(1, now, True, backlog=5)
+        for _ in range(w):
+            now += 1.0 / rate
+            paid.delivered(1, now, True, backlog=5)
+    assert paid.w == 8 and paid.flat == 0
+
+
 def test_a_round_does_not_time_the_gap_between_versions() -> None:
     # A round is under way when a version's pushes run out; the next version comes 30 s
     # later. Timed across the gap, the round measured an idle uplink as a slow one and

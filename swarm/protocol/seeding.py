@@ -361,7 +361,9 @@ class OriginRole(Role):
     # ------------------------------------------------------------------ chunk flow
     def on_publish(self, v: int) -> None:
         if self.versions and self._uplink_busy() == 0:
+            was = self.window.w
             self.window.restart(self.host.now)  # no round times the gap between versions
+            self._window_moved(was, "restart")
         self.versions.append(v)
         self.versions.sort()
         self.plans[v] = {}
@@ -401,8 +403,10 @@ class OriginRole(Role):
                         # a push's deadline was set when its last byte left (``on_sent``)
                         sent = (d - self.cfg.request_timeout_s
                                 if src == ORIGIN_SRC and d is not None else None)
+                        was = self.window.w
                         self.window.delivered(1, now, self._uplink_busy() >= self._uplink_limit(),
                                               t0, sent, self._uplink_backlog())
+                        self._window_moved(was, "have")
                     # measured delivery time into the region, per path kind (routing)
                     if full and t0 is not None:
                         table = self.push_s if src == ORIGIN_SRC else self.relay_s
@@ -480,8 +484,10 @@ class OriginRole(Role):
                     self.uplink_pushes -= 1  # it has left: the uplink takes the next one
                     if timed:
                         if start_up:
+                            was = self.window.w
                             self.window.left(self.host.now, entry[3], fast_s, full,
                                              self._uplink_backlog(), self._oldest_push())
+                            self._window_moved(was, "left")
                         dt = self.host.now - entry[3]
                         if dt < fast_s:
                             if entry[3] > self.fast_mark:
@@ -880,6 +886,16 @@ class OriginRole(Role):
             elif (plan.sent | plan.infl) != st.full:
                 return True
         return False
+
+    def _window_moved(self, was: int, how: str) -> None:
+        """A debug line where the uplink window changed (``how``: the round that moved it,
+        on a HAVE, a departure, or the restart between versions)."""
+        win = self.window
+        if win.w != was:
+            self.host.log("debug", "uplink_window", how=how, w_from=was, w=win.w,
+                          startup=win.startup, flat=win.flat, best_w=win.best_w,
+                          rate=round(win.last_rate, 2), best=round(win.best, 2),
+                          backlog=self._uplink_backlog())
 
     def _uplink_backlog(self) -> int:
         """Transfers still to cross the site uplink (the uplink window's start-up grows

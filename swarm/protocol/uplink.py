@@ -32,7 +32,9 @@ by the uplink) looked like none, and start-up stopped at its first step. "Mostly
 pushes under way at the change are the new window's.
 
 Start-up doubles only a window the origin has transfers to fill (``backlog``), as BBR
-does not grow on rounds the application limits. Near a version's end a round may close
+does not grow on rounds the application limits; the doubling after a round that did not
+pay (a probe) only where the version has the transfers to time a round at twice the
+window (more than ``2 w`` left), since ``restart`` takes back a probe never timed. Near a version's end a round may close
 with two chunks left to cross; doubled there, the window became a probe never carried,
 and as the window is kept across versions the next version started with it: on a thin
 uplink, eight pushes at once that all arrived late (the simulator's `wan-3x4`: a second
@@ -60,8 +62,9 @@ from __future__ import annotations
 
 class UplinkWindow:
     __slots__ = ("best", "best_w", "dep_best", "dep_flat", "dep_n", "dep_on", "dep_start",
-                 "down", "flat", "full_rounds", "hi", "hold", "lo", "n", "nbytes", "probe_gain",
-                 "probing", "rounds", "since", "start", "startup", "startup_gain", "w")
+                 "down", "flat", "full_rounds", "hi", "hold", "last_rate", "lo", "n", "nbytes",
+                 "probe_gain", "probing", "rounds", "since", "start", "startup", "startup_gain",
+                 "w")
 
     def __init__(self, lo: int, hi: int, *, startup_gain: float = 1.25,
                  probe_gain: float = 1.1, hold: int = 4, full_rounds: int = 2) -> None:
@@ -71,6 +74,7 @@ class UplinkWindow:
         self.startup_gain, self.probe_gain, self.hold = startup_gain, probe_gain, hold
         self.w = lo
         self.best = 0.0  # bytes/s of the last round at best_w
+        self.last_rate = 0.0  # bytes/s (or pushes/s on departures) of the last round timed
         self.best_w = lo
         self.startup = True
         self.full_rounds = full_rounds
@@ -138,6 +142,7 @@ class UplinkWindow:
         if self.dep_n < self.w or now <= self.dep_start:
             return
         rate = self.dep_n / (now - self.dep_start)
+        self.last_rate = rate
         self.dep_start, self.dep_n = None, 0
         if rate >= self.dep_best * self.startup_gain:
             self.dep_best, self.dep_flat = rate, 0
@@ -177,6 +182,7 @@ class UplinkWindow:
         if self.n < self.w or now <= self.start:
             return
         rate = self.nbytes / (now - self.start)
+        self.last_rate = rate
         self.start, self.n, self.nbytes = now, 0, 0
         w = self.w
         self._round(rate, backlog)
@@ -200,7 +206,12 @@ class UplinkWindow:
             if rate >= self.best * self.probe_gain:
                 self.best, self.best_w = rate, self.w
             if self.flat < self.full_rounds and self.w < self.hi:
-                if grow:
+                # The doubling after a round that did not pay is a probe, and ``restart``
+                # takes back an untimed probe at the version's end: made with too few
+                # transfers left to time a round at twice the window, it only crowds the
+                # version's last chunks onto the uplink (the emulated WAN: 8 in flight for
+                # a second version's last 7-8 pushes, round 40)
+                if grow and (backlog is None or backlog > 2 * self.w):
                     self.w = min(self.hi, self.w * 2)
                 return
             self.startup = False
