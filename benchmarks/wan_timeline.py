@@ -179,6 +179,30 @@ def relay_lags(rows: list[dict[str, Any]], hop_s: float = 0.045) -> list[dict[st
     return out
 
 
+def last_inflow(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per remote region, the version's last chunk to come in from outside it: its index,
+    from whom, when it ended, and, where a border of another region relayed it, ``lag``:
+    how long after that border had it all the relay's last byte came in (cut-through
+    relays trail their source by a queue's drain; on the emulated WAN of round 40 the
+    version's last inflow came 0.1-0.7 s after its source was whole)."""
+    received = [r for r in rows if r["kind"] == "received"]
+    whole: dict[tuple[str, int], float] = {}
+    for r in received:
+        whole.setdefault((r["to"], r["index"]), r["end"])
+    last: dict[str, dict[str, Any]] = {}
+    for r in received:
+        reg = region(r["to"])
+        if reg != "0" and (reg not in last or r["end"] > last[reg]["end"]):
+            last[reg] = r
+    out = {}
+    for reg, r in sorted(last.items()):
+        src = None if r["from"] == "origin" else whole.get((r["from"], r["index"]))
+        out[reg] = {"index": r["index"], "from": r["from"], "to": r["to"], "end": r["end"],
+                    "via": "push" if r["from"] == "origin" else "relay",
+                    "lag": None if src is None else round(r["end"] - src, 3)}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("logdir", type=Path, help="one run's logs (bench_wan.py --keep-logs DIR/run<k>-patchswarm)")
@@ -191,6 +215,9 @@ def main() -> None:
     ap.add_argument("--relay-lags", action="store_true",
                     help="also print, per relay ordered, how long after it could have begun "
                          "the border began it (relay_lags)")
+    ap.add_argument("--last-inflow", action="store_true",
+                    help="also print, per remote region, the last chunk to come in and how "
+                         "long after its relaying border had it whole (last_inflow)")
     ap.add_argument("--inlet-mbit", type=float, default=100.0)
     ap.add_argument("--chunk-mib", type=float, default=4.0)
     args = ap.parse_args()
@@ -214,6 +241,12 @@ def main() -> None:
                   f"{x['first_block']:6.2f} {x['began']:6.2f} {x['lag']:+6.2f}")
         late = [x["lag"] for x in lags if x["lag"] > 0.1]
         print(f"  {len(late)} of {len(lags)} began over 0.1 s late, {sum(late):.2f} s in all")
+    if args.last_inflow:
+        print("last inflow per remote region: chunk, from -> to, ended, behind its source (s)")
+        for reg, x in last_inflow(rows).items():
+            behind = "pushed" if x["lag"] is None else f"{x['lag']:+.2f}"
+            print(f"  region {reg}: #{x['index']:<3} {x['from']:>6} -> {x['to']:<5} "
+                  f"{x['end']:6.2f} {behind}")
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
         print(f"wrote {args.out}")

@@ -98,3 +98,17 @@ def test_relay_lags_time_each_relay_from_when_it_could_have_begun() -> None:
     lags = wan_timeline.relay_lags(rows)
     assert [(x["index"], x["lag"]) for x in lags] == [(1, 0.0), (2, 0.405)]
     assert lags[1]["first_block"] == 1.1 and lags[1]["began"] == 1.65
+
+
+def test_last_inflow_names_each_regions_last_chunk_and_its_relays_lag() -> None:
+    rows = [
+        {"kind": "received", "from": "origin", "to": "n2-1", "index": 14, "start": 5.0, "end": 5.8},
+        {"kind": "received", "from": "origin", "to": "n1-2", "index": 15, "start": 5.2, "end": 6.0},
+        {"kind": "received", "from": "n1-2", "to": "n2-2", "index": 15, "start": 5.3, "end": 6.4},
+        {"kind": "received", "from": "n2-1", "to": "n1-0", "index": 14, "start": 5.1, "end": 5.9},
+        {"kind": "received", "from": "origin", "to": "n0-1", "index": 15, "start": 5.0, "end": 7.0},
+    ]
+    last = wan_timeline.last_inflow(rows)
+    assert set(last) == {"1", "2"}  # region 0 is the origin's
+    assert last["2"]["via"] == "relay" and last["2"]["lag"] == 0.4 and last["2"]["index"] == 15
+    assert last["1"]["via"] == "push" and last["1"]["lag"] is None and last["1"]["end"] == 6.0
