@@ -111,7 +111,14 @@ class TcpWatch:
                 continue  # not yet started on it, or not forwarded as it arrived
             r.own_pace(now)
             model = bbr_model(c.sock) if bbr and c.sock is not None else None
-            if model is not None and r.stale(now, a.length - c.handed, model[0], source_bps,
+            lag = a.length - c.handed
+            if model is not None and log.isEnabledFor(logging.DEBUG):
+                # what the stale rule judges (every relay forwarded as its chunk arrived)
+                log.debug("relay_source_done", extra={"fields": {
+                    "peer": c.addr, "lag": lag, "source_mbit": round(source_bps * 8e-6, 1),
+                    "bbr_mbit": round(model[0] * 8e-6, 1), "min_rtt_ms": round(model[1] * 1e3, 1),
+                    "since_s": round(now - max(r.started or now, r.last_restart), 3)}})
+            if model is not None and r.stale(now, lag, model[0], source_bps,
                                              STALE_SETTLE_RTTS * model[1]):
                 self._restart_congestion(c, "stale_relay")
             self._arm_restart_check(c)
