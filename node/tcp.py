@@ -113,14 +113,19 @@ CONGESTION_RESTART_S = 1.0  # shipped [network] congestion_restart_s (0: never)
 RESTART_IDLE_S = 0.2  # a chunk after this long without one on the link starts afresh
 # A relay forwarded as its chunk arrives is paced by its source until the chunk is all
 # here; a link then this far behind it, whose BBR estimate is under the source's arrival
-# rate / STALE_FACTOR although it has had STALE_SETTLE_RTTS round trips since the chunk
-# began or BBR last started over (its start-up from the initial window gains x16 in
-# four), holds a stale estimate (cut-through relays crawled at 1.5-5 Mbit/s for 1.8-2.8 s
-# after their source had finished at ~23 Mbit/s, through an inlet 80-90 % idle:
-# docs/benchmarks.md round 38) and starts over at once. Judged while the chunk still
-# arrived, relays that began behind it fired within 10 ms of a restart (round 38).
+# rate / STALE_FACTOR although it has had STALE_SETTLE_RTTS round trips since BBR last
+# started over (its start-up from the initial window gains x16 in four; a chunk after
+# idle starts it over), holds a stale estimate (cut-through relays crawled at 1.5-5
+# Mbit/s for 1.8-2.8 s after their source had finished at ~23 Mbit/s, through an inlet
+# 80-90 % idle: docs/benchmarks.md round 38) and starts over at once. Judged while the
+# chunk still arrived, relays that began behind it fired within 10 ms of a restart (round
+# 38). Round 40: a version's last relay 3.4 MB behind its source at 32.7 Mbit/s against
+# the source's 77 (0.87 s to drain through an idle inlet) was left alone, under half but
+# not a quarter, and judged 0.305 s after it began on a busy link (the settle then ran
+# from the chunk's start, not BBR's); a factor of 1.25 fired 13 times in 16 versions for
+# nothing in time, 2 fires on relays at under half their source's rate (2 in ~100).
 RELAY_LAG_BYTES = 512 << 10
-STALE_FACTOR = 4.0
+STALE_FACTOR = 2.0
 STALE_SETTLE_RTTS = 4
 TCP_CC_INFO = 26  # linux/tcp.h; struct tcp_bbr_info for BBR
 BBR_INFO = struct.Struct("=IIIII")  # bw_lo, bw_hi (bytes/s), min_rtt (us), pacing, cwnd gain
@@ -229,11 +234,12 @@ class CongestionRestart:
         not yet handed to the socket, whose BBR estimate is ``link_bps`` (None: unknown)
         against the ``source_bps`` it arrived at: True if BBR is to start over now (a link
         that fell behind its source at a fraction of its rate: a stale estimate, not a
-        share of a full path), unless the chunk began or BBR last started over less than
-        ``settle_s`` ago (its start-up is still ramping)."""
+        share of a full path), unless BBR last started over less than ``settle_s`` ago
+        (its start-up is still ramping). A chunk that began on a busy link did not start
+        BBR over: its estimate is the link's, however recently the chunk began."""
         if (self.every_s <= 0 or self.started is None or lag < RELAY_LAG_BYTES
                 or link_bps is None or link_bps * STALE_FACTOR >= source_bps
-                or now - max(self.started, self.last_restart) < settle_s):
+                or now - self.last_restart < settle_s):
             return False
         return self._restart(now)
 

@@ -227,6 +227,22 @@ def test_a_relay_that_fell_behind_its_source_at_a_fraction_of_its_rate_is_stale(
     settling.own_pace(0.2)
     assert not settling.stale(0.2, 4 << 20, 0.0, src, settle_s=0.32)
     assert settling.stale(0.4, 4 << 20, 0.0, src, settle_s=0.32)
+    # a relay that began on a busy link, right after the one before it (no restart at
+    # its start): BBR's estimate is the link's, judged at once (round 40: 3.4 MB behind
+    # at 33 Mbit/s against a 77 Mbit/s source, 0.305 s into the chunk, was left alone)
+    busy = CongestionRestart(EVERY, IDLE)
+    busy.chunk_started(0.0, paced=True)  # after idle: BBR starts over at 0.0
+    busy.own_pace(0.9)
+    busy.chunk_ended(0.9)
+    assert not busy.chunk_started(0.95, paced=True)  # back to back: no restart
+    busy.own_pace(1.255)
+    assert busy.stale(1.255, 3400 << 10, 32.7e6 / 8, 77.1e6 / 8, settle_s=0.32)
+    assert busy.restarts == 2
+    # ... and one under the source's rate but not under half of it is a share: left alone
+    fair = CongestionRestart(EVERY, IDLE)
+    fair.chunk_started(0.0, paced=True)
+    fair.own_pace(1.0)
+    assert not fair.stale(1.0, 4 << 20, 44e6 / 8, 60e6 / 8, settle_s=0.32)
     off = CongestionRestart(0.0, IDLE)
     off.chunk_started(0.0, paced=True)
     off.own_pace(1.0)
