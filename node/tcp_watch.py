@@ -117,7 +117,9 @@ class TcpWatch:
                 log.debug("relay_source_done", extra={"fields": {
                     "peer": c.addr, "lag": lag, "source_mbit": round(source_bps * 8e-6, 1),
                     "bbr_mbit": round(model[0] * 8e-6, 1), "min_rtt_ms": round(model[1] * 1e3, 1),
-                    "since_s": round(now - max(r.started or now, r.last_restart), 3)}})
+                    "chunk_s": round(now - (r.started or now), 3),
+                    "since_restart_s": (round(now - r.last_restart, 3)
+                                        if r.last_restart > float("-inf") else None)}})
             if model is not None and r.stale(now, lag, model[0], source_bps,
                                              STALE_SETTLE_RTTS * model[1]):
                 self._restart_congestion(c, "stale_relay")

@@ -5,6 +5,7 @@ plain model of its rule says, over any sequence of chunk starts, blocks and ends
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import socket
 import threading
@@ -338,13 +339,20 @@ async def _tail_restart() -> None:
 
 
 @needs_bbr
-def test_the_driver_judges_a_cut_through_relay_once_its_source_is_done() -> None:
+def test_the_driver_judges_a_cut_through_relay_once_its_source_is_done(
+        caplog: pytest.LogCaptureFixture) -> None:
     """A relay forwarded as its chunk arrives: no timer while the source sends (the timer
     used to re-arm every millisecond once the chunk ran past ``every_s``); when the chunk
     is all here, a link far behind it at a fraction of its rate starts BBR over at once
     (``stale_relay``) unless BBR has just started over there, and one that kept up is
-    looked at ``every_s`` later."""
+    looked at ``every_s`` later. At debug level each judgement is logged
+    (``relay_source_done``) with what the rule saw."""
+    caplog.set_level(logging.DEBUG, logger="patchswarm.node")
     asyncio.run(_relay_restart())
+    seen = [r.fields for r in caplog.records if r.getMessage() == "relay_source_done"]
+    assert [f["lag"] for f in seen] == [3 << 20, 4 << 20, 64 << 10]  # the three relays
+    assert all(f["source_mbit"] > 0 and f["bbr_mbit"] >= 0 and f["min_rtt_ms"] >= 0 for f in seen)
+    assert seen[0]["since_restart_s"] is not None and seen[0]["chunk_s"] >= 0.29
 
 
 async def _relay_restart() -> None:

@@ -34,13 +34,15 @@ pushes under way at the change are the new window's.
 Start-up doubles only a window the origin has transfers to fill (``backlog``), as BBR
 does not grow on rounds the application limits; the doubling after a round that did not
 pay (a probe) only where the version has the transfers to time a round at twice the
-window (more than ``2 w`` left), since ``restart`` takes back a probe never timed. Near a version's end a round may close
-with two chunks left to cross; doubled there, the window became a probe never carried,
-and as the window is kept across versions the next version started with it: on a thin
-uplink, eight pushes at once that all arrived late (the simulator's `wan-3x4`: a second
-version took 8.07 s, the first 7.58). Between versions the uplink is idle: ``restart``
-times the next round from the new version's transfers, not across the gap, and ends a
-start-up that has seen a round not pay at the best window measured.
+window (more than ``2 w`` left), since ``restart`` takes back a probe never timed (the
+emulated WAN, round 40: 8 in flight for a second version's last 7-8 pushes). Near a
+version's end a round may close with two chunks left to cross; doubled there, the window
+became a probe never carried, and as the window is kept across versions the next version
+started with it: on a thin uplink, eight pushes at once that all arrived late (the
+simulator's `wan-3x4`: a second version took 8.07 s, the first 7.58). Between versions
+the uplink is idle: ``restart`` times the next round from the new version's transfers,
+not across the gap, and ends a start-up that has seen a round not pay at the best window
+measured.
 
 Where the site uplink is fat, a round timed by HAVEs is slow to come: on ``fleet-10k``
 (60 ms between sites) the first HAVE is back ~0.15 s after the first push, and the window
