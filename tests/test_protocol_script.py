@@ -1410,11 +1410,12 @@ def test_a_first_push_on_a_connection_times_the_cold_path_and_unmeasured_relays_
 
 def test_a_short_last_chunk_times_no_path_and_leaves_a_connection_cold() -> None:
     """A version's last chunk may be a few bytes (a patch one header past whole chunks:
-    on the emulated WAN 17 chunks, the last 1.2 KB). Its push or relay times no path: it
-    feeds neither ``push_s`` nor ``cold_s`` nor the uplink window. Counted as a chunk, its
-    0.2 s once made pushes into a region look faster than relays and sent a chunk another
-    region held through the thin uplink again. A connection whose first push was that
-    chunk stays cold: the next full chunk on it times the cold path."""
+    on the emulated WAN 17 chunks, the last 1.8 KB). It is pushed first (``first_pick``)
+    and its push or relay times no path: it feeds neither ``push_s`` nor ``cold_s`` nor
+    the uplink window. Counted as a chunk, its 0.2 s once made pushes into a region look
+    faster than relays and sent a chunk another region held through the thin uplink
+    again. A connection whose first push was that chunk stays cold: the next full chunk
+    on it times the cold path."""
     s = Signer()
     o = _core("origin", "home", role="origin", signer=s, border_nodes=1, uplink_window=2,
               uplink_window_max=2, border_inflight=1, relay=False)
@@ -1423,18 +1424,23 @@ def test_a_short_last_chunk_times_no_path_and_leaves_a_connection_cold() -> None
     a.handshake()
     m = s.manifest(2, 3, last_chunk=10)
     t = o.now
-    pushes = _pushes(o.handle(ev.Publish(t, m)))
+    acts = o.handle(ev.Publish(t, m))
     a.send(wire.Announce(m), now=t)
-    pushes += _pushes(a.actions)
+    acts += a.actions
+    pushes = _pushes(acts)
     role = o.role
     assert role._full_size(2, 1) and not role._full_size(2, 2)
+    # a's first push is the short chunk, and it leaves a's link cold
+    assert pushes == [(1, 2)]
+    assert _logs(acts, "push") == [{"version": 2, "index": 2, "region": "r1", "border": "a",
+                                    "uplink_window": 2, "cold": False}]
+    assert 1 not in role.pushed_to and 1 not in role.first_push
     # b joins holding the full chunks 0 and 1 (from elsewhere): its one push is the short one
     b.handshake()
     pushes += _pushes(b.actions)
     b.send(wire.Bitfield(2, wire.bits_to_bytes(0b011, 3)), now=t)
     pushes += _pushes(b.actions)
-    assert sorted(pushes) == [(1, 0), (2, 2)]
-    by_conn = dict(pushes)
+    assert sorted(pushes) == [(1, 2), (2, 2)]
     assert 2 not in role.pushed_to and 2 not in role.first_push  # b's link is still cold
     o.handle(ev.ChunkSent(t + 0.1, 2, 2, 2))
     b.send(wire.Have(2, (2,)), now=t + 0.2)
@@ -1442,24 +1448,23 @@ def test_a_short_last_chunk_times_no_path_and_leaves_a_connection_cold() -> None
     delivered = _logs(b.actions, "region_delivered")
     assert delivered == [{"version": 2, "index": 2, "region": "r2", "border": "b",
                           "via": "push", "s": pytest.approx(0.2)}]
-    # a's pushes: 0 (full, its first: the cold sample), then 1, then the short 2
-    assert by_conn[1] == 0
-    nxt = _pushes(o.handle(ev.ChunkSent(t + 0.9, 1, 2, 0)))
-    a.send(wire.Have(2, (0,)), now=t + 1.0)
+    # a's short chunk is in: no path timed; the next push is 0, a's first full one
+    nxt = _pushes(o.handle(ev.ChunkSent(t + 0.3, 1, 2, 2)))
+    a.send(wire.Have(2, (2,)), now=t + 0.35)
+    nxt += _pushes(a.actions)
+    assert role.push_s.get("r1") is None and role.cold_s is None and role.window.n == 0
+    assert nxt == [(1, 0)]
+    assert role.first_push[1] == (2, 0)  # the cold sample
+    nxt = _pushes(o.handle(ev.ChunkSent(t + 1.2, 1, 2, 0)))
+    a.send(wire.Have(2, (0,)), now=t + 1.3)
     nxt += _pushes(a.actions)
     assert role.cold_s == pytest.approx(1.0) and role.push_s["r1"] == pytest.approx(1.0)
     assert nxt == [(1, 1)]
-    acts = o.handle(ev.ChunkSent(t + 1.1, 1, 2, 1))
-    a.send(wire.Have(2, (1,)), now=t + 1.2)
-    acts += a.actions
+    o.handle(ev.ChunkSent(t + 1.4, 1, 2, 1))
+    a.send(wire.Have(2, (1,)), now=t + 1.5)
     assert role.push_s["r1"] == pytest.approx(0.7 * 1.0 + 0.3 * 0.3)
-    assert _pushes(acts) == [(1, 2)]
-    assert _logs(acts, "push") == [{"version": 2, "index": 2, "region": "r1", "border": "a",
-                                    "uplink_window": 2, "cold": False}]
-    o.handle(ev.ChunkSent(t + 1.21, 1, 2, 2))
-    a.send(wire.Have(2, (2,)), now=t + 1.25)
-    assert role.push_s["r1"] == pytest.approx(0.7 * 1.0 + 0.3 * 0.3)  # the short one: unchanged
     assert role.cold_s == pytest.approx(1.0)
+    assert _pushes(a.actions) == []
 
 
 def test_a_slow_relay_path_is_no_source_while_a_push_is_much_faster() -> None:

@@ -84,7 +84,13 @@ class Requests:
                     cand = 0
                 else:
                     room = 1
-            picks = self.policy.pick(cand, avail, room) if cand else []
+            short = cand & st.short
+            if short:  # a patch's short last chunk first: it costs next to nothing now
+                i = short.bit_length() - 1
+                picks = [i] + (self.policy.pick(cand & ~short, avail, room - 1)
+                               if room > 1 and cand & ~short else [])
+            else:
+                picks = self.policy.pick(cand, avail, room) if cand else []
             if not picks and popcount(missing) <= c.endgame_chunks:
                 # endgame: everything missing is in flight; ask a second peer once
                 cand = pb & missing & ~st.dups

@@ -35,7 +35,7 @@ from swarm.protocol import wire
 from swarm.protocol.coldpath import ColdPath
 from swarm.protocol.fleet import FleetEntry, FleetTable
 from swarm.protocol.peer import Peer
-from swarm.protocol.picker import iter_bits, lowest, popcount
+from swarm.protocol.picker import first_pick, iter_bits, popcount
 from swarm.protocol.roles import FrameHandler, Host, Role
 from swarm.protocol.uplink import UplinkWindow
 
@@ -626,7 +626,7 @@ class OriginRole(Role):
                     continue
                 need = st.full & ~p.bits[v] & ~pushed.get(v, 0)
                 if need:
-                    i = lowest(need)
+                    i = first_pick(need, st.short)
                     pushed[v] = pushed.get(v, 0) | (1 << i)
                     self._push(p, v, i, "")
                     if need & (need - 1):
@@ -755,6 +755,12 @@ class OriginRole(Role):
             return False
         path, push = self.path_s.get((src, r)), self.push_s.get(r)
         return path is not None and push is not None and path > f * push
+
+    def _first(self, v: int, cand: int) -> int:
+        """The chunk of ``cand`` to push or relay next: the version's short last chunk
+        first, then the lowest (``picker.first_pick``)."""
+        st = self.host.holding(v)
+        return first_pick(cand, st.short if st is not None else 0)
 
     def _full_size(self, v: int, i: int) -> bool:
         """Whether chunk ``i`` of ``v`` is at least half a full chunk: only such transfers
@@ -1118,7 +1124,7 @@ class OriginRole(Role):
                     continue
                 self.warm[(b.conn, r)] = t.conn
                 self.relayed_to.setdefault(b.conn, set()).add(t.conn)
-                i = lowest(cand)
+                i = self._first(v, cand)
                 if not ahead:
                     b.relay_busy += 1
                 load[t.conn] = load.get(t.conn, 0) + 1
@@ -1284,7 +1290,7 @@ class OriginRole(Role):
         if t is None:
             return -1
         self.warm[(ORIGIN_SRC, r)] = t.conn
-        i = lowest(cand)
+        i = self._first(v, cand)
         if t.conn not in self.pushed_to and self._full_size(v, i):
             # (a short chunk first leaves the connection as cold as it was)
             self.pushed_to.add(t.conn)

@@ -16,7 +16,7 @@ class VersionState:
     """One version: its manifest, what we hold, what is on its way, who holds what."""
 
     __slots__ = ("announce", "avail", "dups", "full", "have", "inflight", "manifest", "raw",
-                 "version")
+                 "short", "version")
 
     def __init__(self, manifest: Any, raw: bytes) -> None:
         self.version: int = manifest.version
@@ -28,6 +28,11 @@ class VersionState:
         self.inflight = 0  # chunks requested from some peer
         self.dups = 0  # endgame: chunks requested twice
         self.avail: list[int] | None = None  # while wanted: peers holding each chunk
+        # a patch's short last chunk (under half a full one), as a bitset: it goes first
+        # wherever a chunk is picked (``picker.first_pick``)
+        n = manifest.chunk_count
+        self.short = (1 << (n - 1) if n > 1 and 2 * manifest.chunk_length(n - 1)
+                      < manifest.chunk_length(0) else 0)
 
     @property
     def chunk_count(self) -> int:
