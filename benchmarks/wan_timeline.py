@@ -203,6 +203,45 @@ def last_inflow(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
+# "<ISO time>Z <node> <LEVEL> <event> key=value ..." (node.logs.TextFormatter)
+STAMPED = re.compile(r"^(\S+)Z \S+ \w+ (manifest_accepted|chunk_received|version_complete) (.*)$")
+
+
+def last_chunk_waits(logdir: Path, version: int) -> dict[str, dict[str, Any]]:
+    """Per node, when it stored the version's last chunk (a patch's short one: 64 MiB and
+    a header is 16 chunks and 1.8 KB) and when it had the version complete, both in
+    seconds after it stored its last other chunk (from each log line's own time). A
+    positive ``last``: the node waited for that chunk after all the others (round 41:
+    sent last, it came 50-100 ms after them on the slowest nodes)."""
+    out: dict[str, dict[str, Any]] = {}
+    for path in sorted(logdir.glob("n*.log")):
+        count = None
+        stored: dict[int, float] = {}
+        complete = None
+        for line in path.read_text(errors="replace").splitlines():
+            m = STAMPED.match(line)
+            if m is None:
+                continue
+            f = dict(kv.split("=", 1) for kv in m[3].split() if "=" in kv)
+            if f.get("version") != str(version):
+                continue
+            if m[2] == "manifest_accepted":
+                count = int(f.get("chunks", 0)) or None
+            elif m[2] == "chunk_received" and f.get("state") == "stored":
+                stored.setdefault(int(f["index"]), wall_time(m[1]))
+            elif complete is None:
+                complete = wall_time(m[1])
+        if count is None or count < 2 or count - 1 not in stored:
+            continue
+        others = [t for i, t in stored.items() if i != count - 1]
+        if not others:
+            continue
+        ref = max(others)
+        out[path.stem] = {"chunks": count, "last": round(stored[count - 1] - ref, 3),
+                          "complete": None if complete is None else round(complete - ref, 3)}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("logdir", type=Path, help="one run's logs (bench_wan.py --keep-logs DIR/run<k>-patchswarm)")
@@ -218,6 +257,10 @@ def main() -> None:
     ap.add_argument("--last-inflow", action="store_true",
                     help="also print, per remote region, the last chunk to come in and how "
                          "long after its relaying border had it whole (last_inflow)")
+    ap.add_argument("--last-chunk", action="store_true",
+                    help="also print, per node, when it stored the version's last chunk and "
+                         "had the version complete, after its last other chunk "
+                         "(last_chunk_waits)")
     ap.add_argument("--inlet-mbit", type=float, default=100.0)
     ap.add_argument("--chunk-mib", type=float, default=4.0)
     args = ap.parse_args()
@@ -247,6 +290,13 @@ def main() -> None:
             behind = "pushed" if x["lag"] is None else f"{x['lag']:+.2f}"
             print(f"  region {reg}: #{x['index']:<3} {x['from']:>6} -> {x['to']:<5} "
                   f"{x['end']:6.2f} {behind}")
+    if args.last_chunk:
+        waits = last_chunk_waits(args.logdir, args.version)
+        print("last chunk per node: stored, complete, s after its last other chunk")
+        for name, x in waits.items():
+            print(f"  {name:<5} #{x['chunks'] - 1:<3} {x['last']:+6.3f} {x['complete']}")
+        if waits:
+            print(f"  longest wait for it: {max(0.0, *(x['last'] for x in waits.values())):.3f} s")
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
         print(f"wrote {args.out}")

@@ -950,6 +950,13 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
                     "peer": c.addr, "version": v, "index": i, "state": a.state,
                     "first_block_at": round(time.time() - (self.now() - a.t0), 3),
                     "s": round(self.now() - a.t0, 3), "relays": len(a.watchers)}})
+        elif other is None and log.isEnabledFor(logging.DEBUG):
+            # a chunk that came as one message (a patch's short last chunk): its time is
+            # its verdict's (the timeline's view of when each node had every chunk)
+            log.debug("chunk_received", extra={"fields": {
+                "peer": c.addr, "version": v, "index": i,
+                "state": "stored" if verdict is None else "failed",
+                "first_block_at": round(time.time(), 3), "s": 0.0, "relays": 0}})
         if isinstance(verdict, str):  # local fault: the core backs off, blames nobody
             self.store_fault = f"cannot keep chunks: {verdict}"
             self.feed(ev.ChunkNotStored(self.now(), c.id, v, i, verdict[:200]))

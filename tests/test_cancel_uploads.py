@@ -451,3 +451,31 @@ def test_relays_from_a_twin_withdrawn_during_the_hash_wait_for_the_verdict() -> 
 
 def test_relays_from_a_twin_withdrawn_during_a_bad_hash_fail() -> None:
     _withdrawn_while_verifying(good_copy=False)
+
+
+def test_a_chunk_that_came_as_one_message_is_logged_as_received(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A patch's short last chunk comes as one message, not block by block (no arrival):
+    at debug level it gets its ``chunk_received`` line too, with its verdict, so that the
+    WAN timeline (``wan_timeline.last_chunk_waits``) sees when each node had every chunk.
+    A copy whose hash does not match is logged as failed."""
+    import logging
+
+    from node.conn import Conn
+
+    async def go() -> None:
+        drv = _driver([])
+        drv.core.authenticated = lambda cid: True  # type: ignore[method-assign]
+        drv._prestage_kick = lambda v: None  # type: ignore[method-assign]
+        verdicts = {3: None, 4: False}  # 4: its hash does not match
+        drv._check_and_store = lambda v, i, payload: verdicts[i]  # type: ignore[method-assign]
+        c = Conn(id=5, link=None, outbound=True, addr="10.213.1.2:7400")
+        drv.conns[5] = c
+        await drv._on_chunk(c, (2, 3, memoryview(b"x" * 1800)))
+        await drv._on_chunk(c, (2, 4, memoryview(b"y" * 10)))
+
+    caplog.set_level(logging.DEBUG, logger="patchswarm.node")
+    asyncio.run(go())
+    seen = [r.fields for r in caplog.records if r.getMessage() == "chunk_received"]
+    assert [(f["peer"], f["version"], f["index"], f["state"], f["s"]) for f in seen] == [
+        ("10.213.1.2:7400", 2, 3, "stored", 0.0), ("10.213.1.2:7400", 2, 4, "failed", 0.0)]

@@ -9,6 +9,8 @@ import importlib.util
 import logging
 from pathlib import Path
 
+import pytest
+
 from node.logs import TextFormatter
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -112,3 +114,31 @@ def test_last_inflow_names_each_regions_last_chunk_and_its_relays_lag() -> None:
     assert set(last) == {"1", "2"}  # region 0 is the origin's
     assert last["2"]["via"] == "relay" and last["2"]["lag"] == 0.4 and last["2"]["index"] == 15
     assert last["1"]["via"] == "push" and last["1"]["lag"] is None and last["1"]["end"] == 6.0
+
+
+def test_last_chunk_waits_time_the_short_chunk_against_each_nodes_other_chunks(
+        tmp_path: Path) -> None:
+    """n1-0 stored the version's last chunk (index 2 of 3) 0.08 s after its last other one
+    and was complete then; n1-1 had it first; a node of another version is left out."""
+    def node(name: str, *lines: str) -> None:
+        (tmp_path / f"{name}.log").write_text("\n".join(lines) + "\n")
+
+    def got(name: str, at: float, index: int, version: int = 2) -> str:
+        return _line(name, at, "chunk_received", peer="10.213.1.2:7400", version=version,
+                     index=index, state="stored", first_block_at=at, s=0.0, relays=0)
+
+    node("n1-0",
+         _line("n1-0", T0, "manifest_accepted", version=2, kind="patch", chunks=3),
+         got("n1-0", T0 + 1.0, 0), got("n1-0", T0 + 1.5, 1), got("n1-0", T0 + 1.58, 2),
+         _line("n1-0", T0 + 1.58, "version_complete", version=2))
+    node("n1-1",
+         _line("n1-1", T0, "manifest_accepted", version=2, kind="patch", chunks=3),
+         got("n1-1", T0 + 0.1, 2), got("n1-1", T0 + 1.0, 1), got("n1-1", T0 + 1.4, 0),
+         _line("n1-1", T0 + 1.4, "version_complete", version=2))
+    node("n2-0",
+         _line("n2-0", T0, "manifest_accepted", version=3, kind="patch", chunks=3),
+         got("n2-0", T0 + 0.1, 2, version=3), got("n2-0", T0 + 0.2, 1, version=3))
+    waits = wan_timeline.last_chunk_waits(tmp_path, 2)
+    ms = pytest.approx  # the formatter keeps whole milliseconds
+    assert waits == {"n1-0": {"chunks": 3, "last": ms(0.08, abs=2e-3), "complete": ms(0.08, abs=2e-3)},
+                     "n1-1": {"chunks": 3, "last": ms(-1.3, abs=2e-3), "complete": 0.0}}
