@@ -3,8 +3,8 @@ requests (``picker.first_pick``, ``VersionState.short``).
 
 A patch one header past whole chunks ends in a chunk of a few bytes. Picked lowest
 first it was the last chunk pushed: it queued behind the version's last full chunks on
-the same connections and then crossed every hop after them, and on the emulated WAN the
-last nodes of a version waited for it after their last full chunk
+the same connections and then crossed every hop after them, and on the emulated WAN some
+node of a version waited up to 0.1 s for it after its last full chunk
 (docs/benchmarks.md, round 41).
 """
 

@@ -27,8 +27,8 @@ def first_pick(cand: int, short: int) -> int:
     """The chunk of ``cand`` to send first: a short one of ``short`` (a patch's short last
     chunk) if there is one, else the lowest. A short chunk costs its path next to nothing
     at any time, while sent last it queues behind the version's last full chunks on
-    the same connections and then crosses every hop after them: on the emulated WAN the
-    last nodes waited 50-100 ms for it after their last full chunk."""
+    the same connections and then crosses every hop after them: on the emulated WAN some
+    node of a version waited up to 0.1 s for it after its last full chunk."""
     s = cand & short
     return lowest(s if s else cand)
 
