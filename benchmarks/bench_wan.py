@@ -376,6 +376,27 @@ def _fleet(lab: Any, args: argparse.Namespace, workdir: Path) -> Any:
     return fleet
 
 
+def wait_warm(fleet: Any, pub: Any, timeout: float = 15.0) -> dict[str, Any]:
+    """Wait until no node and not the origin is warming a link (node.warm_up: padding that
+    opens a long link's TCP window before its first chunk). A real fleet's first version
+    comes after minutes of training, long after its links were up and warmed; here the
+    publish would otherwise land in the middle of the warm-ups (they end at its first chunk)."""
+    t0 = time.monotonic()
+    while True:
+        sts = [((fleet.status(n) or {}).get("transport") or {}).get("warm_up") or {}
+               for n in fleet.nodes]
+        drv = pub.node.driver
+        sts.append(drv.call(drv.warm_status))
+        warming = sum(s.get("warming", 0) for s in sts)
+        if not warming or time.monotonic() - t0 > timeout:
+            return {"wait_s": round(time.monotonic() - t0, 2), "still_warming": warming,
+                    "links": sum(s.get("links", 0) for s in sts),
+                    "pad_bytes": sum(s.get("pad_sent", 0) for s in sts),
+                    "ended": {k: sum((s.get("ended") or {}).get(k, 0) for s in sts)
+                              for k in sorted({k for s in sts for k in (s.get("ended") or {})})}}
+        time.sleep(0.2)
+
+
 def _poll_until(fleet: Any, version: int, timeout: float, polls: dict[int, int],
                 poll_s: float) -> dict[str, dict[str, Any]]:
     deadline = time.monotonic() + timeout
@@ -435,6 +456,7 @@ def run_patchswarm(lab: Any, args: argparse.Namespace, meter: Meter, oneshot: bo
             pids = {n.name: n.proc.pid for n in fleet.nodes if n.proc is not None}
             polls: dict[int, int] = {}
             cli = None
+            warm: dict[str, Any] | None = None
             if oneshot:
                 new_path = workdir / "new.safetensors"
                 save_file(new, str(new_path))
@@ -484,6 +506,7 @@ def run_patchswarm(lab: Any, args: argparse.Namespace, meter: Meter, oneshot: bo
                 while len(pub.regions()) < lab.regions and time.monotonic() < deadline:
                     time.sleep(0.2)
                 time.sleep(3.0)  # every node gets its region's peers from the tracker
+                warm = wait_warm(fleet, pub)
                 before = {n.name: fleet.status(n) for n in fleet.nodes}
                 cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
                 io0 = {k: proc_counts(p) for k, p in pids.items()}
@@ -505,6 +528,8 @@ def run_patchswarm(lab: Any, args: argparse.Namespace, meter: Meter, oneshot: bo
                     cli.wait(5)
             out = _figures(fleet, meter, sts, before, (cpu0, cpu1), (io0, io1), (m0, m1),
                            polls, t0, handoff, version, patch_bytes)
+            if warm is not None:
+                out["warm_up"] = warm
             if pub is not None and args.versions > 1:
                 # the steady state of RL post-training: one long-running origin publishes
                 # version after version (it keeps what it measured, its uplink window

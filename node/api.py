@@ -112,6 +112,9 @@ def status_dict(driver: Driver, model: str) -> dict[str, Any]:
             "slow_start_after_idle": driver.slow_start_after_idle,
             # BBR started over on a link ([network] congestion_restart_s, node.tcp)
             "congestion_restarts": driver.congestion_restarts,
+            # long links' windows opened before the first version ([network] warm_up_kib,
+            # node.warm_up): links warmed, under way, why they ended, padding each way
+            "warm_up": driver.warm_status(),
             # striped links ([network] lanes): extra connections opened or accepted, and
             # lanes refused (either side)
             "lanes_opened": driver.lanes_opened,

@@ -47,7 +47,8 @@ _SECTIONS = {
     "network": {"listen", "advertise", "bootstrap", "swarm_secret", "swarm_secret_file",
                 "max_connections", "max_connections_per_ip", "upgrade_timeout_s",
                 "allow_plaintext", "unsent_limit_kib", "read_coalesce_ms", "lanes",
-                "congestion_control", "congestion_restart_s"},
+                "congestion_control", "congestion_restart_s", "warm_up_kib",
+                "warm_up_min_rtt_ms"},
     "trust": {"trainer_keys", "node_key"},
     "store": {"dir", "quota_bytes", "keep_versions", "fsync"},
     "weights": {"base", "base_version", "device"},
@@ -134,6 +135,11 @@ class NodeConfig:
     # BBR started over on a link whose chunk runs this long, or starts after idle (0: never;
     # node.tcp.CongestionRestart)
     congestion_restart_s: float = 1.0
+    # padding written on an idle link between regions, before any chunk went over it, to
+    # open TCP's window for the first version (0: never; node.warm_up), on links whose
+    # round trip is this long or longer
+    warm_up_kib: int = 512
+    warm_up_min_rtt_ms: float = 20.0
     # connections a link that carries chunks to another region stripes them over, the
     # dialer's choice (1: one; docs/striped-links.md); they count against the other
     # side's max_connections and max_connections_per_ip. ``lanes_auto`` ("auto" in the
@@ -502,6 +508,7 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = Non
         "max_connections": _int_in(net, "max_connections", 1024, 1, 1_000_000),
         "max_connections_per_ip": _int_in(net, "max_connections_per_ip", 32, 1, 1_000_000),
         "unsent_limit_kib": _int_in(net, "unsent_limit_kib", 128, 0, 1 << 20),
+        "warm_up_kib": _int_in(net, "warm_up_kib", 512, 0, 32 * 1024),
         **_lanes(net),
     }
     upgrade = _get(net, "network", "upgrade_timeout_s", (int, float), 10.0)
@@ -518,6 +525,10 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = Non
     if isinstance(restart, bool) or not (restart == 0 or 0.05 <= restart <= 60):
         raise ConfigError("network.congestion_restart_s: 0 (never) or seconds in 0.05..60, "
                           f"got {restart!r}")
+    warm_rtt = _get(net, "network", "warm_up_min_rtt_ms", (int, float), 20.0)
+    if isinstance(warm_rtt, bool) or not 0 <= warm_rtt <= 10_000:
+        raise ConfigError("network.warm_up_min_rtt_ms: must be a number in 0..10000, "
+                          f"got {warm_rtt!r}")
     tls = _tls(data.get("tls"), base_dir, node_id, region, role)
     plaintext = _get(net, "network", "allow_plaintext", bool, False)
     if tls is None and not plaintext and not _loopback(host):
@@ -532,7 +543,8 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = Non
     cfg = NodeConfig(
         tls=tls, api_listen=api_listen, api_token=api_token, upgrade_timeout_s=float(upgrade),
         read_coalesce_ms=float(coalesce), congestion_control=congestion,
-        congestion_restart_s=float(restart), gateway=gateway,
+        congestion_restart_s=float(restart), warm_up_min_rtt_ms=float(warm_rtt),
+        gateway=gateway,
         warm_memory_mib=warm,
         **conn_caps,
         node_id=node_id, region=region, model=model, role=role, listen_host=host,

@@ -115,6 +115,12 @@ class Conn:
     # requester cancelled it) at its next block
     sending: tuple[int, int] | None = None
     stop: tuple[int, int] | None = None
+    # warm-up (node.warm_up): this link's, the next look at it, padding taken from the
+    # peer, and whether a chunk block went either way on it (never warmed then)
+    warm: Any = None
+    warm_timer: asyncio.TimerHandle | None = None
+    pad_in: int = 0
+    carried: bool = False
 
     def queued(self) -> int:
         return len(self.ctrl) + len(self.data)

@@ -96,6 +96,7 @@ from node.tcp import (
     slow_start_after_idle,
 )
 from node.tcp_watch import TcpWatch
+from node.warm_up import WARM_UP_KIB, WARM_UP_MIN_RTT_MS, WarmUps
 from swarm.errors import ChunkError, PatchswarmError, ProtocolError, StoreError
 from swarm.protocol import events as ev
 from swarm.protocol import stripes, wire
@@ -104,6 +105,8 @@ from swarm.trust.manifest import Manifest
 
 log = logging.getLogger("patchswarm.node")
 
+# link messages that carry chunk bytes (besides those placed straight into their buffer)
+_CHUNK_BYTES = (wire.BLOCK_MAGIC, wire.CHUNK_MAGIC, stripes.STRIPE_MAGIC)
 _STRIPED = (stripes.STRIPE_MAGIC, stripes.DONE_MAGIC, stripes.WITHDRAW_MAGIC, stripes.OFFER_MAGIC,
             stripes.ASK_MAGIC, stripes.WANT_MAGIC)
 SEND_QUEUE_LIMIT = 4096  # frames queued per peer before it is dropped as too slow
@@ -114,8 +117,8 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARN
 def _leaves_blocks_alone(data: bytes | bytearray) -> bool:
     """A queued message that does not touch a link's block assembler (``Link.place_with``):
     a control frame. Every binary message (``PS..``: blocks, withdrawals, stripes, whole
-    chunks) counts, whatever it is."""
-    return data[:2] != b"PS"
+    chunks) counts, whatever it is, but warm-up padding."""
+    return data[:2] != b"PS" or data[:4] == wire.PAD_MAGIC
 
 
 @dataclass
@@ -139,7 +142,7 @@ class TlsContexts:
         return cls(swarm_ca.server_context(ca, cert, key), swarm_ca.client_context(ca, cert, key))
 
 
-class Driver(StripedLinks, TcpWatch, ApplyPipeline):
+class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
     """Carry out a core's actions over real sockets; see the module docstring."""
 
     def __init__(self, core: NodeCore, store: StorePort, trust: TrustPort, *,
@@ -153,8 +156,12 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
                  read_coalesce_s: float = READ_COALESCE_S,
                  congestion: str = CONGESTION_CONTROL,
                  congestion_restart_s: float = CONGESTION_RESTART_S,
-                 lanes: int = 1, lanes_auto: bool = False) -> None:
+                 lanes: int = 1, lanes_auto: bool = False,
+                 warm_up_kib: int = WARM_UP_KIB,
+                 warm_up_min_rtt_ms: float = WARM_UP_MIN_RTT_MS) -> None:
         self.core = core
+        # long links' windows opened before the first version (node.warm_up)
+        self._warm_setup(warm_up_kib, warm_up_min_rtt_ms)
         # connections per link that carries chunks to another region (1: no striping);
         # ``lanes_auto``: only on a link found capped by random loss (node.tcp.RandomLoss)
         self.lanes = max(1, min(int(lanes), stripes.MAX_LANES))
@@ -424,6 +431,7 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
         if item[0] == "frame":
             c.ctrl.append(item[1])
         else:
+            self._chunk_moved(c)
             c.data.append((item[1], item[2], item[3]))
         c.wake.set()
 
@@ -446,6 +454,7 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
                         filled=lambda p: self._filled(c, p), neutral=_leaves_blocks_alone)
         self.conns[c.id] = c
         c.writer = self._spawn(self._writer(c))
+        self._warm_schedule(c)
         self.feed(ev.PeerConnected(self.now(), c.id, outbound, addr, identity))
         return c
 
@@ -538,6 +547,8 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
         reason = "closed by peer"
         try:
             async for data in self._incoming(c, c.link):
+                if isinstance(data, Placed) or data[:4] in _CHUNK_BYTES:
+                    self._chunk_moved(c)  # a version moves: warm-ups end (node.warm_up)
                 if isinstance(data, Placed):
                     if stripes.magic_of(data.header) == stripes.STRIPE_MAGIC:
                         whole = None if data.diverted else c.stripes.placed(data.header)  # type: ignore[union-attr]
@@ -548,6 +559,8 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
                     else:
                         self.blocks_placed += 1
                         await self._block_done(c, c.blocks.placed())
+                elif wire.is_pad_message(data):
+                    await self._on_pad(c, data)
                 elif wire.is_block_message(data):
                     self.blocks_copied += 1
                     await self._on_block(c, data)
@@ -563,6 +576,9 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
         except (TimeoutError, ConnectionError) as exc:
             reason = f"{type(exc).__name__}: {exc}"
         finally:
+            self._warm_end(c, "closed")
+            if c.warm_timer is not None:
+                c.warm_timer.cancel()
             self._lanes_end(c)
             self._arrivals_end(c.id)
             if self.conns.pop(c.id, None) is not None:
@@ -619,6 +635,9 @@ class Driver(StripedLinks, TcpWatch, ApplyPipeline):
                     continue
                 if sending is None:
                     if not c.data:
+                        if c.warm is not None and (pad := self._warm_pad(c)) is not None:
+                            self.wire_bytes["sent"] += await c.link.send(pad)
+                            continue
                         c.wake.clear()
                         await c.wake.wait()
                         continue

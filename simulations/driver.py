@@ -73,6 +73,12 @@ BASE_VERSION = 1
 # how often a node's driver looks whether a link's bytes are being acknowledged
 # (node.tcp_watch.ACK_WATCH_S; the simulator may not import the node)
 ACK_WATCH_S = 1.0
+# node.warm_up's first look at a new link, its looks while the handshake is under way
+# (each twice as late), and BBR's start-up gain per round trip (the simulator may not
+# import the node)
+WARM_UP_DELAY_S = 0.25
+WARM_UP_LOOKS = 6
+BBR_STARTUP_GAIN = 2.885
 
 def _slow_start_time(nbytes: float, cwnd: float, rtt: float, ceil: float, most: float) -> float:
     """Time to send ``nbytes`` from window ``cwnd`` doubling every ``rtt`` (at most ``most``)."""
@@ -95,6 +101,7 @@ class SimNode:
         "addr",
         "alive",
         "applied_at",
+        "chunk_at",
         "cid",
         "conns",
         "core",
@@ -113,6 +120,7 @@ class SimNode:
         "region",
         "sent_bytes",
         "tick_at",
+        "warm_free",
     )
 
     def __init__(
@@ -138,6 +146,8 @@ class SimNode:
         self.manifests: dict[int, bytes] = {}
         self.sent_bytes = 0
         self.recv_bytes = 0
+        self.chunk_at = INF  # when it first sent or received a chunk (warm-ups end then)
+        self.warm_free = 0.0  # when its last warm-up ends (one link at a time)
         self.first_seen = 0.0
         self.active = BASE_VERSION  # last version applied (the restart point)
 
@@ -151,8 +161,23 @@ class Half:
     it is still in slow start (``INF`` once open).
     """
 
-    __slots__ = ("cid", "cur", "cwnd", "enq", "fifo", "held", "inc", "last", "lat", "node",
-                 "open", "peer", "queue", "rtt")
+    __slots__ = (
+        "cid",
+        "cur",
+        "cwnd",
+        "enq",
+        "fifo",
+        "held",
+        "inc",
+        "last",
+        "lat",
+        "node",
+        "open",
+        "peer",
+        "queue",
+        "rtt",
+        "warm_at",
+    )
 
     def __init__(self, node: SimNode, cid: int, lat: float) -> None:
         self.node = node
@@ -169,6 +194,7 @@ class Half:
         self.held: deque[tuple[int, bytes, float]] = deque()  # (gate seq, frame, sent at)
         self.cwnd = INF  # bytes per RTT while ramping up (slow start)
         self.last = 0.0  # when the last chunk's last byte left (the window was last in use)
+        self.warm_at = INF  # when its warm-up (Scenario.warm_up_kib) is over, if it has one
 
 
 @dataclass
@@ -604,6 +630,9 @@ class Simulation:
         mine.fifo = theirs.fifo = now + lat
         if self.sc.slow_start:
             mine.cwnd = theirs.cwnd = self._initial_window(node, peer)
+            if self.sc.warm_up_kib > 0 and 2 * lat * 1000 >= self.sc.warm_up_min_rtt_ms:
+                for h in (mine, theirs):
+                    self.engine.schedule(now + WARM_UP_DELAY_S, self._warm_look, (h, h.inc, 0))
         # SYN-ACK reaches the dialler before any byte the listener sends: schedule it first
         self.engine.schedule(now + lat, self._connected, (mine, addr))
         self._deliver(peer, peer.inc, ev.PeerConnected(now, theirs.cid, False, node.addr))
@@ -615,6 +644,31 @@ class Simulation:
         iw = self.sc.initial_window * (self.sc.mss + self.sc.header_bytes)
         striped = a.ep.site != b.ep.site and not self.sc.lanes_auto
         return iw * self.sc.lanes if striped else iw
+
+    def _warm_look(self, item: tuple[Half, int, int]) -> None:
+        """node.warm_up: a long link whose handshake is done and that carries chunks between
+        regions (the core's ``peer_border``) is warmed, after the node's other warm-ups, if
+        the node has moved no chunk yet; looks again (twice as late) while the handshake
+        is under way."""
+        half, inc, look = item
+        node = half.node
+        if not half.open or node.inc != inc or node.chunk_at != INF:
+            return
+        core = node.core
+        if not core.authenticated(half.cid):
+            if look + 1 < WARM_UP_LOOKS:
+                self.engine.schedule(self.engine.now + WARM_UP_DELAY_S * (2 << look),
+                                     self._warm_look, (half, inc, look + 1))
+            return
+        if not core.peer_border(half.cid):
+            return
+        iw = self.sc.initial_window * (self.sc.mss + self.sc.header_bytes)
+        budget, sent, rounds = self.sc.warm_up_kib * 1024, 0.0, 1  # + one for the acks
+        while sent < budget:
+            sent += iw * BBR_STARTUP_GAIN ** (rounds - 1)
+            rounds += 1
+        half.warm_at = max(self.engine.now, node.warm_free) + rounds * half.rtt
+        node.warm_free = half.warm_at
 
     def _connected(self, item: tuple[Half, str]) -> None:
         half, addr = item
@@ -742,6 +796,15 @@ class Simulation:
 
     def _start_chunk(self, half: Half, item: list[Any]) -> None:
         peer = half.peer
+        now = self.engine.now
+        for n in (half.node, peer.node):
+            if n.chunk_at == INF:
+                n.chunk_at = now
+        if half.warm_at <= half.node.chunk_at and half.cwnd != INF:
+            # warmed before the node's first chunk (node.warm_up): the window it opened
+            iw = self.sc.initial_window * (self.sc.mss + self.sc.header_bytes)
+            half.cwnd = max(half.cwnd, iw + self.sc.warm_up_kib * 1024)
+        half.warm_at = INF
         src, dst = half.node.ep, peer.node.ep
         res = self.topo.flow_resources(src, dst)
         cap = self.topo.flow_cap[(src.site, dst.site)]

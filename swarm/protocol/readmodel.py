@@ -70,6 +70,11 @@ class ReadModel:
         p = self.peers.get(conn)
         return p.region if p is not None and p.region else None
 
+    def peer_proto(self, conn: int) -> int:
+        """The protocol version the link on ``conn`` speaks (0: no handshake yet)."""
+        p = self.peers.get(conn)
+        return p.proto if p is not None and p.state is READY else 0
+
     def peer_border(self, conn: int) -> bool:
         """Whether the link on ``conn`` carries chunks between regions: on the origin, to a
         border it feeds; on a node, to a border of another region."""

@@ -31,11 +31,12 @@ from swarm.errors import ProtocolError
 #      refuses every other (rounds 25 and 26 added frames an older node took for
 #      malformed, and a chunk restarted over lanes that it misread).
 #   2: round 27: the same frames and link messages as 1, and the negotiation.
+#   3: round 42: the warm-up padding link message (``PAD_MAGIC``).
 # A release that adds a frame or a link message raises PROTOCOL_VERSION, keeps
 # MIN_PROTOCOL_VERSION at the version before, and sends the new one only on links that
 # speak it (``Peer.proto``): nodes one release apart then keep every link during a
 # rolling upgrade (docs/operations.md).
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MIN_PROTOCOL_VERSION = 2
 
 # ---- limits (every field is bounded; see docs/protocol.md)
@@ -514,6 +515,29 @@ def unpack_withdraw(data: bytes | memoryview) -> tuple[int, int]:
     if version > MAX_VERSION or index >= MAX_CHUNKS:
         raise ProtocolError("withdrawal header out of range")
     return version, index
+
+
+# Warm-up padding (protocol 3): filler a sender writes on an idle long link before any
+# version flows on it, so that TCP's congestion window is open when the first chunk
+# goes (node.warm_up). The receiver drops it unread, counting it against ``PAD_LIMIT``
+# per link; it is sent only on links that speak ``PAD_PROTOCOL`` and only after the
+# handshake.
+PAD_MAGIC = b"PSP1"
+PAD_PROTOCOL = 3
+PAD_MESSAGE_BYTES = 64 * 1024  # what a sender writes at a time (a receiver takes any size)
+PAD_LIMIT = 64 * 1024 * 1024  # padding one link may carry in all, each way
+_PAD_FILL = bytes(PAD_MESSAGE_BYTES)
+
+
+def is_pad_message(data: bytes | memoryview) -> bool:
+    return bytes(data[:4]) == PAD_MAGIC
+
+
+def pack_pad(n: int) -> bytes:
+    """A padding message of ``n`` bytes in all (4..``PAD_MESSAGE_BYTES``)."""
+    if not len(PAD_MAGIC) <= n <= PAD_MESSAGE_BYTES:
+        raise ValueError(f"padding message of {n} bytes")
+    return PAD_MAGIC + _PAD_FILL[: n - len(PAD_MAGIC)]
 
 
 def pack_block_header(version: int, index: int, length: int, offset: int) -> bytes:
