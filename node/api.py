@@ -414,6 +414,18 @@ class _Collector:
             c = CounterMetricFamily(name, help_text, labels=labels)
             c.add_metric(who, float(tr[key]))
             yield c
+        wu = tr.get("warm_up") or {}
+        c = CounterMetricFamily("patchswarm_warm_up_links", "Links between regions warmed with "
+                                "padding before their first chunk ([network] warm_up_kib), by "
+                                "why the warm-up ended", labels=[*labels, "ended"])
+        for why, n in sorted((wu.get("ended") or {}).items()):
+            c.add_metric([*who, why], float(n))
+        yield c
+        c = CounterMetricFamily("patchswarm_warm_up_pad_bytes", "Warm-up padding bytes, by "
+                                "direction", labels=[*labels, "direction"])
+        for direction in ("sent", "received"):
+            c.add_metric([*who, direction], float(wu.get(f"pad_{direction}", 0)))
+        yield c
         if tr.get("congestion_control"):
             g = GaugeMetricFamily("patchswarm_peer_congestion_control",
                                   "TCP congestion control of the peer sockets (1 for the one in "

@@ -136,9 +136,9 @@ class NodeConfig:
     # node.tcp.CongestionRestart)
     congestion_restart_s: float = 1.0
     # padding written on an idle link between regions, before any chunk went over it, to
-    # open TCP's window for the first version (0: never; node.warm_up), on links whose
-    # round trip is this long or longer
-    warm_up_kib: int = 512
+    # open TCP's window for the first version (0: never, the default: no gain measured on
+    # the emulated WAN; node.warm_up), on links whose round trip is this long or longer
+    warm_up_kib: int = 0
     warm_up_min_rtt_ms: float = 20.0
     # connections a link that carries chunks to another region stripes them over, the
     # dialer's choice (1: one; docs/striped-links.md); they count against the other
@@ -508,7 +508,7 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = Non
         "max_connections": _int_in(net, "max_connections", 1024, 1, 1_000_000),
         "max_connections_per_ip": _int_in(net, "max_connections_per_ip", 32, 1, 1_000_000),
         "unsent_limit_kib": _int_in(net, "unsent_limit_kib", 128, 0, 1 << 20),
-        "warm_up_kib": _int_in(net, "warm_up_kib", 512, 0, 32 * 1024),
+        "warm_up_kib": _int_in(net, "warm_up_kib", 0, 0, 32 * 1024),
         **_lanes(net),
     }
     upgrade = _get(net, "network", "upgrade_timeout_s", (int, float), 10.0)

@@ -96,7 +96,7 @@ from node.tcp import (
     slow_start_after_idle,
 )
 from node.tcp_watch import TcpWatch
-from node.warm_up import WARM_UP_KIB, WARM_UP_MIN_RTT_MS, WarmUps
+from node.warm_up import WARM_UP_KIB, WARM_UP_MIN_RTT_MS, WARM_UP_POLL_S, WarmUps
 from swarm.errors import ChunkError, PatchswarmError, ProtocolError, StoreError
 from swarm.protocol import events as ev
 from swarm.protocol import stripes, wire
@@ -635,9 +635,17 @@ class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
                     continue
                 if sending is None:
                     if not c.data:
-                        if c.warm is not None and (pad := self._warm_pad(c)) is not None:
-                            self.wire_bytes["sent"] += await c.link.send(pad)
-                            continue
+                        if c.warm is not None and c.warm.why is None:
+                            if c.link.buffered():
+                                # padding goes only into the kernel (node.warm_up): a chunk
+                                # that comes meanwhile waits behind its unsent limit at most
+                                c.wake.clear()
+                                with contextlib.suppress(TimeoutError):
+                                    await asyncio.wait_for(c.wake.wait(), WARM_UP_POLL_S)
+                                continue
+                            if (pad := self._warm_pad(c)) is not None:
+                                self.wire_bytes["sent"] += await c.link.send(pad)
+                                continue
                         c.wake.clear()
                         await c.wake.wait()
                         continue

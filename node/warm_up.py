@@ -44,11 +44,16 @@ from swarm.protocol import wire
 
 log = logging.getLogger("patchswarm.node")
 
-WARM_UP_KIB = 512  # shipped [network] warm_up_kib (0: never)
+WARM_UP_KIB = 0  # shipped [network] warm_up_kib (0: never; docs/benchmarks.md round 42)
 WARM_UP_MIN_RTT_MS = 20.0  # shipped [network] warm_up_min_rtt_ms
 WARM_UP_MAX_S = 5.0  # a warm-up ends this long after it began, whatever it sent
 WARM_UP_DELAY_S = 0.25  # after a link comes up, its first look (the handshake is under way)
 WARM_UP_LOOKS = 6  # looks at a link before giving up on it, each twice as late
+# the writer hands padding over only while the link's own buffer is empty (the kernel then
+# holds at most [network] unsent_limit_kib of it unsent): a chunk that comes meanwhile
+# waits behind that and what is in flight, not behind the rest of the budget; it looks
+# again this often
+WARM_UP_POLL_S = 0.005
 DRAIN_LOOK_S = 0.02  # how often a link whose padding is all handed over is looked at
 QUIET_S = 1.0  # a warm-up begins only this long after the node last moved a chunk
 # BBR's pacing gain (x256) during its start-up is 2.885 (739); after it, at most 1.25

@@ -111,7 +111,7 @@ def test_fleet_converges_bitwise_with_one_copy_per_region() -> None:
             tr = st["transport"]
             if tr["congestion_control"] != "bbr":
                 assert tr["congestion_restarts"] == 0, tr
-        # loopback round trips are under [network] warm_up_min_rtt_ms: nothing is warmed
+        # link warm-ups are off unless [network] warm_up_kib is set (node.warm_up)
         assert all(st["transport"]["warm_up"]["links"] == 0 for st in statuses.values())
         if all(st["transport"]["congestion_control"] == "bbr" for st in statuses.values()):
             assert sum(st["transport"]["congestion_restarts"] for st in statuses.values()) > 0

@@ -111,13 +111,15 @@ def test_links_between_regions_are_warmed_before_the_first_version() -> None:
     with LoopbackFleet(2, 2, chunk_size=32 * 1024,
                        network={"warm_up_min_rtt_ms": 0, "warm_up_kib": 512}) as fleet:
         fleet.start(timeout=120)
+        # every node borders the other region (border_nodes >= 2): the origin warms its
+        # links to all four, each node its links to the other region's two
         deadline = time.monotonic() + 30
         while True:
             sts = {n.name: fleet.status(n) for n in fleet.nodes}
             sts["trainer"] = fleet.trainer_status()
             warm = {k: _warm(v) for k, v in sts.items()}
-            nodes_sent = sum(w.get("pad_sent", 0) for k, w in warm.items() if k != "trainer")
-            if (warm["trainer"].get("links", 0) >= 2 and nodes_sent > 0
+            if ({k: w.get("links") for k, w in warm.items()}
+                    == {**{n.name: 2 for n in fleet.nodes}, "trainer": 4}
                     and not any(w.get("warming") for w in warm.values())):
                 break
             assert time.monotonic() < deadline, warm
@@ -132,6 +134,8 @@ def test_links_between_regions_are_warmed_before_the_first_version() -> None:
             assert set(w["ended"]) <= {"budget", "path_full", "time"}, w
             assert sum(w["ended"].values()) == w["links"]
         links = {k: w["links"] for k, w in warm.items()}
+        metrics = fleet.http(fleet.nodes[0].addr, "/metrics").decode()
+        assert 'patchswarm_warm_up_pad_bytes_total{' in metrics and 'direction="sent"' in metrics
         pub = fleet.publish()
         statuses = fleet.wait_version(pub["version"], timeout=60)
         assert {s["active_digest"] for s in statuses.values()} == {pub["digest"]}
@@ -211,6 +215,12 @@ async def _warm_ups_one_at_a_time() -> None:
         host._warm_look(c3, 0)  # a link that carried a chunk is never warmed
         assert c3.warm is None and host.warm_ups == 2
         assert host._warm_pad(c2) is None  # over for good
+        # a link whose round trip is under warm_up_min_rtt_ms is left alone (loopback)
+        host.warm_up_min_rtt_s = 0.02
+        c4 = Conn(9, None, True, "peer9", sock=c1.sock)  # type: ignore[arg-type]
+        host.conns[c4.id] = c4
+        host._warm_look(c4, 0)
+        assert c4.warm is None and not host.warm_queue and host.warm_ups == 2
     finally:
         for a, b in pairs:
             a.close()
