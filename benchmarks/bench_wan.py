@@ -162,6 +162,11 @@ NETWORK_KNOBS = (
     ("--congestion-restart-s", "congestion_restart_s", float, "S",
      "BBR starts over on a link whose chunk runs S seconds or starts after idle (0: never; "
      "shipped 1.0)"),
+    ("--restart-idle-s", "congestion_restart_idle_s", float, "S",
+     "BBR starts over on a link whose chunk starts after S seconds without one (0: never; "
+     "shipped 0.2)"),
+    ("--warm-up-kib", "warm_up_kib", int, "KIB",
+     "padding that opens a long link's window before its first chunk (0: off, shipped)"),
     ("--read-coalesce-ms", "read_coalesce_ms", float, "MS",
      "the longest a peer link holds its socket to read a batch (2: round 12's fixed hold)"),
     ("--lanes", "lanes", lambda s: s if s == "auto" else int(s), "N|auto",

@@ -47,7 +47,8 @@ _SECTIONS = {
     "network": {"listen", "advertise", "bootstrap", "swarm_secret", "swarm_secret_file",
                 "max_connections", "max_connections_per_ip", "upgrade_timeout_s",
                 "allow_plaintext", "unsent_limit_kib", "read_coalesce_ms", "lanes",
-                "congestion_control", "congestion_restart_s", "warm_up_kib",
+                "congestion_control", "congestion_restart_s", "congestion_restart_idle_s",
+                "warm_up_kib",
                 "warm_up_min_rtt_ms"},
     "trust": {"trainer_keys", "node_key"},
     "store": {"dir", "quota_bytes", "keep_versions", "fsync"},
@@ -135,6 +136,8 @@ class NodeConfig:
     # BBR started over on a link whose chunk runs this long, or starts after idle (0: never;
     # node.tcp.CongestionRestart)
     congestion_restart_s: float = 1.0
+    # ... and on a link whose chunk starts after this long without one (0: never)
+    congestion_restart_idle_s: float = 0.2
     # padding written on an idle link between regions, before any chunk went over it, to
     # open TCP's window for the first version (0: never, the default: no gain measured on
     # the emulated WAN; node.warm_up), on links whose round trip is this long or longer
@@ -525,6 +528,10 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = Non
     if isinstance(restart, bool) or not (restart == 0 or 0.05 <= restart <= 60):
         raise ConfigError("network.congestion_restart_s: 0 (never) or seconds in 0.05..60, "
                           f"got {restart!r}")
+    restart_idle = _get(net, "network", "congestion_restart_idle_s", (int, float), 0.2)
+    if isinstance(restart_idle, bool) or not (restart_idle == 0 or 0.01 <= restart_idle <= 60):
+        raise ConfigError("network.congestion_restart_idle_s: 0 (never) or seconds in 0.01..60, "
+                          f"got {restart_idle!r}")
     warm_rtt = _get(net, "network", "warm_up_min_rtt_ms", (int, float), 20.0)
     if isinstance(warm_rtt, bool) or not 0 <= warm_rtt <= 10_000:
         raise ConfigError("network.warm_up_min_rtt_ms: must be a number in 0..10000, "
@@ -543,7 +550,8 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = Non
     cfg = NodeConfig(
         tls=tls, api_listen=api_listen, api_token=api_token, upgrade_timeout_s=float(upgrade),
         read_coalesce_ms=float(coalesce), congestion_control=congestion,
-        congestion_restart_s=float(restart), warm_up_min_rtt_ms=float(warm_rtt),
+        congestion_restart_s=float(restart), congestion_restart_idle_s=float(restart_idle),
+        warm_up_min_rtt_ms=float(warm_rtt),
         gateway=gateway,
         warm_memory_mib=warm,
         **conn_caps,

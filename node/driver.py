@@ -87,6 +87,7 @@ from node.striping import StripedLinks
 from node.tcp import (
     CONGESTION_CONTROL,
     CONGESTION_RESTART_S,
+    RESTART_IDLE_S,
     UNSENT_LIMIT,
     CongestionRestart,
     congestion_of,
@@ -156,6 +157,7 @@ class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
                  read_coalesce_s: float = READ_COALESCE_S,
                  congestion: str = CONGESTION_CONTROL,
                  congestion_restart_s: float = CONGESTION_RESTART_S,
+                 congestion_restart_idle_s: float = RESTART_IDLE_S,
                  lanes: int = 1, lanes_auto: bool = False,
                  warm_up_kib: int = WARM_UP_KIB,
                  warm_up_min_rtt_ms: float = WARM_UP_MIN_RTT_MS) -> None:
@@ -188,6 +190,7 @@ class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
         self.congestion = congestion
         # BBR started over on a link whose chunk starts after idle or runs long (node.tcp)
         self.congestion_restart_s = congestion_restart_s
+        self.congestion_restart_idle_s = congestion_restart_idle_s
         self.congestion_restarts = 0
         # what the last peer socket ended up with (``/status``), and whether the kernel
         # refused ``congestion`` (logged once: every socket would say the same)
@@ -448,7 +451,9 @@ class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
         limit_unsent(sock, self.unsent_limit)
         self._congestion(sock)
         c = Conn(next(self._ids), link, outbound, addr, sock=sock,
-                 restart=CongestionRestart(self.congestion_restart_s), identity=identity)
+                 restart=CongestionRestart(self.congestion_restart_s,
+                                           self.congestion_restart_idle_s),
+                 identity=identity)
         # chunk blocks are decrypted straight into their chunk's buffer (_place)
         link.place_with(lambda header, n: self._place(c, header, n), wire.BLOCK_HEADER_LEN,
                         filled=lambda p: self._filled(c, p), neutral=_leaves_blocks_alone)

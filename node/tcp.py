@@ -211,7 +211,7 @@ class CongestionRestart:
         self.free_from = None if paced else now
         if self.every_s <= 0:
             return False
-        if self.last_end is None or now - self.last_end >= self.idle_s:
+        if self.idle_s > 0 and (self.last_end is None or now - self.last_end >= self.idle_s):
             return self._restart(now)
         return False
 

@@ -408,3 +408,23 @@ async def _relay_restart() -> None:
             c.restart_timer.cancel()
         for s in (cli, acc, srv):
             s.close()
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps)
+def test_no_restart_after_idle_keeps_the_other_rules(seq) -> None:
+    """``[network] congestion_restart_idle_s = 0``: no chunk starts BBR over for having
+    started after idle; the long-chunk rule goes on as with it."""
+    r, ref = CongestionRestart(EVERY, 0.0), CongestionRestart(EVERY, IDLE)
+    now = 0.0
+    for kind, dt in seq:
+        now += dt
+        if kind == "start":
+            assert r.chunk_started(now) is False
+            if ref.chunk_started(now):
+                ref.last_restart = float("-inf")  # compare the long-chunk rule alone
+        elif kind == "block":
+            assert r.block(now) is ref.block(now)
+        else:
+            r.chunk_ended(now)
+            ref.chunk_ended(now)

@@ -53,6 +53,9 @@ def test_valid_config_resolves_paths_and_core_knobs(tmp_path: Path) -> None:
     assert (auto.lanes, auto.lanes_auto) == (4, True)
     assert parse_config(_doc(network={"lanes": 4}), tmp_path).lanes_auto is False
     assert (cfg.warm_up_kib, cfg.warm_up_min_rtt_ms) == (0, 20.0)  # node.warm_up: off
+    assert cfg.congestion_restart_idle_s == 0.2
+    assert parse_config(_doc(network={"congestion_restart_idle_s": 0}),
+                        tmp_path).congestion_restart_idle_s == 0
     on = parse_config(_doc(network={"warm_up_kib": 512, "warm_up_min_rtt_ms": 0}), tmp_path)
     assert (on.warm_up_kib, on.warm_up_min_rtt_ms) == (512, 0.0)
 
@@ -62,6 +65,7 @@ def test_valid_config_resolves_paths_and_core_knobs(tmp_path: Path) -> None:
     ({"network": {"congestion_control": "BBR; rm"}}, "network.congestion_control"),
     ({"network": {"congestion_control": 1}}, "network.congestion_control"),
     ({"network": {"warm_up_kib": 32 * 1024 + 1}}, "network.warm_up_kib"),
+    ({"network": {"congestion_restart_idle_s": 0.001}}, "network.congestion_restart_idle_s"),
     ({"network": {"warm_up_kib": "lots"}}, "network.warm_up_kib"),
     ({"network": {"warm_up_min_rtt_ms": -1}}, "network.warm_up_min_rtt_ms"),
     ({"network": {"warm_up_min_rtt_ms": True}}, "network.warm_up_min_rtt_ms"),
