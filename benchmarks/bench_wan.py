@@ -1110,7 +1110,7 @@ def main(argv: list[str] | None = None) -> int:
                          "4 times a second into DIR/run<k>-patchswarm/tcp-trace.txt "
                          "(benchmarks/wan_tcp.py reads it)")
     for flag, key, kind, metavar, what in NETWORK_KNOBS:
-        ap.add_argument(flag, type=kind, default=None, metavar=metavar,
+        ap.add_argument(flag, dest=key, type=kind, default=None, metavar=metavar,
                         help=f"[network] {key} of the trainer and every node: {what}")
     ap.add_argument("--versions", type=int, default=1, metavar="N",
                     help="patchswarm: the long-running origin publishes N dense versions in a "
