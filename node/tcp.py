@@ -155,17 +155,27 @@ def bbr_bandwidth(sock: Any) -> float | None:
     return None if model is None else model[0]
 
 
-def bbr_model(sock: Any) -> tuple[float, float] | None:
-    """BBR's model of ``sock``: (bottleneck-rate estimate in bytes/s, round-trip floor in
-    seconds), from ``TCP_CC_INFO``; None where the socket does not run BBR or the
-    platform cannot say."""
+def bbr_info(sock: Any) -> tuple[int, ...] | None:
+    """``struct tcp_bbr_info`` of ``sock`` (``TCP_CC_INFO``): bandwidth low and high words
+    (bytes/s), round-trip floor (us), pacing and window gains (x256); None where the socket
+    does not run BBR or the platform cannot say."""
     try:
         raw = sock.getsockopt(socket.IPPROTO_TCP, TCP_CC_INFO, BBR_INFO.size)
     except (OSError, AttributeError):
         return None
     if len(raw) < BBR_INFO.size:
         return None
-    lo, hi, rtt_us, _pg, _cg = BBR_INFO.unpack(raw[:BBR_INFO.size])
+    return BBR_INFO.unpack(raw[:BBR_INFO.size])
+
+
+def bbr_model(sock: Any) -> tuple[float, float] | None:
+    """BBR's model of ``sock``: (bottleneck-rate estimate in bytes/s, round-trip floor in
+    seconds), from ``TCP_CC_INFO``; None where the socket does not run BBR or the
+    platform cannot say."""
+    info = bbr_info(sock)
+    if info is None:
+        return None
+    lo, hi, rtt_us, _pg, _cg = info
     return float((hi << 32) | lo), rtt_us / 1e6
 
 

@@ -32,13 +32,12 @@ mixin: it uses the driver's loop, core and connections).
 from __future__ import annotations
 
 import logging
-import socket
 import struct
 from collections import deque
 from typing import Any
 
 from node.conn import Conn
-from node.tcp import BBR_INFO, TAIL_MIN_BYTES, TCP_CC_INFO, _tcp_info, unacked_bytes
+from node.tcp import TAIL_MIN_BYTES, _tcp_info, bbr_info, unacked_bytes
 from swarm.errors import ProtocolError
 from swarm.protocol import wire
 
@@ -98,13 +97,8 @@ class WarmUp:
 def bbr_in_startup(sock: Any) -> bool | None:
     """Whether BBR on ``sock`` is in its start-up (pacing gain above 2), or None where the
     socket does not run BBR or the platform cannot say."""
-    try:
-        raw = sock.getsockopt(socket.IPPROTO_TCP, TCP_CC_INFO, BBR_INFO.size)
-    except (OSError, AttributeError):
-        return None
-    if len(raw) < BBR_INFO.size:
-        return None
-    return BBR_INFO.unpack(raw[:BBR_INFO.size])[3] >= BBR_STARTUP_GAIN
+    info = bbr_info(sock)
+    return None if info is None else info[3] >= BBR_STARTUP_GAIN
 
 
 def window_bytes(sock: Any) -> int | None:

@@ -17,7 +17,7 @@ import pytest
 from lab.fleet import MODEL, LoopbackFleet
 from swarm.protocol import handshake as hs
 from swarm.protocol import wire
-from tests.peer_client import connect, ending
+from tests.peer_client import connect, ending, join
 
 
 def _cross_bytes(statuses: dict) -> int:
@@ -42,14 +42,8 @@ def _forged_manifest() -> bytes:
 
 async def _rogue_announce(addr: str, secret: bytes, manifest: bytes) -> str:
     """Join as a member that knows the swarm secret, announce ``manifest``; how it ended."""
-    link = await connect(addr)
+    link = await join(addr, secret, "rogue")
     try:
-        mine = hs.hello_frame(model=MODEL, node_id="rogue", region="region-0",
-                              addr="127.0.9.9:1", role="node", nonce=os.urandom(16))
-        await link.send(mine)
-        theirs = await asyncio.wait_for(link.recv(), 5)
-        assert theirs is not None
-        await link.send(wire.encode(wire.AUTH, hs.mac(secret, mine, bytes(theirs))))
         await link.send(wire.encode(wire.ANNOUNCE, manifest))
         return await asyncio.wait_for(ending(link), 10)
     finally:

@@ -12,7 +12,6 @@ handshake, or past ``wire.PAD_LIMIT`` after it, closes its link.
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import time
 
@@ -20,13 +19,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lab.fleet import MODEL, LoopbackFleet
+from lab.fleet import LoopbackFleet
 from node.conn import Conn
 from node.driver import _leaves_blocks_alone
 from node.warm_up import WARM_UP_MAX_S, WarmUp, WarmUps
-from swarm.protocol import handshake as hs
 from swarm.protocol import wire
-from tests.peer_client import connect, ending
+from tests.peer_client import connect, ending, join
 
 _looks = st.lists(st.tuples(st.floats(0, 2.0), st.sampled_from([None, True, False])),
                   max_size=300)
@@ -88,14 +86,8 @@ async def _pad_before_hello(addr: str) -> str:
 
 async def _pad_past_the_limit(addr: str, secret: bytes) -> str:
     """A member that knows the swarm secret pads its link past ``wire.PAD_LIMIT``."""
-    link = await connect(addr)
+    link = await join(addr, secret, "padder", "region-1")
     try:
-        mine = hs.hello_frame(model=MODEL, node_id="padder", region="region-1",
-                              addr="127.0.9.9:1", role="node", nonce=os.urandom(16))
-        await link.send(mine)
-        theirs = await asyncio.wait_for(link.recv(), 5)
-        assert theirs is not None
-        await link.send(wire.encode(wire.AUTH, hs.mac(secret, mine, bytes(theirs))))
         pad = wire.pack_pad(wire.PAD_MESSAGE_BYTES)
         try:
             for _ in range(wire.PAD_LIMIT // len(pad) + 8):  # bounded: the limit and a little
