@@ -200,7 +200,7 @@ class CongestionRestart:
     here (``own_pace``), as if it started then."""
 
     __slots__ = ("every_s", "free_from", "idle_s", "last_end", "last_restart", "restarts",
-                 "started", "tails", "warm")
+                 "started", "tails")
 
     def __init__(self, every_s: float = CONGESTION_RESTART_S,
                  idle_s: float = RESTART_IDLE_S) -> None:
@@ -213,20 +213,12 @@ class CongestionRestart:
         self.free_from: float | None = None
         self.restarts = 0
         self.tails = 0  # tail checks left for the last chunk sent
-        # the link's window was opened by a warm-up (node.warm_up) and no chunk has started
-        # since: its first chunk keeps BBR as the warm-up left it. Started over from that
-        # window, BBR bursts at ~2.9x it per round trip into what may be a full inlet, and
-        # 4 of 253 such relays collapsed into loss recovery (docs/benchmarks.md round 42).
-        self.warm = False
 
     def chunk_started(self, now: float, paced: bool = False) -> bool:
         """A chunk begins on the link (``paced``: forwarded as it arrives): True if BBR is
         to start over now."""
         self.started, self.tails = now, 0
         self.free_from = None if paced else now
-        if self.warm:
-            self.warm = False
-            return False
         if self.every_s <= 0:
             return False
         if self.idle_s > 0 and (self.last_end is None or now - self.last_end >= self.idle_s):

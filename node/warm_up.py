@@ -214,8 +214,6 @@ class WarmUps:
             c.warm_timer.cancel()
             c.warm_timer = None
         reason = w.why or "closed"
-        if reason in ("budget", "path_full", "time"):
-            c.restart.warm = True  # its first chunk keeps the window (CongestionRestart.warm)
         if reason == "chunks":
             self.warm_queue.clear()  # a version moves: its bytes warm what it uses
         else:

@@ -428,14 +428,3 @@ def test_no_restart_after_idle_keeps_the_other_rules(seq) -> None:
         else:
             r.chunk_ended(now)
             ref.chunk_ended(now)
-
-
-def test_a_warmed_links_first_chunk_keeps_bbr_as_the_warm_up_left_it() -> None:
-    """node.warm_up sets ``warm``: the link's first chunk does not start BBR over for idle,
-    the next chunk after idle does, and the long-chunk rule runs for both."""
-    r = CongestionRestart(EVERY, IDLE)
-    r.warm = True
-    assert not r.chunk_started(10.0) and not r.warm
-    assert r.block(10.0 + EVERY)  # the long-chunk rule is unchanged
-    r.chunk_ended(11.5)
-    assert r.chunk_started(12.0)  # idle again: started over as usual
