@@ -19,7 +19,10 @@ start-up the window grows by what is acknowledged, up to ~2.9x the rate measured
 the round trip, so a link warmed alone on a path ends with a window of its path, and one
 of 30 warmed at once on a shared uplink with a thirtieth of it. 512 KiB opens a window of
 ~0.5 MB, enough that the start-over of BBR on the first chunk (from that window, at 2.9x
-it per round trip) paces a 100 Mbit/s path at 81 ms full from its first round trip. Links whose round trip is under
+it per round trip) paces a 100 Mbit/s path at 81 ms full from its first round trip. It
+ships off: on the emulated WAN that burst, into inlets a warm push had filled, collapsed a
+few first relays into loss recovery, and a first version took as long as a cold one
+(docs/benchmarks.md round 42). Links whose round trip is under
 ``warm_up_min_rtt_ms`` are left alone (their start-up costs milliseconds), and so is a link
 that has carried a chunk (its window is the chunk's). The first chunk the node sends or
 receives ends every warm-up at once: a version's bytes come first.
