@@ -41,7 +41,6 @@ from typing import Any
 
 from node.conn import Conn
 from node.tcp import TAIL_MIN_BYTES, _tcp_info, bbr_info, unacked_bytes
-from swarm.errors import ProtocolError
 from swarm.protocol import wire
 
 log = logging.getLogger("patchswarm.node")
@@ -247,8 +246,8 @@ class WarmUps:
         c.pad_in += len(data)
         self.pad_received += len(data)
         if c.pad_in > wire.PAD_LIMIT:
-            await self._drop(c, str(ProtocolError(
-                f"{c.pad_in} bytes of padding, over the {wire.PAD_LIMIT} a link may carry")))
+            await self._drop(c, f"{c.pad_in} bytes of padding, over the {wire.PAD_LIMIT} "
+                                "a link may carry")
 
     def warm_status(self) -> dict[str, Any]:
         """``/status`` ``transport.warm_up``."""
