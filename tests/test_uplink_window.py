@@ -3,6 +3,8 @@ chunks/s and round trip R, where k chunks in flight each take k/C + R (fair shar
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -271,32 +273,54 @@ def test_a_start_up_that_saw_a_round_not_pay_ends_between_versions() -> None:
 # ------------------------------------------------ start-up on departures (``left``)
 
 
-def drive_departures(win: UplinkWindow, leave_s: dict[int, float], waves: int,
-                     backlog: int = 1000, fast_s: float = 0.2) -> list[int]:
-    """Waves of a full window of pushes issued together; each leaves ``leave_s[w]`` after
-    it was issued (the nearest window below). No HAVE comes back: only departures move
-    the window. Returns the window after each wave."""
+def drive_departures(win: UplinkWindow, leave_s: dict[int, float] | Callable[[int], float],
+                     waves: int, backlog: int = 1000, fast_s: float = 0.2) -> list[int]:
+    """Waves of a full window of pushes issued together; each leaves ``leave_s(w)`` after
+    it was issued (or ``leave_s[k]`` of the nearest window ``k`` below). No HAVE comes
+    back: only departures move the window. Returns the window after each wave."""
+    if not callable(leave_s):
+        table = leave_s
+        leave_s = lambda w: table[max(k for k in table if k <= w)]  # noqa: E731
     now, seen = 0.0, []
     for _ in range(waves):
         w = win.w
         issued = now
-        now += leave_s[max(k for k in leave_s if k <= w)]
+        now += leave_s(w)
         for _ in range(w):
             win.left(now, issued, fast_s, True, backlog, issued)
         seen.append(win.w)
     return seen
 
 
-def test_a_fat_uplink_doubles_on_departures_before_any_have() -> None:
+def test_a_fat_uplink_opens_on_departures_before_any_have() -> None:
     # 10 Gbit/s out, each push capped at 1 Gbit/s by its border (4 MiB in 34 ms): the
-    # uplink is full at 10 in flight. HAVEs are a round trip away (fleet-10k: ~0.15 s);
-    # departures say the same 34 ms after the pushes start.
+    # uplink is full at 10 in flight, and past that a wave of w pushes takes w x 3.4 ms to
+    # leave. HAVEs are a round trip away (fleet-10k: ~0.15 s); departures say the same
+    # 34 ms after the pushes start.
     win = UplinkWindow(5, 256)
-    seen = drive_departures(win, {5: 0.034, 10: 0.034, 20: 0.068, 40: 0.136}, waves=12)
-    assert seen[:2] == [5, 10], seen  # the first wave starts the round, the second closes it
-    assert max(seen) >= 20 and not win.on_departures, seen
-    # two rounds that did not beat the best (20 and 40 leave at the uplink's rate) end it
-    assert win.dep_flat == 2 and win.startup  # the HAVE rounds still run the start-up
+    seen = drive_departures(win, lambda w: max(0.034, 0.0034 * w), waves=12)
+    # each departure of a full window opens it by one: a wave doubles it as it leaves
+    assert seen[:2] == [10, 20], seen
+    # pushes that take fast_startup_s to leave (59 or more in flight here) end it
+    assert not win.on_departures and max(seen) <= 80, seen
+    assert win.startup  # the HAVE rounds still run the start-up
+
+
+def test_departure_rounds_that_do_not_pay_end_the_start_up() -> None:
+    # each push leaves 2 ms after the one before, however many are in flight, and 10 ms
+    # after it was issued at least (500 pushes a second once 5 are in flight): the
+    # rounds' departure rates stop growing, and two rounds that do not pay end it while
+    # every push still leaves well within fast_startup_s
+    win = UplinkWindow(2, 256)
+    now, last, issued = 0.0, 0.0, [0.0] * 2
+    while win.on_departures and now < 1.0:
+        t = issued.pop(0)
+        now = last = max(t + 0.01, last + 0.002)
+        win.left(now, t, 0.2, True, 1000, issued[0] if issued else None)
+        issued += [now] * (win.w - len(issued))
+    assert not win.on_departures and win.dep_flat == 2
+    assert now - issued[0] < 0.2  # not ended by a slow push
+    assert 5 <= win.w < 100
 
 
 def test_a_slow_push_ends_the_start_up_on_departures() -> None:
@@ -319,16 +343,17 @@ def test_a_push_still_leaving_ends_it_too() -> None:
     assert not win.on_departures
 
 
-def test_departures_of_pushes_issued_before_a_doubling_do_not_count() -> None:
+def test_every_departure_of_a_full_window_opens_it_by_one() -> None:
     win = UplinkWindow(2, 256)
-    drive_departures(win, {2: 0.03}, waves=2)
-    assert win.w == 4 and win.since == pytest.approx(0.06)
-    for _ in range(10):  # stragglers of the smaller window
-        win.left(0.07, 0.05, 0.2, True, 1000, 0.05)
-    assert win.w == 4 and win.dep_start is None
+    assert drive_departures(win, {2: 0.03}, waves=2) == [4, 8]
+    for k in range(10):  # pushes issued before the last round closed count as well
+        win.left(0.07 + 0.001 * k, 0.05, 0.2, True, 1000, 0.05)
+    assert win.w == 18
+    win.left(0.09, 0.08, 0.2, False, 1000, 0.08)  # the window was not full: nothing
+    assert win.w == 18
 
 
-def test_start_up_on_departures_doubles_only_a_window_it_can_fill() -> None:
+def test_start_up_on_departures_opens_only_a_window_it_can_fill() -> None:
     win = UplinkWindow(4, 256)
     drive_departures(win, {4: 0.03}, waves=3, backlog=3)
     assert win.w == 4 and win.on_departures

@@ -49,14 +49,18 @@ Where the site uplink is fat, a round timed by HAVEs is slow to come: on ``fleet
 went 5 → 10 → 20 at 0.19 and 0.40 s while the 10 Gbit/s uplink ran half empty and the
 regions' downlinks waited for chunks to spread. So start-up also runs on *departures*
 (``left``): while every push leaves the origin within ``fast_startup_s`` (0.2 s: 4 MiB at
-over 168 Mbit/s, each push capped by its border's downlink, not by the uplink), ``w``
-departures of pushes issued under the current window make a round, and the window doubles
-on it at once. A round whose departure rate does not beat the best by ``startup_gain``
-counts as flat (a doubling stacks pushes on busy borders before the next spreads them);
-two flat rounds in a row end it, as does a push that takes ``fast_startup_s`` to leave or
-is still leaving after as long (a thin uplink, a slow direct path: `wan-3x4`,
-`slow-direct`, where it never doubles or stops at the first slow push). The HAVE rounds go
-on beside it, and end the start-up as before.
+over 168 Mbit/s, each push capped by its border's downlink, not by the uplink), each
+departure of a push while the window was full opens the window by one, as each ACK does
+TCP's window in slow start: the window doubles once per push time, at once, not once a
+round has been timed (a round's doubling came only after ``w`` more departures, so the
+window went 5 → 10 → 20 → 40 at 0.07, 0.18 and 0.29 s on fleet-1k, and 5 → 10 → 20 at
+0.04 and 0.10 s by departures; docs/simulation.md round 43). Rounds are still timed, as
+many departures in a row as the window held when the round began, to end it: a round whose
+departure rate does not beat the best by ``startup_gain`` counts as flat (more pushes may
+stack on busy borders before the next spread them); two flat rounds in a row end it, as does a
+push that takes ``fast_startup_s`` to leave or is still leaving after as long (a thin
+uplink, a slow direct path: `wan-3x4`, `slow-direct`, where it never grows or stops at
+the first slow push). The HAVE rounds go on beside it, and end the start-up as before.
 """
 
 from __future__ import annotations
@@ -64,7 +68,7 @@ from __future__ import annotations
 
 class UplinkWindow:
     __slots__ = ("best", "best_w", "dep_best", "dep_flat", "dep_n", "dep_on", "dep_start",
-                 "down", "flat", "full_rounds", "hi", "hold", "last_rate", "lo", "n", "nbytes",
+                 "dep_w", "down", "flat", "full_rounds", "hi", "hold", "last_rate", "lo", "n", "nbytes",
                  "probe_gain", "probing", "rounds", "since", "start", "startup", "startup_gain",
                  "w")
 
@@ -94,6 +98,7 @@ class UplinkWindow:
         self.dep_n = 0
         self.dep_best = 0.0  # pushes/s of the best departure round
         self.dep_flat = 0  # departure rounds in a row that did not beat it
+        self.dep_w = lo
 
     def raise_floor(self, n: int) -> None:
         """At least ``n`` in flight from now on (``lo``), the window and its best with it."""
@@ -118,30 +123,35 @@ class UplinkWindow:
 
     @property
     def on_departures(self) -> bool:
-        """Whether start-up still doubles on departures (``left``)."""
+        """Whether start-up still grows on departures (``left``)."""
         return self.startup and self.dep_on
 
     def left(self, now: float, issued: float, fast_s: float, full: bool,
              backlog: int | None = None, oldest: float | None = None) -> None:
         """A push's last byte left the origin; it was issued at ``issued``; ``oldest``:
         when the oldest push still leaving was issued; ``full``: the window was full.
-        Start-up on departures (module docstring): ``w`` departures of pushes issued
-        under the current window make a round, and the window doubles on each, unless
-        two in a row did not beat the best departure rate by ``startup_gain``. A push that
-        took ``fast_s`` or longer to leave, or one still leaving after as long, ends it
-        for good; the HAVE rounds (``delivered``) go on as before."""
+        Start-up on departures (module docstring): each departure while the window was
+        full (and ``backlog`` can fill one more) opens it by one, whenever its push was
+        issued; as many departures in a row as the window held when the round began make
+        a round, and two rounds in a row that do not beat the best departure rate by
+        ``startup_gain`` end it. A push that took ``fast_s`` or longer to leave, or one
+        still leaving after as long, ends it for good; the HAVE rounds (``delivered``) go
+        on as before."""
         if not self.on_departures:
             return
         if now - issued >= fast_s or (oldest is not None and now - oldest >= fast_s):
             self.dep_on = False
             return
-        if issued < self.since or not full:
+        if not full:
             return
+        if self.w < self.hi and (backlog is None or backlog >= self.w):
+            self.w += 1  # one more per departure while the window was full (slow start)
         if self.dep_start is None:
-            self.dep_start, self.dep_n = now, 0  # the round is timed from a departure
+            # the round is timed from a departure, over as many as the window was then
+            self.dep_start, self.dep_n, self.dep_w = now, 0, self.w
             return
         self.dep_n += 1
-        if self.dep_n < self.w or now <= self.dep_start:
+        if self.dep_n < self.dep_w or now <= self.dep_start:
             return
         rate = self.dep_n / (now - self.dep_start)
         self.last_rate = rate
@@ -149,14 +159,13 @@ class UplinkWindow:
         if rate >= self.dep_best * self.startup_gain:
             self.dep_best, self.dep_flat = rate, 0
         else:
-            self.dep_flat += 1  # a doubling may stack pushes on busy borders: one more
+            self.dep_flat += 1  # more in flight may stack on busy borders: one more round
         if self.dep_flat >= self.full_rounds or self.w >= self.hi:
             self.dep_on = False
             return
-        if backlog is None or backlog >= self.w:
-            self.w = min(self.hi, self.w * 2)
-            self.since = now
-            self.start = None
+        # a HAVE round counts transfers sent mostly from now on (``delivered``)
+        self.since = now
+        self.start = None
 
     def delivered(self, nbytes: int, now: float, full: bool,
                   started: float | None = None, sent: float | None = None,
