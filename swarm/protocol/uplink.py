@@ -51,16 +51,19 @@ regions' downlinks waited for chunks to spread. So start-up also runs on *depart
 (``left``): while every push leaves the origin within ``fast_startup_s`` (0.2 s: 4 MiB at
 over 168 Mbit/s, each push capped by its border's downlink, not by the uplink), each
 departure of a push while the window was full opens the window by one, as each ACK does
-TCP's window in slow start: the window doubles once per push time, at once, not once a
-round has been timed (a round's doubling came only after ``w`` more departures, so the
-window went 5 → 10 → 20 → 40 at 0.07, 0.18 and 0.29 s on fleet-1k, and 5 → 10 → 20 at
-0.04 and 0.10 s by departures; docs/simulation.md round 43). Rounds are still timed, as
-many departures in a row as the window held when the round began, to end it: a round whose
-departure rate does not beat the best by ``startup_gain`` counts as flat (more pushes may
-stack on busy borders before the next spread them); two flat rounds in a row end it, as does a
-push that takes ``fast_startup_s`` to leave or is still leaving after as long (a thin
-uplink, a slow direct path: `wan-3x4`, `slow-direct`, where it never grows or stops at
-the first slow push). The HAVE rounds go on beside it, and end the start-up as before.
+TCP's window in slow start: the window doubles once per push time, as the pushes leave
+(until round 42 it doubled only once a round of ``w`` departures had been timed: 5 → 10 →
+20 → 40 at 0.07, 0.18 and 0.29 s on fleet-1k; now 5 → 10 → 20 at 0.04 and 0.10 s;
+docs/simulation.md round 43). Rounds are still timed, as many departures in a row as the
+window held when the round began, to end it: a round whose departure rate does not beat
+the best by ``startup_gain`` counts as flat (more pushes may stack on busy borders before
+the next spread them); two flat rounds in a row end it, as does a push that takes
+``fast_startup_s`` to leave or is still leaving after as long (a thin uplink, a slow direct
+path: `wan-3x4`, `slow-direct`, where it never grows or stops at the first slow push). The
+HAVE rounds go on beside it, and end the start-up as before. Where the origin's own uplink
+is a saturated queue the rounds stop paying while the window still grows, so there the
+start-up runs until a push has waited ``fast_startup_s``: at most that much of the uplink's
+pushes queued (docs/simulation.md round 43 has a model of it).
 """
 
 from __future__ import annotations
