@@ -154,7 +154,11 @@ def test_a_border_that_cannot_keep_a_pushed_chunk_steps_down_and_it_is_re_planne
     a border whose disk is full must let go of the link, so the origin hands the chunk
     to another border at once instead of waiting for a HAVE that never comes."""
     s = Signer()
-    o = _core("origin", "trainer", signer=s, role="origin", border_nodes=2)
+    # the pushes below leave at the instant they were made: without fast_startup_s = 0 the
+    # uplink window's start-up would open on those departures and give b pushes of its
+    # own first, leaving it room for only one of a's (round 43)
+    o = _core("origin", "trainer", signer=s, role="origin", border_nodes=2,
+              fast_startup_s=0.0)
     a = Script(o, 1, node_id="a", region="r")
     b = Script(o, 2, node_id="b", region="r")
     a.handshake()

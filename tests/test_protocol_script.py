@@ -531,7 +531,9 @@ def test_a_border_takes_its_next_relay_order_once_a_slow_push_to_it_left(leave_s
     next relay-on-arrival order goes at once, not after the first chunk's HAVE. A push
     that left fast holds the next order back until that HAVE. (Three inbound transfers a
     border here, one border a region: b takes a's relay, our push and the next relay.)"""
-    t = _Origin(8, border_inflight=3)
+    # fast_startup_s = 0: a push that leaves in 0.1 s would otherwise open the uplink
+    # window (its start-up on departures) and fill b's three inbound slots with pushes
+    t = _Origin(8, border_inflight=3, fast_startup_s=0.0)
     (ia,) = t.pushes(1)
     t.handle(ev.ChunkSent(t.o.now + leave_s, 1, 2, ia))
     ia2 = t.pushes(1)[1]  # the next push into r1 starts as the first has left
