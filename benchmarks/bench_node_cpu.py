@@ -15,6 +15,8 @@ as the view. Per version and per node it measures:
   websockets, the core, the driver), the worker threads (``asyncio.to_thread``:
   hash + store of received chunks, reads of chunks to upload, stage + commit of
   the patch) and the rest (torch's threads, threads that exited);
+- each node's resident memory after the version and at its peak so far
+  (``/proc/<pid>/status`` VmRSS, VmHWM);
 - with ``--perf`` (Linux ``perf``, root) one node is sampled during the last
   version (``perf record``, every thread, kernel included) and the samples are
   sorted by symbol into ``perfstat.PERF_GROUPS`` (fresh pages, kernel page-cache copies, kernel socket
@@ -91,6 +93,18 @@ def proc_detail(pid: int) -> dict[str, float]:
         fields = f.read().rsplit(")", 1)[1].split()
     return {"user_s": int(fields[11]) / CLK_TCK, "sys_s": int(fields[12]) / CLK_TCK,
             "minflt": int(fields[7])}
+
+
+def proc_memory(pid: int) -> dict[str, float]:
+    """Resident memory now and at its peak (VmRSS, VmHWM), MiB."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out["rss_mib" if key == "VmRSS" else "peak_rss_mib"] = round(
+                    int(rest.split()[0]) / 1024, 1)
+    return out
 
 
 def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
@@ -212,6 +226,7 @@ def run(args: argparse.Namespace) -> dict:
                 wall = time.monotonic() - t0
                 cpu1 = {n: proc_cpu(p) for n, p in pids.items()}
                 det1 = {n: proc_detail(p) for n, p in pids.items()}
+                mem1 = {n: proc_memory(p) for n, p in pids.items()}
                 thr1 = {n: thread_cpu(p) for n, p in pids.items()}
                 if perf_proc is not None:
                     perfstat.interrupt(perf_proc)
@@ -245,6 +260,7 @@ def run(args: argparse.Namespace) -> dict:
                         "received_bytes": got, "cpu_s": round(cpu, 3),
                         **{k2: round(det1[name][k2] - det0[name][k2], 3) for k2 in det0[name]},
                         "cpu_s_per_gb": round(cpu / gb, 2) if got else None,
+                        **mem1[name],
                         "by_thread_s_per_gb": {k2: round(v / gb, 2) for k2, v in split.items()}
                         if got else None,
                         # the apply after the last chunk (/status apply_split; cpu_s: its
@@ -272,8 +288,10 @@ def run(args: argparse.Namespace) -> dict:
                     if tails else ""
                 share = rows[-1]["blocks_placed_share"]
                 placed_s = f", blocks placed {share:.0%}" if share is not None else ""
+                peak = max(x["peak_rss_mib"] for x in nodes.values())
                 print(f"version {r.version}: {r.patch_bytes / 1e6:.1f} MB patch, {wall:.1f} s, "
-                      f"median {rows[-1]['cpu_s_per_gb_median']} CPU-s/GB{tail}{placed_s}",
+                      f"median {rows[-1]['cpu_s_per_gb_median']} CPU-s/GB{tail}{placed_s}, "
+                      f"node peak RSS {peak:.0f} MiB",
                       flush=True)
         finally:
             pub.close()

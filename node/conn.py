@@ -10,8 +10,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from node.buffers import aligned_buffer
 from node.link import Link
-from node.store import aligned_buffer
 from node.tcp import CongestionRestart, RandomLoss
 from swarm.protocol import stripes, wire
 

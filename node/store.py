@@ -17,7 +17,7 @@ open (BLAKE3 runs at ~10 GB/s), and again on every read, so neither a torn
 file nor bit rot is ever served: a bad chunk is deleted and reported missing.
 
 Chunk files are written and read with ``O_DIRECT`` where the buffer sits at a
-4096-byte aligned address (``aligned_buffer``: the node driver reassembles
+4096-byte aligned address (``node.buffers``: the node driver reassembles
 received chunks in one) and the file system takes it: the bytes go between the
 buffer and the disk without a kernel copy through the page cache, which was a
 third of a node's CPU per GB received (docs/benchmarks.md, "Node CPU per GB
@@ -49,6 +49,7 @@ from typing import NoReturn
 import msgpack
 import numpy
 
+from node.buffers import ALIGN, aligned_room
 from swarm.errors import ChunkError, ManifestError, StoreError
 from swarm.trust.chunks import verify_chunk
 from swarm.trust.keys import TrustStore
@@ -61,25 +62,8 @@ from swarm.trust.manifest import (
 
 STORE_FORMAT = b"patchswarm-store 1\n"
 RECENT_BYTES = 64 * 1024 * 1024  # default memory for recently received chunks (keep=True)
-ALIGN = 4096  # O_DIRECT alignment of addresses, offsets and lengths (safe for 512 and 4K disks)
 BOUNCE_MIN = 256 * 1024  # an unaligned write this large is copied to an aligned buffer first
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
-
-
-def aligned_buffer(n: int) -> memoryview:
-    """``n`` writable bytes at an ``ALIGN``-aligned address, not zero-filled.
-
-    The store writes such a buffer's aligned part with ``O_DIRECT`` (no copy
-    through the page cache)."""
-    return _aligned(n)[:n]
-
-
-def _aligned(n: int) -> memoryview:
-    """An aligned buffer of ``n`` rounded up to ``ALIGN`` bytes."""
-    cap = -(-n // ALIGN) * ALIGN
-    raw = numpy.empty(cap + ALIGN, dtype=numpy.uint8)
-    off = (-raw.ctypes.data) % ALIGN
-    return memoryview(raw[off:off + cap]).cast("B")
 
 
 def _address(view: memoryview) -> int:
@@ -277,7 +261,7 @@ class ChunkStore:
                     # a large unaligned buffer (a trainer's payload slice, a whole-chunk
                     # message): one copy into an aligned one costs far less than the
                     # page cache's path (round 29: 4 MiB in ~2.4 ms against ~14 ms)
-                    bounce = _aligned(len(view))
+                    bounce = aligned_room(len(view))
                     bounce[:len(view)] = view
                     view = bounce[:len(view)]
                 else:
@@ -580,7 +564,7 @@ class ChunkStore:
                 return kept
         # read and hash outside the lock: uploads may run in parallel threads
         n = m.chunk_length(index)
-        buf = _aligned(n)
+        buf = aligned_room(n)
         got = self._read_into(version, index, buf, n)
         data = buf[:n].toreadonly() if got == n else b""
         if _is_chunk(m, index, data):
@@ -625,7 +609,7 @@ class ChunkStore:
         if not 0 <= first <= m.chunk_count:
             raise ValueError(f"chunk {first} of a version of {m.chunk_count}")
         length = sum(m.chunk_length(i) for i in range(first, m.chunk_count))
-        view = _aligned(length)
+        view = aligned_room(length)
         off = 0
         for i in range(first, m.chunk_count):
             n = m.chunk_length(i)

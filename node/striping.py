@@ -15,9 +15,9 @@ import contextlib
 import logging
 import os
 
+from node.buffers import aligned_buffer
 from node.conn import CONNECT_TIMEOUT_S, MAX_LINK_MESSAGE, Arrival, Conn, Lane
 from node.link import Link, Placed, dial
-from node.store import aligned_buffer
 from node.tcp import (
     RandomLoss,
     keeps_window_across_idle,
