@@ -1,27 +1,23 @@
-"""Aligned chunk buffers, reused rather than faulted in anew for every chunk.
+"""Aligned buffers for the store's O_DIRECT reads and writes; the large ones pooled.
 
 The store reads and writes chunk files with ``O_DIRECT`` into 4096-byte aligned
-buffers, and the driver reassembles received chunks in one. A buffer freshly
-taken from the system costs the kernel a zeroed page for every page first
-touched: at 384 MiB versions that was 25-40 % of a node's CPU (docs/benchmarks.md,
-round 43 and 44), because past the store's in-memory chunks every upload read and
-the apply's tail read into newly mapped memory.
+buffers, and the driver reassembles received chunks in one. Chunk-sized buffers come
+from the heap, which reuses them (``node.daemon.tune_malloc`` keeps freed heap). An
+apply's payload (the chunks left to decode after the prestage, read into one buffer)
+is larger than glibc serves from the heap at 384 MiB versions, and every version's
+fresh ``mmap`` was the kernel zeroing pages: a quarter of a node's CPU
+(docs/benchmarks.md, rounds 43 and 44). Buffers larger than any chunk (``POOLED_MIN``,
+64 MiB) therefore come from ``BufferPool``, which takes each back when the last reference to it is gone: a
+buffer is a view of a pooled allocation, and a ``weakref.finalize`` on that view
+returns the allocation to the pool. Nothing is released by hand, so a buffer can
+never be reused while anything (an upload in flight, a tensor made with
+``torch.frombuffer``) still holds it. What nobody may do is keep a raw address past
+the buffer's life; nothing in the project does.
 
-``BufferPool`` hands out aligned buffers and takes each back when the last
-reference to it is gone: a buffer is a view of a pooled allocation, and a
-``weakref.finalize`` on that view returns the allocation to the pool. Nothing is
-released by hand, so a buffer can never be reused while anything (an upload in
-flight, the store's recent chunks, a tensor made with ``torch.frombuffer``) still
-holds it. What nobody may do is keep a raw address past the buffer's life; nothing
-in the project does.
-
-Free allocations are kept up to the most bytes ever out at once (the node's working
-set: its recent chunks, its uploads in flight, one apply's payload), and never more
-than ``limit_bytes``; past that the oldest free ones go back to the system. Chunk
-buffers are reused by size class (four to a doubling); an apply's payload, whose
-length differs from version to version, takes any free large buffer that holds it,
-and one that none holds first releases them (the allocator reuses that memory), so
-the large buffer kept grows to the largest payload and stays.
+Pooling chunk-sized buffers too was measured and not kept: it took nothing off at
+384 MiB that pooling the large ones did not, and at 64 MiB, where the heap already
+reused every buffer, the free ones the pool kept made the codec's temporaries take
+fresh pages (+1-3 % CPU; docs/benchmarks.md round 44).
 """
 
 from __future__ import annotations
@@ -32,9 +28,11 @@ import weakref
 
 import numpy
 
+from swarm.protocol.wire import MAX_CHUNK_BYTES
+
 ALIGN = 4096  # O_DIRECT alignment of addresses, offsets and lengths (safe for 512 and 4K disks)
 MIN_CLASS = 64 * 1024  # smaller buffers get a class of their own, rounded to ALIGN
-LARGE = 16 * 1024 * 1024  # above this a buffer is an apply's payload, not a chunk
+POOLED_MIN = MAX_CHUNK_BYTES  # buffers larger than any chunk come from the pool
 LIMIT_SHARE = 8  # free buffers kept: at most this share of the machine's memory (1/8)
 
 
@@ -59,42 +57,28 @@ def _machine_bytes() -> int:
 class BufferPool:
     """Aligned buffers that go back to the pool when their last reference goes.
 
-    Two kinds, kept apart: chunk-sized buffers (``LARGE`` bytes or less: received
-    chunks, reads for uploads), reused by size class; and large ones (an apply's
-    payload, one at a time), where any free one that is big enough serves and a
-    request that none fits first gives the smaller free ones back to the system, so
-    that the allocator can reuse their memory for the new one. The pool never holds
-    memory a new allocation could have used instead.
+    A request takes the smallest free buffer that holds it, whatever its size (an
+    apply's payload changes length from version to version); one that no free buffer
+    holds first releases them all, so that the allocator can reuse their memory for
+    the new one. So the pool never holds memory a new allocation could have used
+    instead, and the buffer it keeps grows to the largest payload and stays. Free
+    buffers are kept up to the most bytes ever out at once (the node's working set),
+    never more than ``limit_bytes``; past that the oldest go back to the system.
 
     Thread-safe: the store reads in worker threads, and a buffer may be dropped in
     any thread (its finalizer then runs there)."""
 
-    def __init__(self, limit_bytes: int | None = None, large_bytes: int = LARGE) -> None:
-        self.large_bytes = large_bytes
+    def __init__(self, limit_bytes: int | None = None) -> None:
         self.limit_bytes = (_machine_bytes() // LIMIT_SHARE
                             if limit_bytes is None else max(0, limit_bytes))
         self._lock = threading.RLock()  # a finalizer may run inside a locked section (GC)
-        # (capacity, allocation), oldest first; small and large apart
-        self._free: dict[bool, list[tuple[int, numpy.ndarray]]] = {False: [], True: []}
-        self._free_bytes = {False: 0, True: 0}
-        self._out = {False: 0, True: 0}
-        self._peak = {False: 0, True: 0}
+        self._free: list[tuple[int, numpy.ndarray]] = []  # (capacity, allocation), oldest first
+        self.free_bytes = 0
+        self.out_bytes = 0  # capacity of the buffers handed out and still referenced
+        self.peak_out_bytes = 0
         self.taken = 0
         self.reused = 0
         self.allocated = 0
-
-    @property
-    def free_bytes(self) -> int:
-        return self._free_bytes[False] + self._free_bytes[True]
-
-    @property
-    def out_bytes(self) -> int:
-        """Capacity of the buffers handed out and still referenced."""
-        return self._out[False] + self._out[True]
-
-    @property
-    def peak_out_bytes(self) -> int:
-        return self._peak[False] + self._peak[True]
 
     def take(self, n: int) -> memoryview:
         """A writable, ``ALIGN``-aligned buffer of ``n`` bytes rounded up to ``ALIGN``;
@@ -103,60 +87,54 @@ class BufferPool:
             raise ValueError(f"a buffer of {n} bytes")
         want = max(ALIGN, -(-n // ALIGN) * ALIGN)
         cap = size_class(n)
-        large = cap > self.large_bytes
         raw = None
         dropped: list[tuple[int, numpy.ndarray]] = []
         with self._lock:
             self.taken += 1
-            free = self._free[large]
             best = -1
-            for j, (c, _) in enumerate(free):  # the smallest that fits, newest first
-                if cap <= c and (large or c < 2 * cap) \
-                        and (best < 0 or c <= free[best][0]):
+            for j, (c, _) in enumerate(self._free):  # the smallest that holds it, newest
+                if cap <= c and (best < 0 or c <= self._free[best][0]):
                     best = j
             if best >= 0:
-                cap, raw = free.pop(best)
-                self._free_bytes[large] -= cap
+                cap, raw = self._free.pop(best)
+                self.free_bytes -= cap
                 self.reused += 1
-            elif large and free:  # none fits: their memory goes to the new one
-                dropped, free[:] = free[:], []
-                self._free_bytes[large] = 0
-            self._out[large] += cap
-            self._peak[large] = max(self._peak[large], self._out[large])
+            else:  # none holds it: their memory goes to the new one
+                dropped, self._free = self._free, []
+                self.free_bytes = 0
+            self.out_bytes += cap
+            self.peak_out_bytes = max(self.peak_out_bytes, self.out_bytes)
         del dropped  # freed outside the lock, before the allocation
         if raw is None:
             try:
                 raw = numpy.empty(cap + ALIGN, dtype=numpy.uint8)
             except MemoryError:
                 with self._lock:
-                    self._out[large] -= cap
+                    self.out_bytes -= cap
                 raise
             with self._lock:
                 self.allocated += 1
         off = (-raw.ctypes.data) % ALIGN
         lease = raw[off:off + cap]  # a view: the allocation goes back when it dies
-        fin = weakref.finalize(lease, self._give_back, large, cap, raw)
+        fin = weakref.finalize(lease, self._give_back, cap, raw)
         fin.atexit = False
         return memoryview(lease).cast("B")[:want]
 
-    def _give_back(self, large: bool, cap: int, raw: numpy.ndarray) -> None:
+    def _give_back(self, cap: int, raw: numpy.ndarray) -> None:
         with self._lock:
-            self._out[large] -= cap
-            free = self._free[large]
-            free.append((cap, raw))
-            self._free_bytes[large] += cap
-            # both kinds together stay under the limit; each under its own working set
-            keep = min(self.limit_bytes - self._free_bytes[not large], self._peak[large])
-            while free and self._free_bytes[large] > keep:
-                c, _ = free.pop(0)
-                self._free_bytes[large] -= c
+            self.out_bytes -= cap
+            self._free.append((cap, raw))
+            self.free_bytes += cap
+            keep = min(self.limit_bytes, self.peak_out_bytes)
+            while self._free and self.free_bytes > keep:
+                c, _ = self._free.pop(0)
+                self.free_bytes -= c
 
     def clear(self) -> None:
         """Release every free buffer to the system (buffers out stay valid)."""
         with self._lock:
-            for large in (False, True):
-                self._free[large].clear()
-                self._free_bytes[large] = 0
+            self._free.clear()
+            self.free_bytes = 0
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -168,13 +146,22 @@ class BufferPool:
 POOL = BufferPool()  # one per process: a host runs one node daemon
 
 
-def aligned_buffer(n: int) -> memoryview:
-    """``n`` writable bytes at an ``ALIGN``-aligned address from the process's pool,
-    not zero-filled. The store writes such a buffer's aligned part with
-    ``O_DIRECT`` (no copy through the page cache)."""
-    return POOL.take(n)[:n]
+def _heap(n: int) -> memoryview:
+    """An aligned buffer of ``n`` rounded up to ``ALIGN`` bytes, from the heap."""
+    cap = max(ALIGN, -(-n // ALIGN) * ALIGN)
+    raw = numpy.empty(cap + ALIGN, dtype=numpy.uint8)
+    off = (-raw.ctypes.data) % ALIGN
+    return memoryview(raw[off:off + cap]).cast("B")
 
 
 def aligned_room(n: int) -> memoryview:
-    """An aligned buffer of ``n`` rounded up to ``ALIGN`` bytes (whole O_DIRECT blocks)."""
-    return POOL.take(n)
+    """An aligned buffer of ``n`` rounded up to ``ALIGN`` bytes (whole O_DIRECT blocks),
+    not zero-filled: from the pool above ``POOLED_MIN``, else from the heap."""
+    return POOL.take(n) if n > POOLED_MIN else _heap(n)
+
+
+def aligned_buffer(n: int) -> memoryview:
+    """``n`` writable bytes at an ``ALIGN``-aligned address, not zero-filled. The store
+    writes such a buffer's aligned part with ``O_DIRECT`` (no copy through the page
+    cache)."""
+    return aligned_room(n)[:n]

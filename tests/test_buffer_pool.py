@@ -1,4 +1,4 @@
-"""node.buffers.BufferPool: aligned buffers reused only once nothing references them."""
+"""node.buffers: aligned buffers; the pool reuses one only once nothing references it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from node.buffers import ALIGN, MIN_CLASS, BufferPool, size_class
+from node.buffers import ALIGN, MIN_CLASS, POOL, POOLED_MIN, BufferPool, aligned_room, size_class
 
 
 def _addr(view: memoryview) -> int:
@@ -95,39 +95,48 @@ def test_free_bytes_stay_under_the_limit_and_the_working_set() -> None:
     small = BufferPool(limit_bytes=1 << 30)
     x = small.take(4 << 20)
     del x
-    y, z = small.take(1 << 20), small.take(1 << 20)
-    del y, z
-    assert small.free_bytes <= small.peak_out_bytes == 4 << 20
+    y = small.take(1 << 20)  # the free 4 MiB one holds it
+    assert small.reused == 1 and small.peak_out_bytes == 4 << 20
+    del y
+    assert small.free_bytes == 4 << 20
     small.clear()
     assert small.free_bytes == 0
 
 
-def test_an_apply_payload_takes_any_large_buffer_that_holds_it() -> None:
+def test_an_apply_payload_takes_any_free_buffer_that_holds_it() -> None:
     pool = BufferPool(limit_bytes=1 << 30)
     big = pool.take(330 << 20)  # an apply's tail: class 384 MiB
     at = _addr(big)
     del big
-    chunk = pool.take(4 << 20)  # a chunk never takes the payload's buffer
-    assert _addr(chunk) != at
-    del chunk
     smaller = pool.take(40 << 20)  # a shorter tail next version: the same memory
-    assert _addr(smaller) == at and len(smaller) == 40 << 20 and pool.allocated == 2
+    assert _addr(smaller) == at and len(smaller) == 40 << 20 and pool.allocated == 1
     del smaller
-    assert pool.free_bytes == (384 + 4) << 20
+    assert pool.free_bytes == 384 << 20
     larger = pool.take(400 << 20)  # none holds it: the 384 MiB one is released first
-    assert pool.free_bytes == 4 << 20 and pool.allocated == 3
+    assert pool.free_bytes == 0 and pool.allocated == 2
     del larger
-    assert pool.free_bytes == (448 + 4) << 20  # the one kept grows to the largest payload
+    assert pool.free_bytes == 448 << 20  # the one kept grows to the largest payload
+
+
+def test_only_buffers_above_the_threshold_come_from_the_pool() -> None:
+    """Buffers up to the largest chunk come from the heap (it reuses them; a pool of
+    them cost fresh pages elsewhere), an apply's larger payload from the pool."""
+    before = POOL.stats()["taken"]
+    chunk = aligned_room(POOLED_MIN)
+    assert POOL.stats()["taken"] == before and _addr(chunk) % ALIGN == 0
+    assert len(chunk) == POOLED_MIN and len(aligned_room(5)) == ALIGN
+    payload = aligned_room(POOLED_MIN + 1)
+    assert POOL.stats()["taken"] == before + 1 and _addr(payload) % ALIGN == 0
+    assert len(payload) == POOLED_MIN + ALIGN
 
 
 class LiveBuffers(RuleBasedStateMachine):
-    """Random takes and drops, chunk-sized and large: buffers alive at once never
-    overlap, and each keeps the bytes written into it until dropped, whatever the
-    pool reuses or releases."""
+    """Random takes and drops: buffers alive at once never overlap, and each keeps
+    the bytes written into it until dropped, whatever the pool reuses or releases."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.pool = BufferPool(limit_bytes=12 * MIN_CLASS, large_bytes=2 * MIN_CLASS)
+        self.pool = BufferPool(limit_bytes=12 * MIN_CLASS)
         self.live: list[tuple[memoryview, int]] = []
         self.tag = 0
 
@@ -152,8 +161,7 @@ class LiveBuffers(RuleBasedStateMachine):
         for v, tag in self.live:
             assert v[0] == tag and v[-1] == tag
         assert self.pool.free_bytes <= self.pool.limit_bytes
-        held = [c for kind in self.pool._free.values() for c, _ in kind]
-        assert self.pool.free_bytes == sum(held)
+        assert self.pool.free_bytes == sum(c for c, _ in self.pool._free)
 
 
 TestLiveBuffers = LiveBuffers.TestCase

@@ -30,7 +30,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from node.driver import Arrival
-from node.store import RECENT_BYTES
 from swarm.protocol import events as ev
 from swarm.protocol import stripes, wire
 from swarm.protocol.config import CoreConfig
@@ -407,11 +406,11 @@ def test_a_fleet_of_processes_with_every_chunk_twinned_ends_bitwise_equal() -> N
         metrics = fleet.http(fleet.nodes[0].api_addr, "/metrics").decode()
         assert "patchswarm_uploads_stopped_total" in metrics
         assert "patchswarm_blocks_placed_total" in metrics
-        # chunk buffers (node.buffers): what is still out once both versions are applied
-        # is at most the chunks the store keeps in memory (the rest went back)
+        # the payload buffer pool (node.buffers) is served: nothing of it is out once
+        # both versions are applied
         pools = [st["buffers"] for st in statuses.values()]
         print("buffer pools:", pools)
-        assert all(p["out_bytes"] <= RECENT_BYTES and p["taken"] == p["reused"] + p["allocated"]
+        assert all(p["out_bytes"] == 0 and p["taken"] == p["reused"] + p["allocated"]
                    for p in pools), pools
         assert 'patchswarm_buffers_taken_total{' in metrics
         assert 'patchswarm_buffer_pool_bytes{' in metrics
