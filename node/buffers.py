@@ -7,17 +7,17 @@ apply's payload (the chunks left to decode after the prestage, read into one buf
 is larger than glibc serves from the heap at 384 MiB versions, and every version's
 fresh ``mmap`` was the kernel zeroing pages: a quarter of a node's CPU
 (docs/benchmarks.md, rounds 43 and 44). Buffers larger than any chunk (``POOLED_MIN``,
-64 MiB) therefore come from ``BufferPool``, which takes each back when the last reference to it is gone: a
-buffer is a view of a pooled allocation, and a ``weakref.finalize`` on that view
-returns the allocation to the pool. Nothing is released by hand, so a buffer can
-never be reused while anything (an upload in flight, a tensor made with
-``torch.frombuffer``) still holds it. What nobody may do is keep a raw address past
-the buffer's life; nothing in the project does.
+64 MiB) therefore come from ``BufferPool``, which takes each back when the last
+reference to it is gone: a buffer is a view of a pooled allocation, and a
+``weakref.finalize`` on that view returns the allocation to the pool. Nothing is
+released by hand, so a buffer can never be reused while anything (the apply, a tensor
+made with ``torch.frombuffer``) still holds it. What nobody may do is keep a raw
+address past the buffer's life; nothing in the project does.
 
 Pooling chunk-sized buffers too was measured and not kept: it took nothing off at
-384 MiB that pooling the large ones did not, and at 64 MiB, where the heap already
+384 MiB that pooling the large ones did not, and at 64-128 MiB, where the heap already
 reused every buffer, the free ones the pool kept made the codec's temporaries take
-fresh pages (+1-3 % CPU; docs/benchmarks.md round 44).
+fresh pages (+1-5 % CPU; docs/benchmarks.md round 44).
 """
 
 from __future__ import annotations
