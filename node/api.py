@@ -102,8 +102,8 @@ def status_dict(driver: Driver, model: str) -> dict[str, Any]:
         "no_key_versions": {str(k): v for k, v in getattr(driver, "no_key_versions", {}).items()},
         "activated_at": {str(k): v for k, v in driver.activated_at.items()},
         "store_bytes": driver.store.used_bytes,
-        # aligned chunk buffers (node.buffers): taken, reused from the pool or newly
-        # allocated (fresh pages), bytes in use and free for reuse
+        # the pool of large aligned buffers (node.buffers: an apply's payload, larger than
+        # any chunk): taken, reused or newly allocated (fresh pages), bytes out and free
         "buffers": buffers.POOL.stats(),
         "uptime_s": round(time.time() - driver.started_at, 3),
         "draining": driver.draining,
@@ -375,14 +375,14 @@ class _Collector:
         g.add_metric(who, float(st["store_bytes"]))
         yield g
         pool = st.get("buffers") or {}
-        g = GaugeMetricFamily("patchswarm_buffer_pool_bytes", "Aligned chunk buffers: in use "
-                              "(out), or free and kept for reuse (free)",
+        g = GaugeMetricFamily("patchswarm_buffer_pool_bytes", "Pooled aligned buffers (an apply's "
+                              "payload): in use (out), or free and kept for reuse (free)",
                               labels=[*labels, "state"])
         for state in ("out", "free"):
             g.add_metric([*who, state], float(pool.get(f"{state}_bytes", 0)))
         yield g
-        c = CounterMetricFamily("patchswarm_buffers_taken", "Aligned chunk buffers taken: "
-                                "reused from the pool, or allocated (fresh pages)",
+        c = CounterMetricFamily("patchswarm_buffers_taken", "Pooled aligned buffers taken: "
+                                "reused, or newly allocated (fresh pages)",
                                 labels=[*labels, "source"])
         for source in ("reused", "allocated"):
             c.add_metric([*who, source], float(pool.get(source, 0)))

@@ -8,6 +8,7 @@ import threading
 import time
 
 import numpy
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -43,6 +44,14 @@ def test_buffers_are_aligned_writable_and_whole_blocks(n: int) -> None:
     assert len(b) == max(ALIGN, -(-n // ALIGN) * ALIGN)
     assert _addr(b) % ALIGN == 0 and not b.readonly
     b[:] = b"\x5a" * len(b)
+
+
+def test_a_negative_size_is_refused_and_changes_nothing() -> None:
+    pool = BufferPool(limit_bytes=1 << 20)
+    with pytest.raises(ValueError, match="-1 bytes"):
+        pool.take(-1)
+    assert pool.stats() == {"taken": 0, "reused": 0, "allocated": 0, "out_bytes": 0,
+                            "free_bytes": 0, "peak_out_bytes": 0}
 
 
 def test_a_dropped_buffer_is_reused_and_a_referenced_one_is_not() -> None:
