@@ -9,6 +9,7 @@ driver's loop, core, store and engine); the versions each step records are in
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import logging
 import os
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 
 from node.engines.base import CommitStats, EngineError, WeightUpdate
 from node.engines.inprocess import merge_changes
-from swarm.errors import ChunkError, PatchswarmError, StoreError
+from swarm.errors import ChunkError, PatchFormatError, PatchswarmError, StoreError
 from swarm.protocol import events as ev
 from swarm.trust.confidential import NoKeyError, decrypt_payload
 
@@ -59,6 +60,9 @@ PRESTAGE_NICE = 10  # niceness of the prestage thread (Linux: per thread)
 # apply waits: the apply waits for one slice's decode at most, which on a loaded host (the
 # thread is niced) can be much longer than on an idle one
 PRESTAGE_SLICE = 1 << 20
+# a patch with a layout (``Manifest.records``) is decoded ahead record by record, in any
+# order, read in batches of about this many bytes; the apply waits for one record at most
+PRESTAGE_BATCH = 8 << 20
 
 
 def lower_thread_priority() -> None:
@@ -164,7 +168,9 @@ class ApplyPipeline:
             await asyncio.to_thread(pool.shutdown, True)
 
     def _prestage_step(self, v: int) -> None:
-        """Feed every stored chunk that continues the decoded prefix (prestage thread)."""
+        """Decode what the stored chunks hold of the patch (prestage thread): with its
+        layout, every record they hold whole (``_prestage_records``); else every
+        chunk that continues the decoded prefix."""
         lower_thread_priority()  # again, after an apply's _boost_prestage
         w = self.weights
         try:
@@ -173,6 +179,9 @@ class ApplyPipeline:
             return
         if w is None or m.kind != "patch" or getattr(m, "encryption", None) is not None \
                 or m.parent_digest is None or m.parent_digest != w.digest:
+            return
+        if getattr(m, "records", None) is not None:
+            self._prestage_records(v, m)
             return
         fed = w.prefed(v)
         i, start = divmod(fed, m.chunk_size)  # a chunk may be fed in part (slices)
@@ -191,6 +200,79 @@ class ApplyPipeline:
                     return
                 fed = now
             i, start = i + 1, 0
+
+    def _prestage_records(self, v: int, m) -> None:
+        """Decode each part of patch ``v`` (-1 its header, then its records) whose bytes
+        the store holds whole, in any order, the header first. Parts are looked at
+        when a chunk they overlap arrives (``_pre_layout``: the version, the parts'
+        starts, the chunks seen, the parts to look at, whether one failed), so a step costs the records
+        of its new chunks, not all of them."""
+        w = self.weights
+        lay = self._pre_layout
+        if lay is None or lay[0] != v:
+            lay = self._pre_layout = [v, m.record_starts(), set(), set(), False]
+        if lay[4]:
+            return  # a part failed: the apply decodes the patch itself and reports
+        starts, seen, pending = lay[1], lay[2], lay[3]
+        held = self.store.have(v)
+        cs = m.chunk_size
+        for i in held - seen:  # parts q with a byte in chunk i: starts[q + 1] < (i + 1) * cs
+            lo = bisect.bisect_right(starts, i * cs) - 2
+            hi = bisect.bisect_left(starts, (i + 1) * cs) - 1
+            pending.update(range(max(lo, -1), min(hi, len(starts) - 2)))
+        seen |= held
+        done = w.prefed_records(v)
+        ready: list[int] = []
+        for q in sorted(pending):
+            if q in done:
+                pending.discard(q)
+            elif all(i in held for i in _chunks_of(starts, q, cs)):
+                ready.append(q)
+            else:
+                pending.discard(q)  # the arrival of its missing chunk looks again
+        if -1 not in done and (not ready or ready[0] != -1):
+            return  # records wait for the header
+        while ready:
+            batch, size = [], 0
+            while ready and (not batch or size < PRESTAGE_BATCH):
+                q = ready.pop(0)
+                batch.append(q)
+                size += starts[q + 2] - starts[q + 1]
+            try:
+                parts = self._read_parts(v, m, starts, batch)
+            except (ChunkError, StoreError, OSError):
+                return  # the apply reads it again and reports
+            for q in batch:
+                if self._applying or self._pre_closed:
+                    return
+                ok = w.prefeed_record(v, m.parent_digest, q, parts[q])
+                pending.discard(q)
+                if not ok:
+                    lay[4] = True
+                    pending.clear()
+                    return
+
+    def _read_parts(self, v: int, m, starts: list[int], parts: list[int]) -> dict[int, memoryview]:
+        """The bytes of patch parts ``parts`` (-1: the header) of ``v``: each run of
+        consecutive chunks they need is read once, into one buffer, and each part is a
+        view of its run's buffer."""
+        cs = m.chunk_size
+        need = sorted({i for q in parts for i in _chunks_of(starts, q, cs)})
+        runs: list[list[int]] = []
+        for i in need:
+            if runs and runs[-1][1] == i:
+                runs[-1][1] = i + 1
+            else:
+                runs.append([i, i + 1])
+        out: dict[int, memoryview] = {}
+        for first, stop in runs:
+            buf = self.store.chunks_view(v, first, stop)
+            lo, hi = first * cs, first * cs + len(buf)
+            for q in parts:
+                s, e = starts[q + 1], starts[q + 2]
+                if lo <= s and e <= hi:
+                    out[q] = buf[s - lo:e - lo]
+        return out
 
     # ---------------------------------------------------------------- apply
 
@@ -274,6 +356,14 @@ class ApplyPipeline:
             digest = w.adopt(version, m.target_digest)
             self._truth_commit_s = time.perf_counter() - t0
             return self._after_truth_commit(version, digest)
+        if m.kind == "patch" and getattr(m, "records", None) is not None \
+                and getattr(m, "encryption", None) is None:
+            try:
+                return self._apply_records(version, m, t0, c0)
+            except PatchFormatError as exc:
+                # signed, so the trainer's mistake; the patch itself may be whole
+                log.warning("version %d: the patch does not match its manifest's layout (%s); "
+                            "decoding it in order", version, exc)
         skip = w.prefed(version) if getattr(m, "encryption", None) is None else 0
         self._ahead_bytes = skip
         if skip:  # decoded while it downloaded: only the rest is read and decoded
@@ -300,6 +390,36 @@ class ApplyPipeline:
         self._truth_commit_s = t3 - t2
         out = self._after_truth_commit(version, digest)
         self._truth_split = {"read_s": round(t1 - t0, 4), "stage_s": round(t2 - t1, 4),
+                             "commit_s": round(t3 - t2, 4),
+                             "record_s": round(time.perf_counter() - t3, 4),
+                             "cpu_s": round(time.thread_time() - c0, 4)}
+        return out
+
+    def _apply_records(self, version: int, m, t0: float, c0: float) -> bytes:
+        """``_apply_truth`` for a patch with a layout: the parts decoded ahead are kept,
+        only the others are read (the runs of chunks they lie in) and decoded."""
+        w = self.weights
+        starts = m.record_starts()
+        done = w.prefed_records(version)
+        self._ahead_bytes = sum(starts[q + 2] - starts[q + 1] for q in done)
+        read_s = 0.0
+
+        def read(parts: list[int]) -> dict[int, memoryview]:
+            nonlocal read_s
+            r0 = time.perf_counter()
+            try:
+                return self._read_parts(version, m, starts, parts)
+            finally:
+                read_s = time.perf_counter() - r0
+
+        t1 = time.perf_counter()
+        w.stage_records(version, m.parent_digest, len(starts) - 2, read)
+        t2 = time.perf_counter()
+        digest = w.commit(version, m.target_digest)
+        t3 = time.perf_counter()
+        self._truth_commit_s = t3 - t2
+        out = self._after_truth_commit(version, digest)
+        self._truth_split = {"read_s": round(read_s, 4), "stage_s": round(t2 - t1 - read_s, 4),
                              "commit_s": round(t3 - t2, 4),
                              "record_s": round(time.perf_counter() - t3, 4),
                              "cpu_s": round(time.thread_time() - c0, 4)}
@@ -501,3 +621,9 @@ class ApplyPipeline:
                                  f"node verified version {self.weights.version}")
                     log.warning("%s; bringing it up to date", st.reason)
                 await self._sync_engine()
+
+
+def _chunks_of(starts: list[int], q: int, chunk_size: int) -> range:
+    """The chunks holding part ``q`` of a patch (-1: its header) whose parts begin at
+    ``starts`` (then its end)."""
+    return range(starts[q + 1] // chunk_size, (starts[q + 2] - 1) // chunk_size + 1)

@@ -608,10 +608,19 @@ class ChunkStore:
         m = self._manifest(version)
         if not 0 <= first <= m.chunk_count:
             raise ValueError(f"chunk {first} of a version of {m.chunk_count}")
-        length = sum(m.chunk_length(i) for i in range(first, m.chunk_count))
+        return self.chunks_view(version, first, m.chunk_count)
+
+    def chunks_view(self, version: int, first: int, stop: int) -> memoryview:
+        """Held chunks ``first`` to ``stop`` (exclusive) of ``version`` as one read-only
+        view, read and checked as ``payload_view`` does (a chunk not held raises
+        ``ChunkError``): the bytes of patch records that span chunks, in one piece."""
+        m = self._manifest(version)
+        if not 0 <= first <= stop <= m.chunk_count:
+            raise ValueError(f"chunks {first}..{stop} of a version of {m.chunk_count}")
+        length = sum(m.chunk_length(i) for i in range(first, stop))
         view = aligned_room(length)
         off = 0
-        for i in range(first, m.chunk_count):
+        for i in range(first, stop):
             n = m.chunk_length(i)
             part = view[off:off + n]
             with self._mutex:

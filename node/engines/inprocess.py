@@ -12,6 +12,7 @@ serves (``InProcessEngine``, on ``cuda`` when present); with an external engine
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -91,6 +92,9 @@ class InProcessWeights(EngineAdapter):
         # A patch decoded while it downloads (``prefeed``): [version, base digest,
         # applier in stage mode, payload bytes fed]
         self._pre: list | None = None
+        # A patch decoded record by record, in any order (``prefeed_record``): [version,
+        # base digest, applier fed out of order, indices decoded (-1: the header)]
+        self._pre_rec: list | None = None
         # What the last commit changed: name -> flat int64 indices, None (whole tensor)
         # or False (deleted); None as a whole after a full checkpoint (everything).
         self.last_changes: dict[str, object] | None = None
@@ -161,6 +165,91 @@ class InProcessWeights(EngineAdapter):
             pre[3] += len(data)
             return pre[3]
 
+    def prefeed_record(self, version: int, base_digest: bytes | None, index: int,
+                       data: bytes | memoryview) -> bool:
+        """Decode part ``index`` of patch ``version`` while the rest downloads, in any
+        order: -1 is its header (which comes first), 0.. its records, each whole with
+        its length prefix (the manifest's ``records`` layout says where each lies).
+        Nothing served changes. Only a patch of exactly the state held now is decoded.
+        Any failure forgets what was decoded: the apply then decodes every record
+        itself and reports the error. Returns whether the part is decoded."""
+        from swarm.codec.apply import PatchApplier
+
+        with self.lock:
+            pre = self._pre_rec
+            if pre is not None and (pre[0] != version or pre[1] != self.digest):
+                pre = self._pre_rec = None  # another version, or the state moved on
+            if pre is None:
+                if index != -1 or version <= self.version or base_digest is None \
+                        or base_digest != self.digest:
+                    return False
+                applier = PatchApplier(self.weights, stage=True, digests=self.tensor_digests,
+                                       ahead=self.digests_ahead)
+                try:
+                    applier.feed_header(data)
+                except Exception:
+                    return False
+                self._pre_rec = [version, base_digest, applier, {-1}]
+                return True
+            if index in pre[3]:
+                return True
+            try:
+                pre[2].feed_record(index, data)
+            except Exception:  # the apply decodes it all again and reports the error
+                self._pre_rec = None
+                return False
+            pre[3].add(index)
+            return True
+
+    def prefed_records(self, version: int) -> set[int]:
+        """The parts of ``version`` (-1: the header) that ``prefeed_record`` decoded on
+        the state held now."""
+        with self.lock:
+            pre = self._pre_rec
+            if pre is None or pre[0] != version or pre[1] != self.digest:
+                return set()
+            return set(pre[3])
+
+    def stage_records(self, version: int, base_digest: bytes | None, count: int,
+                      read: Callable[[list[int]], Mapping[int, bytes | memoryview]]) -> None:
+        """``stage`` for a patch of ``count`` records decoded part by part: what
+        ``prefeed_record`` decoded is kept, and ``read(parts)`` gives the bytes of the
+        parts still to decode (-1: the header), which are decoded here."""
+        from swarm.codec.apply import PatchApplier
+
+        if version <= self.version:
+            raise PatchApplyError(f"version {version} is not newer than active {self.version}")
+        if base_digest is not None and base_digest != self.digest:
+            raise PatchApplyError(
+                f"version {version} patches another state than the active version {self.version}")
+        with self.lock:
+            pre, self._pre_rec = self._pre_rec, None
+            self._pre = None
+            if pre is not None and pre[0] == version and pre[1] == self.digest:
+                applier, done = pre[2], pre[3]
+            else:
+                applier = PatchApplier(self.weights, stage=True, digests=self.tensor_digests,
+                                       ahead=self.digests_ahead)
+                done = set()
+            missing = [k for k in range(-1, count) if k not in done]
+            try:
+                parts = read(missing) if missing else {}
+                for k in missing:
+                    if k not in parts:
+                        raise PatchFormatError(f"version {version}: part {k} of the patch not read")
+                    if k == -1:
+                        applier.feed_header(parts[k])
+                    else:
+                        applier.feed_record(k, parts[k])
+                records = len(applier.header.entries)  # type: ignore[union-attr]
+                if records != count:
+                    raise PatchFormatError(f"version {version}: the patch has {records} "
+                                           f"records, its manifest's layout {count}")
+            except BaseException:
+                applier.staged = None
+                raise
+            self._stage_applier(version, applier)
+
     def prefed(self, version: int) -> int:
         """Payload bytes of ``version`` already decoded by ``prefeed`` on the state
         held now (0: none)."""
@@ -187,6 +276,7 @@ class InProcessWeights(EngineAdapter):
             with self.lock:
                 # base digest checked, nothing changed
                 pre, self._pre = self._pre, None
+                self._pre_rec = None
                 if offset:
                     if pre is None or pre[0] != version or pre[1] != self.digest \
                             or pre[3] != offset:
@@ -201,24 +291,28 @@ class InProcessWeights(EngineAdapter):
                 else:
                     applier = stage_patch(self.weights, payload, digests=self.tensor_digests,
                                           ahead=self.digests_ahead)
-            header = applier.header
-            if header is None:
-                raise PatchFormatError(f"version {version}: truncated patch (no complete header)")
-            if header.base_digest is not None and header.base_digest != self.digest:
-                raise PatchApplyError(f"patch of version {version} has another base than ours")
-            changes: dict[str, object] | None = None
-            if self.track_changes:
-                changes = {}
-                for name, op, flat in applier.staged_changes():
-                    changes[name] = False if op == "delete" else (
-                        None if flat is None else torch_from_numpy(flat))
-            self._staged = (version, kind, applier)
-            self._staged_changes = changes
+            self._stage_applier(version, applier)
         elif kind == "full":
             self._staged = (version, kind, payload)
             self._staged_changes = None
         else:
             raise PatchFormatError(f"unknown payload kind {kind!r}")
+
+    def _stage_applier(self, version: int, applier) -> None:
+        """Hold ``applier`` (every record of ``version`` decoded) for ``commit``."""
+        header = applier.header
+        if header is None:
+            raise PatchFormatError(f"version {version}: truncated patch (no complete header)")
+        if header.base_digest is not None and header.base_digest != self.digest:
+            raise PatchApplyError(f"patch of version {version} has another base than ours")
+        changes: dict[str, object] | None = None
+        if self.track_changes:
+            changes = {}
+            for name, op, flat in applier.staged_changes():
+                changes[name] = False if op == "delete" else (
+                    None if flat is None else torch_from_numpy(flat))
+        self._staged = (version, "patch", applier)
+        self._staged_changes = changes
 
     def commit(self, version: int, target_digest: bytes) -> bytes:
         """Apply what ``stage`` decoded: only the scatter (one XOR pass per dense tensor)

@@ -12,6 +12,13 @@ hold their XOR (their decoded size) until the apply ends.
 Bytes fed in are not copied while they hold whole records; only an incomplete
 tail is buffered, and copied once when its record completes.
 
+Records out of order (stage mode): with the patch's layout (``format.record_layout``,
+carried by the manifest) a caller may hand the header (``feed_header``) and then
+whole records in any order (``feed_record``), e.g. each as soon as the chunks
+holding it arrived. Decoding in stage mode reads only the base weights, which do
+not change before the commit, and a patch names each tensor once, so the order of
+decoding does not matter; ``finish`` commits the records in the patch's order.
+
 Contract for callers: while an apply is in progress the weights must not be
 served; after ``finish`` they are the target version, after an exception they
 are the base version.
@@ -105,8 +112,62 @@ class PatchApplier:
         self._digests: dict[str, bytes] = {}
         self._changed = 0
         self._failed = False
+        # records decoded out of order (``feed_header`` / ``feed_record``), by index
+        self._by_index: dict[int, _Edit] | None = None
 
     # ---------------------------------------------------------------- public
+
+    def feed_header(self, data: bytes | memoryview) -> PatchHeader:
+        """Out of order (stage mode): the patch's header, exactly its bytes; then
+        ``feed_record`` for each record, in any order. Checks the base like ``feed``."""
+        if self._failed:
+            raise PatchApplyError("apply already failed; weights were restored")
+        if self.staged is None:
+            raise PatchApplyError("records out of order need a staged apply")
+        if self.header is not None or self._buf or self._pend is not None:
+            raise PatchApplyError("the patch's header was fed already")
+        try:
+            view = memoryview(data).cast("B")
+            need = header_size_needed(view)
+            if need is None or need != len(view):
+                raise PatchFormatError(
+                    f"patch header: {len(view)} bytes given, the header is "
+                    f"{'longer' if need is None else need}")
+            self._take_header(view)
+            self._by_index = {}
+        except BaseException:
+            self.rollback()
+            raise
+        return self.header  # type: ignore[return-value]
+
+    def feed_record(self, index: int, data: bytes | memoryview) -> None:
+        """Out of order (after ``feed_header``): record ``index``, whole, its length
+        prefix included. Each record once; ``finish`` checks that all came."""
+        if self._failed:
+            raise PatchApplyError("apply already failed; weights were restored")
+        if self._by_index is None:
+            raise PatchApplyError("feed_record needs feed_header first")
+        try:
+            entries = self.header.entries  # type: ignore[union-attr]
+            if type(index) is not int or not 0 <= index < len(entries):
+                raise PatchFormatError(f"record {index} of a patch of {len(entries)} records")
+            if index in self._by_index:
+                raise PatchApplyError(f"record {index} was fed twice")
+            entry = entries[index]
+            view = memoryview(data).cast("B")
+            got = split_record(view, 0, entry)
+            if got is None or got[1] != len(view):
+                raise PatchFormatError(
+                    f"record {index} ({entry.name!r}): {len(view)} bytes are not one whole record")
+            self._by_index[index] = self._decode_record(entry, got[0], index)
+        except BaseException:
+            self.rollback()
+            raise
+
+    @property
+    def records_fed(self) -> int:
+        """Records decoded so far (in order or not)."""
+        return self._next if self._by_index is None else len(self._by_index)
 
     def feed(self, data: bytes | memoryview) -> int:
         """Consume more patch bytes; apply every record they complete.
@@ -116,6 +177,8 @@ class PatchApplier:
         """
         if self._failed:
             raise PatchApplyError("apply already failed; weights were restored")
+        if self._by_index is not None:
+            raise PatchApplyError("this patch is fed out of order (feed_record)")
         try:
             if self._pend is not None:
                 view = memoryview(data).cast("B")
@@ -160,6 +223,15 @@ class PatchApplier:
             if self.header is None:
                 raise PatchFormatError(f"truncated patch: {len(self._buf)} bytes, no complete header")
             total = len(self.header.entries)
+            if self._by_index is not None:
+                missing = next((i for i in range(total) if i not in self._by_index), None)
+                if missing is not None:
+                    raise PatchFormatError(
+                        f"truncated patch: {len(self._by_index)} of {total} records decoded "
+                        f"(record for {self.header.entries[missing].name!r} missing)")
+                self.staged = [self._by_index[i] for i in range(total)]
+                self._by_index = None
+                self._next = total
             if self._next < total:
                 name = self.header.entries[self._next].name
                 raise PatchFormatError(
@@ -194,7 +266,9 @@ class PatchApplier:
         if self.staged is None:
             raise PatchApplyError("staged_changes needs a staged, not yet finished, patch")
         out: list[tuple[str, str, np.ndarray | None]] = []
-        for edit in self.staged:
+        edits = self.staged if self._by_index is None else \
+            [self._by_index[i] for i in sorted(self._by_index)]
+        for edit in edits:
             name = edit.entry.name
             if edit.kind == "sparse":
                 out.append((name, "sparse", np.asarray(edit.data[0], dtype=np.int64)))  # type: ignore[index]
@@ -254,13 +328,7 @@ class PatchApplier:
             if need is None or len(view) < need:
                 self._buf += view
                 return
-            self.header = decode_header(view)
-            offset = self.header.header_bytes
-            base = self.header.base_digest
-            if self.check_base and base is not None and state_digest(self.weights, self.known) != base:
-                raise PatchApplyError(
-                    "patch does not apply to these weights (base state digest differs: "
-                    "wrong base version or foreign model)")
+            offset = self._take_header(view)
         while self._next < len(self.header.entries):
             entry = self.header.entries[self._next]
             got = split_record(view, offset, entry)
@@ -274,6 +342,16 @@ class PatchApplier:
             raise PatchFormatError(f"{rest} trailing bytes after the last record")
         if rest:
             self._hold(view[offset:])
+
+    def _take_header(self, view: memoryview) -> int:
+        """Decode the header at the start of ``view`` and check the base; its length."""
+        self.header = decode_header(view)
+        base = self.header.base_digest
+        if self.check_base and base is not None and state_digest(self.weights, self.known) != base:
+            raise PatchApplyError(
+                "patch does not apply to these weights (base state digest differs: "
+                "wrong base version or foreign model)")
+        return self.header.header_bytes
 
     def _hold(self, part: memoryview) -> None:
         """Keep the start of an incomplete record. Once its length prefix is complete
@@ -290,15 +368,15 @@ class PatchApplier:
         self._pend, self._fill = buf, len(part)
 
     def _apply_record(self, entry: TableEntry, body: memoryview) -> None:
-        edit = self._decode_record(entry, body)
+        edit = self._decode_record(entry, body, self._next)
         if self.staged is None:
             self._commit_edit(edit)
         else:
             self.staged.append(edit)
 
-    def _decode_record(self, entry: TableEntry, body: memoryview) -> _Edit:
+    def _decode_record(self, entry: TableEntry, body: memoryview, index: int) -> _Edit:
         """Decode one record against the current weights, without changing them."""
-        what = f"record {self._next} ({entry.name})"
+        what = f"record {index} ({entry.name})"
         r = BodyReader(body, what)
         if entry.op == Op.DELETE:
             r.done()

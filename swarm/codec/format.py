@@ -246,6 +246,26 @@ def split_record(data: memoryview, offset: int, entry: TableEntry) -> tuple[memo
     return data[start:end], end
 
 
+def record_layout(data: bytes | bytearray | memoryview) -> list[int]:
+    """The byte sizes of a whole patch's parts, in order: the header, then each record
+    (its length prefix included). Where each part begins is the running sum. A
+    manifest carries this (``Manifest.records``) so that a node can decode any record
+    whose bytes it holds, before the ones ahead of it arrived."""
+    view = memoryview(data).cast("B")
+    header = decode_header(view)
+    sizes = [header.header_bytes]
+    offset = header.header_bytes
+    for i, entry in enumerate(header.entries):
+        got = record_extent(view, offset, entry)
+        if got is None:
+            raise PatchFormatError(f"truncated patch: record {i} ({entry.name!r}) incomplete")
+        sizes.append(got[1] - offset)
+        offset = got[1]
+    if offset != len(view):
+        raise PatchFormatError(f"{len(view) - offset} trailing bytes after the last record")
+    return sizes
+
+
 # ------------------------------------------------------------------ varints
 
 

@@ -125,6 +125,18 @@ def _write_synced(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def _layout(payload: bytes) -> tuple[int, ...] | None:
+    """The patch's layout for the manifest; none for bytes that do not parse as a
+    patch (packed as given: the nodes' apply reports them)."""
+    from swarm.errors import PatchFormatError
+    from swarm.trust.manifest import patch_records
+
+    try:
+        return patch_records(payload)
+    except PatchFormatError:
+        return None
+
+
 def run(args: argparse.Namespace) -> int:
     from swarm.trust.keys import key_id
     from swarm.trust.manifest import (
@@ -186,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
         chunk_size=args.chunk_size,
         key_id=key_id(key),
         encryption=encryption,
+        records=_layout(payload) if kind == "patch" and encryption is None else None,
     )
     raw = sign_manifest(manifest, key)
     out = Path(args.output)

@@ -48,6 +48,10 @@ MAX_MODEL_LEN = 128
 MAX_VERSION = 2**63 - 1
 MAX_OPTIONAL_FIELDS = 16
 MAX_ENCRYPTION_BYTES = 256 * 1024
+# A patch's layout (``Manifest.records``), varints: a plain patch only, so it shares the
+# room an encrypted one's ``encryption`` map has.
+MAX_RECORDS_BYTES = 256 * 1024
+RECORDS_KEY = "opt.records"
 MAX_BODY_BYTES = HASH_LEN * MAX_CHUNK_COUNT + 2 * MAX_ENCRYPTION_BYTES
 MAX_MANIFEST_BYTES = MAX_BODY_BYTES + 1024
 MAX_NESTING = 8
@@ -93,6 +97,11 @@ class Manifest:
     created_at: float
     key_id: str
     encryption: dict | None = field(default=None, hash=False)
+    # The patch's layout (``swarm.codec.format.record_layout``): the byte sizes of its
+    # header and of each record, in order; they add up to ``payload_length``. Optional
+    # (body key ``opt.records``, so nodes of before it ignore it): with it a node
+    # decodes each record once the chunks holding it arrived, in any order.
+    records: tuple[int, ...] | None = field(default=None, hash=False)
 
     @property
     def chunk_count(self) -> int:
@@ -114,6 +123,16 @@ class Manifest:
     @property
     def encrypted(self) -> bool:
         return self.encryption is not None
+
+    def record_starts(self) -> list[int] | None:
+        """Where the patch's header and each record begin, then its end (``records``'
+        running sums); None without a layout."""
+        if self.records is None:
+            return None
+        out = [0]
+        for n in self.records:
+            out.append(out[-1] + n)
+        return out
 
 
 # ---------------------------------------------------------------- encoding
@@ -171,8 +190,50 @@ def _check_plain(obj: Any, depth: int = 0) -> None:
     raise ManifestError(f"manifest holds a value of unsupported type {type(obj).__name__}")
 
 
+def pack_records(sizes: tuple[int, ...]) -> bytes:
+    """``Manifest.records`` as its body value: unsigned LEB128 varints, one a part."""
+    out = bytearray()
+    for v in sizes:
+        while v >= 0x80:
+            out.append((v & 0x7F) | 0x80)
+            v >>= 7
+        out.append(v)
+    return bytes(out)
+
+
+def patch_records(payload: bytes | bytearray | memoryview) -> tuple[int, ...] | None:
+    """A plain patch's layout for ``build_manifest(records=...)``; None where it would
+    not fit the manifest (past ~85,000 records), which only costs nodes decoding
+    ahead out of order. A malformed patch raises ``PatchFormatError``."""
+    from swarm.codec.format import record_layout
+
+    sizes = tuple(record_layout(payload))
+    return sizes if len(pack_records(sizes)) <= MAX_RECORDS_BYTES else None
+
+
+def unpack_records(raw: object) -> tuple[int, ...]:
+    if type(raw) is not bytes or not raw or len(raw) > MAX_RECORDS_BYTES:
+        raise ManifestError(f"field {RECORDS_KEY} must be 1..{MAX_RECORDS_BYTES} bytes")
+    out: list[int] = []
+    v = shift = 0
+    for b in raw:
+        v |= (b & 0x7F) << shift
+        if b & 0x80:
+            shift += 7
+            if shift > 56:
+                raise ManifestError(f"field {RECORDS_KEY}: a size runs past 8 bytes")
+            continue
+        out.append(v)
+        v = shift = 0
+    if shift:
+        raise ManifestError(f"field {RECORDS_KEY}: the last size is cut short")
+    if pack_records(tuple(out)) != raw:  # one encoding per manifest (module docstring)
+        raise ManifestError(f"field {RECORDS_KEY} is not canonically encoded")
+    return tuple(out)
+
+
 def _body_dict(m: Manifest) -> dict[str, Any]:
-    return {
+    body = {
         "fmt": FORMAT_VERSION,
         "model": m.model,
         "version": m.version,
@@ -187,6 +248,9 @@ def _body_dict(m: Manifest) -> dict[str, Any]:
         "key_id": m.key_id,
         "encryption": m.encryption,
     }
+    if m.records is not None:
+        body[RECORDS_KEY] = pack_records(m.records)
+    return body
 
 
 def encode_body(m: Manifest) -> bytes:
@@ -251,6 +315,21 @@ def validate_manifest(m: Manifest) -> None:
         from swarm.trust.confidential import validate_encryption
 
         validate_encryption(m.encryption, m)
+    if m.records is not None:
+        _validate_records(m)
+
+
+def _validate_records(m: Manifest) -> None:
+    r = m.records
+    if m.kind != "patch" or m.encryption is not None:
+        raise ManifestError("field records belongs to a plain (unencrypted) patch only")
+    if type(r) is not tuple or not r or not all(type(v) is int and v >= 1 for v in r):
+        raise ManifestError("field records must be a tuple of sizes of 1 byte or more")
+    if sum(r) != m.payload_length:
+        raise ManifestError(
+            f"field records adds up to {sum(r)} bytes, the payload is {m.payload_length}")
+    if len(pack_records(r)) > MAX_RECORDS_BYTES:
+        raise ManifestError(f"field records takes more than {MAX_RECORDS_BYTES} bytes")
 
 
 def _from_body(body: dict[str, Any]) -> Manifest:
@@ -291,6 +370,7 @@ def _from_body(body: dict[str, Any]) -> Manifest:
         created_at=body["created_at"],
         key_id=body["key_id"],
         encryption=enc,
+        records=unpack_records(body[RECORDS_KEY]) if RECORDS_KEY in body else None,
     )
     validate_manifest(m)
     return m
@@ -312,8 +392,10 @@ def build_manifest(
     key_id: str,
     created_at: float | None = None,
     encryption: dict | None = None,
+    records: list[int] | tuple[int, ...] | None = None,
 ) -> Manifest:
-    """Describe ``payload`` (already encrypted, in confidential mode) as a manifest."""
+    """Describe ``payload`` (already encrypted, in confidential mode) as a manifest;
+    ``records``: a plain patch's layout (``Manifest.records``)."""
     if type(chunk_size) is not int or not MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE:
         raise ManifestError(
             f"chunk size {chunk_size} out of range [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}]"
@@ -331,6 +413,7 @@ def build_manifest(
         created_at=float(time.time() if created_at is None else created_at),
         key_id=key_id,
         encryption=encryption,
+        records=None if records is None else tuple(records),
     )
     validate_manifest(m)
     return m
