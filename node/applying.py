@@ -328,7 +328,8 @@ class ApplyPipeline:
         # where the time went: waiting (decode ahead, engine lock), the truth, the engine
         self.apply_split = {"wait_s": round(t_lock - t0, 4), "truth_s": round(t_truth - t_lock, 4),
                             **self._truth_split, "engine_s": round(t1 - t_truth, 4)}
-        self.apply_splits[version] = self.apply_split
+        # for /status only (the log line says it in words)
+        self.apply_splits[version] = {**self.apply_split, "ahead_bytes": self._ahead_bytes}
         while len(self.apply_splits) > 16:
             del self.apply_splits[min(self.apply_splits)]
         self.activated_at[version] = time.time()
