@@ -20,6 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from node.engines.base import CommitStats, EngineError, WeightUpdate
 from node.engines.inprocess import merge_changes
 from swarm.errors import ChunkError, PatchFormatError, PatchswarmError, StoreError
@@ -29,6 +31,20 @@ from swarm.trust.confidential import NoKeyError, decrypt_payload
 log = logging.getLogger("patchswarm.node")
 
 AHEAD_GRACE_TRIES = 3  # probes an engine ahead of a restarted node is given before a rebuild
+
+
+@dataclass
+class _Layout:
+    """What the prestage knows of a patch with a layout (``_prestage_records``)."""
+
+    version: int
+    starts: list[int]  # where each part begins (-1 the header, then the records), then the end
+    seen: set[int] = field(default_factory=set)  # chunks looked at
+    pending: set[int] = field(default_factory=set)  # parts to look at
+    left: dict[int, int] = field(default_factory=dict)  # chunk -> its parts not decoded yet
+    kept: dict[int, memoryview] = field(default_factory=dict)  # chunks read and still needed
+    kept_bytes: int = 0
+    failed: bool = False
 
 
 @dataclass
@@ -61,8 +77,9 @@ PRESTAGE_NICE = 10  # niceness of the prestage thread (Linux: per thread)
 # thread is niced) can be much longer than on an idle one
 PRESTAGE_SLICE = 1 << 20
 # a patch with a layout (``Manifest.records``) is decoded ahead record by record, in any
-# order, read in batches of about this many bytes; the apply waits for one record at most
-PRESTAGE_BATCH = 8 << 20
+# order; a chunk read for a record that spans chunks is kept, up to this many bytes in all,
+# until the other records in it are decoded (else each would read and hash it again)
+PRESTAGE_KEEP = 128 << 20
 
 
 def lower_thread_priority() -> None:
@@ -204,23 +221,26 @@ class ApplyPipeline:
     def _prestage_records(self, v: int, m) -> None:
         """Decode each part of patch ``v`` (-1 its header, then its records) whose bytes
         the store holds whole, in any order, the header first. Parts are looked at
-        when a chunk they overlap arrives (``_pre_layout``: the version, the parts'
-        starts, the chunks seen, the parts to look at, whether one failed), so a step costs the records
-        of its new chunks, not all of them."""
+        when a chunk they overlap arrives, so a step costs the records of its new
+        chunks, not all of them; a chunk read for a record that spans it and its
+        neighbours is kept (``PRESTAGE_KEEP``) until the records it holds are decoded,
+        so each is read and hashed once (``_Layout``)."""
         w = self.weights
         lay = self._pre_layout
-        if lay is None or lay[0] != v:
-            lay = self._pre_layout = [v, m.record_starts(), set(), set(), False]
-        if lay[4]:
+        if lay is None or lay.version != v:
+            lay = self._pre_layout = _Layout(v, m.record_starts())
+        if lay.failed:
             return  # a part failed: the apply decodes the patch itself and reports
-        starts, seen, pending = lay[1], lay[2], lay[3]
+        starts, pending = lay.starts, lay.pending
         held = self.store.have(v)
         cs = m.chunk_size
-        for i in held - seen:  # parts q with a byte in chunk i: starts[q + 1] < (i + 1) * cs
-            lo = bisect.bisect_right(starts, i * cs) - 2
-            hi = bisect.bisect_left(starts, (i + 1) * cs) - 1
-            pending.update(range(max(lo, -1), min(hi, len(starts) - 2)))
-        seen |= held
+        last = len(starts) - 2
+        for i in held - lay.seen:  # parts q with a byte in chunk i
+            lo = max(bisect.bisect_right(starts, i * cs) - 2, -1)
+            hi = min(bisect.bisect_left(starts, (i + 1) * cs) - 1, last)
+            pending.update(range(lo, hi))
+            lay.left[i] = hi - lo
+        lay.seen |= held
         done = w.prefed_records(v)
         ready: list[int] = []
         for q in sorted(pending):
@@ -232,25 +252,47 @@ class ApplyPipeline:
                 pending.discard(q)  # the arrival of its missing chunk looks again
         if -1 not in done and (not ready or ready[0] != -1):
             return  # records wait for the header
-        while ready:
-            batch, size = [], 0
-            while ready and (not batch or size < PRESTAGE_BATCH):
-                q = ready.pop(0)
-                batch.append(q)
-                size += starts[q + 2] - starts[q + 1]
+        for q in ready:
+            if self._applying or self._pre_closed:
+                return
             try:
-                parts = self._read_parts(v, m, starts, batch)
+                data = self._part_bytes(v, lay, q, cs)
             except (ChunkError, StoreError, OSError):
                 return  # the apply reads it again and reports
-            for q in batch:
-                if self._applying or self._pre_closed:
-                    return
-                ok = w.prefeed_record(v, m.parent_digest, q, parts[q])
-                pending.discard(q)
-                if not ok:
-                    lay[4] = True
-                    pending.clear()
-                    return
+            ok = w.prefeed_record(v, m.parent_digest, q, data)
+            pending.discard(q)
+            if not ok:
+                lay.failed = True
+                lay.kept.clear()
+                pending.clear()
+                return
+            for i in _chunks_of(starts, q, cs):
+                lay.left[i] -= 1
+                if lay.left[i] <= 0 and i in lay.kept:
+                    lay.kept_bytes -= len(lay.kept.pop(i))
+
+    def _part_bytes(self, v: int, lay: _Layout, q: int, cs: int) -> memoryview:
+        """Part ``q``'s bytes: a view of its chunk, or joined from its chunks (each
+        read once while the ``PRESTAGE_KEEP`` budget lasts)."""
+        s, e = lay.starts[q + 1], lay.starts[q + 2]
+        pieces = []
+        for i in _chunks_of(lay.starts, q, cs):
+            data = lay.kept.get(i)
+            if data is None:
+                data = memoryview(self.store.read_chunk(v, i)).cast("B")
+                if lay.left.get(i, 0) > 1 and lay.kept_bytes + len(data) <= PRESTAGE_KEEP:
+                    lay.kept[i] = data  # another part still needs it
+                    lay.kept_bytes += len(data)
+            lo = i * cs
+            pieces.append(data[max(s, lo) - lo:min(e, lo + len(data)) - lo])
+        if len(pieces) == 1:
+            return pieces[0]
+        out = memoryview(np.empty(e - s, dtype=np.uint8)).cast("B")  # not zero-filled
+        off = 0
+        for piece in pieces:
+            out[off:off + len(piece)] = piece
+            off += len(piece)
+        return out
 
     def _read_parts(self, v: int, m, starts: list[int], parts: list[int]) -> dict[int, memoryview]:
         """The bytes of patch parts ``parts`` (-1: the header) of ``v``: each run of
@@ -400,6 +442,7 @@ class ApplyPipeline:
         """``_apply_truth`` for a patch with a layout: the parts decoded ahead are kept,
         only the others are read (the runs of chunks they lie in) and decoded."""
         w = self.weights
+        self._pre_layout = None  # the prestage's kept chunks: the parts left are read below
         starts = m.record_starts()
         done = w.prefed_records(version)
         self._ahead_bytes = sum(starts[q + 2] - starts[q + 1] for q in done)

@@ -245,7 +245,7 @@ class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
         self._pre_closed = False
         self._pre_tid: int | None = None  # the prestage thread's id (Linux niceness)
         # a patch with a layout decoded record by record (``_prestage_records``)
-        self._pre_layout: list | None = None
+        self._pre_layout = None  # node.applying._Layout
         self.prestage_boosts = 0  # applies that raised the prestage thread's priority
         self._applying = False
         self._ahead_bytes = 0  # of the last apply's payload, decoded while it downloaded

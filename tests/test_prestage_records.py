@@ -8,6 +8,7 @@ changes what is served."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import tempfile
 from pathlib import Path
 
@@ -284,6 +285,14 @@ def _fanout(root: Path, size: int, order: list[int], records) -> tuple[bytes, li
         drv = Driver(None, store, None, weights=w, host="127.0.0.1", port=0)  # type: ignore[arg-type]
         store.put_manifest(signed, m)
         seen = []
+        reads: collections.Counter[int] = collections.Counter()
+        read_chunk = store.read_chunk
+
+        def counted(version: int, index: int):
+            reads[index] += 1
+            return read_chunk(version, index)
+
+        store.read_chunk = counted  # type: ignore[method-assign]
         try:
             for i in order[:-1]:
                 store.put_chunk(2, i, chunks[i])
@@ -291,6 +300,8 @@ def _fanout(root: Path, size: int, order: list[int], records) -> tuple[bytes, li
                 while drv._pre_task is not None:
                     await asyncio.sleep(0.001)
                 seen.append(w.prefed_records(2))
+            # each chunk was read (and hashed) once at most, however many records it holds
+            assert max(reads.values(), default=0) <= 1, reads
             store.put_chunk(2, order[-1], chunks[order[-1]])
             digest = await asyncio.to_thread(drv._apply_truth, 2)
             return digest, seen, drv._ahead_bytes
