@@ -43,3 +43,21 @@ def test_published_chunks_are_served_from_memory_and_on_disk(tmp_path: Path) -> 
         pub.close()
     with ChunkStore(cfg.store_dir) as s:  # what reached the disk, read and hashed again
         assert b"".join(bytes(s.read_chunk(r.version, i)) for i in range(r.chunks)) == payload
+
+
+def test_a_published_patch_carries_its_layout(tmp_path: Path) -> None:
+    """The trainer's manifest names where the patch's header and each record lie (nodes
+    decode records out of order from it); the layout is signed and adds up."""
+    from swarm.codec.format import record_layout
+
+    base, view = dense_pair(2 << 20, seed=1)
+    save_file(base, str(tmp_path / "base.safetensors"))
+    pub = Publisher(_config(tmp_path), base=base)
+    try:
+        r = pub.publish_served(dense_next(view, 2))
+        m = pub.store.manifest(r.version)
+        payload = pub.store.payload(r.version)
+        assert m.records == tuple(record_layout(payload))
+        assert len(m.records) >= 2 and sum(m.records) == len(payload)
+    finally:
+        pub.close()
