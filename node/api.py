@@ -374,6 +374,17 @@ class _Collector:
                               labels=labels)
         g.add_metric(who, float(st["store_bytes"]))
         yield g
+        applies = st.get("apply_seconds") or {}
+        if applies:
+            last = max(applies, key=int)
+            g = GaugeMetricFamily("patchswarm_apply_last_seconds", "The last version's apply, "
+                                  "from its last chunk until it was served", labels=labels)
+            g.add_metric(who, float(applies[last]))
+            yield g
+            g = GaugeMetricFamily("patchswarm_apply_last_ahead_bytes", "Patch bytes of the "
+                                  "last version decoded while it downloaded", labels=labels)
+            g.add_metric(who, float((st["apply_split"].get(last) or {}).get("ahead_bytes", 0)))
+            yield g
         pool = st.get("buffers") or {}
         g = GaugeMetricFamily("patchswarm_buffer_pool_bytes", "Pooled aligned buffers (an apply's "
                               "payload): in use (out), or free and kept for reuse (free)",

@@ -414,6 +414,15 @@ def test_a_fleet_of_processes_with_every_chunk_twinned_ends_bitwise_equal() -> N
                    for p in pools), pools
         assert 'patchswarm_buffers_taken_total{' in metrics
         assert 'patchswarm_buffer_pool_bytes{' in metrics
+        # each apply says how much of its patch was decoded while it downloaded (the
+        # trainer's manifests carry the layout, so records are decoded in any order)
+        for st in statuses.values():
+            split = st["apply_split"][str(st["active_version"])]
+            assert 0 <= split["ahead_bytes"] <= st["store_bytes"], split
+        print("decoded ahead:", [st["apply_split"][str(st["active_version"])]["ahead_bytes"]
+                                 for st in statuses.values()])
+        assert "patchswarm_apply_last_seconds{" in metrics
+        assert "patchswarm_apply_last_ahead_bytes{" in metrics
 
 
 def _withdrawn_while_verifying(good_copy: bool) -> None:
