@@ -189,7 +189,11 @@ def run(args: argparse.Namespace) -> dict:
     profile_threads: dict = {}
     perf_shares: dict[str, float] = {}
     env = dict(kv.split("=", 1) for kv in args.node_env)
+    keep = Path(args.keep_logs) if args.keep_logs else None
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
     with LoopbackFleet(1, args.nodes, chunk_size=args.chunk_size, tls=not args.no_tls,
+                       workdir=keep, keep_workdir=keep is not None,
                        swarm={"redial_s": 1.0},
                        node_section={"warm_memory_mib": args.warm_mib},
                        node_env={f"n0-{i}": env for i in range(args.nodes)}) as fleet:
@@ -321,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm-mib", type=int, default=DEFAULT_WARM_MEMORY_MIB, metavar="MIB",
                     help=f"[node] warm_memory_mib of every node (0: off; default: the shipped "
                          f"{DEFAULT_WARM_MEMORY_MIB})")
+    ap.add_argument("--keep-logs", default=None, metavar="DIR",
+                    help="run the fleet in DIR and keep it (the nodes' logs, stores)")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)

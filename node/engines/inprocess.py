@@ -11,6 +11,7 @@ serves (``InProcessEngine``, on ``cuda`` when present); with an external engine
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -195,8 +196,11 @@ class InProcessWeights(EngineAdapter):
                 return True
             try:
                 pre[2].feed_record(index, data)
-            except Exception:  # the apply decodes it all again and reports the error
+            except Exception as exc:  # the apply decodes it all again and reports the error
                 self._pre_rec = None
+                logging.getLogger("patchswarm.node").info(
+                    "decoding version %d ahead stopped at record %d (%s); its apply decodes "
+                    "every record", version, index, exc)
                 return False
             pre[3].add(index)
             return True
