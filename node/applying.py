@@ -222,7 +222,8 @@ class ApplyPipeline:
         """Decode each part of patch ``v`` (-1 its header, then its records) whose bytes
         the store holds whole, in any order, the header first. Parts are looked at
         when a chunk they overlap arrives, so a step costs the records of its new
-        chunks, not all of them; a chunk read for a record that spans it and its
+        chunks, not all of them. The header comes from the manifest where it carries
+        it (``Manifest.header``), else from its chunk; a chunk read for a record that spans it and its
         neighbours is kept (``PRESTAGE_KEEP``) until the records it holds are decoded,
         so each is read and hashed once (``_Layout``)."""
         w = self.weights
@@ -231,6 +232,13 @@ class ApplyPipeline:
             lay = self._pre_layout = _Layout(v, m.record_starts())
         if lay.failed:
             return  # a part failed: the apply decodes the patch itself and reports
+        done = w.prefed_records(v)
+        header = getattr(m, "header", None)
+        if -1 not in done and header is not None:  # the manifest carries it: no chunk needed
+            if not w.prefeed_record(v, m.parent_digest, -1, header):
+                lay.failed = True
+                return
+            done.add(-1)
         starts, pending = lay.starts, lay.pending
         held = self.store.have(v)
         cs = m.chunk_size
@@ -238,10 +246,10 @@ class ApplyPipeline:
         for i in held - lay.seen:  # parts q with a byte in chunk i
             lo = max(bisect.bisect_right(starts, i * cs) - 2, -1)
             hi = min(bisect.bisect_left(starts, (i + 1) * cs) - 1, last)
-            pending.update(range(lo, hi))
-            lay.left[i] = hi - lo
+            parts = [q for q in range(lo, hi) if q not in done]
+            pending.update(parts)
+            lay.left[i] = len(parts)
         lay.seen |= held
-        done = w.prefed_records(v)
         ready: list[int] = []
         for q in sorted(pending):
             if q in done:
@@ -444,6 +452,11 @@ class ApplyPipeline:
         w = self.weights
         self._pre_layout = None  # the prestage's kept chunks: the parts left are read below
         starts = m.record_starts()
+        header = getattr(m, "header", None)
+        if header is not None and bytes(self._read_parts(version, m, starts, [-1])[-1]) != header:
+            # records decoded with the manifest's copy may be wrong: decode in order
+            raise PatchFormatError("the manifest's copy of the patch header differs from the "
+                                   "patch's own")
         done = w.prefed_records(version)
         self._ahead_bytes = sum(starts[q + 2] - starts[q + 1] for q in done)
         read_s = 0.0

@@ -151,12 +151,14 @@ def test_manifest_carries_the_layout_signed() -> None:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     from swarm.trust.keys import TrustStore, key_id
-    from swarm.trust.manifest import patch_records, sign_manifest, verify_manifest
+    from swarm.trust.manifest import patch_layout, sign_manifest, verify_manifest
 
     key = Ed25519PrivateKey.from_private_bytes(b"\x07" * 32)
-    m = _manifest(patch_records(PATCH), key_id=key_id(key))
+    layout = patch_layout(PATCH)
+    m = _manifest(layout["records"], header=layout["header"], key_id=key_id(key))
     got = verify_manifest(sign_manifest(m, key), TrustStore([key.public_key()]))
     assert got.records == tuple(SIZES)
+    assert got.header == _part(-1)
     assert got.record_starts() == STARTS
     # without a layout the manifest is byte for byte what it was before the field
     plain = _manifest(None, key_id=key_id(key))
@@ -175,6 +177,25 @@ def test_manifest_carries_the_layout_signed() -> None:
 def test_a_layout_that_cannot_be_is_refused(records, kw, match) -> None:
     with pytest.raises(ManifestError, match=match):
         _manifest(records, **kw)
+
+
+@pytest.mark.parametrize(("records", "header", "match"), [
+    (None, b"x", "with field records only"),
+    (tuple(SIZES), b"x" * (SIZES[0] - 1), "first"),
+    (tuple(SIZES), b"x" * (SIZES[0] + 1), "first"),
+])
+def test_a_header_that_cannot_be_is_refused(records, header, match) -> None:
+    with pytest.raises(ManifestError, match=match):
+        _manifest(records, header=header)
+
+
+def test_a_large_header_is_left_out_of_the_manifest(monkeypatch) -> None:
+    import swarm.trust.manifest as mf
+
+    monkeypatch.setattr(mf, "MAX_HEADER_BYTES", SIZES[0] - 1)
+    assert mf.patch_layout(PATCH) == {"records": tuple(SIZES), "header": None}
+    monkeypatch.setattr(mf, "MAX_RECORDS_BYTES", 2)
+    assert mf.patch_layout(PATCH) == {"records": None, "header": None}
 
 
 @pytest.mark.parametrize(("raw", "match"), [
@@ -257,7 +278,7 @@ def test_parts_ahead_of_another_state_are_not_decoded() -> None:
 # ------------------------------------------------------------------ the driver
 
 
-def _signed(size: int, records):
+def _signed(size: int, records, header=None):
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     from swarm.trust.chunks import split_payload
@@ -267,18 +288,20 @@ def _signed(size: int, records):
     key = Ed25519PrivateKey.from_private_bytes(b"\x05" * 32)
     m = build_manifest(PATCH, model="m", version=2, kind="patch", parent_version=1,
                        parent_digest=RESULT.base_digest, target_digest=RESULT.target_digest,
-                       chunk_size=size, key_id=key_id(key), created_at=1.0, records=records)
+                       chunk_size=size, key_id=key_id(key), created_at=1.0, records=records,
+                       header=header)
     return m, sign_manifest(m, key), split_payload(PATCH, size), TrustStore([key.public_key()])
 
 
-def _fanout(root: Path, size: int, order: list[int], records) -> tuple[bytes, list, int]:
+def _fanout(root: Path, size: int, order: list[int], records,
+            header: bytes | None = None) -> tuple[bytes, list, int]:
     """Chunks stored in ``order`` with a prestage step after each but the last, then
     the apply: (its digest, the parts decoded ahead after each chunk, the bytes it
     counted as decoded ahead)."""
     from node.driver import Driver
     from node.store import ChunkStore
 
-    m, signed, chunks, trust = _signed(size, records)
+    m, signed, chunks, trust = _signed(size, records, header)
     w = InProcessWeights(_clone(OLD), 1, "cpu")
 
     async def main(store: ChunkStore) -> tuple[bytes, list, int]:
@@ -315,26 +338,31 @@ def _fanout(root: Path, size: int, order: list[int], records) -> tuple[bytes, li
     return out
 
 
-def _whole(held: set[int], size: int) -> set[int]:
-    """The parts whose every byte lies in a held chunk, if the header does."""
+def _whole(held: set[int], size: int, header: bool) -> set[int]:
+    """The parts whose every byte lies in a held chunk, if the header does or the
+    manifest carries it."""
     whole = {q for q in range(-1, COUNT)
              if all(i in held for i in range(STARTS[q + 1] // size,
                                               (STARTS[q + 2] - 1) // size + 1))}
+    if header:
+        return whole | {-1}
     return whole if -1 in whole else set()
 
 
 @settings(max_examples=25, deadline=None)
-@given(size=st.sampled_from([97, 256, 1000, 4096]), data=st.data())
-def test_driver_decodes_every_record_it_holds_whatever_the_order(size: int, data) -> None:
+@given(size=st.sampled_from([97, 256, 1000, 4096]), header=st.booleans(), data=st.data())
+def test_driver_decodes_every_record_it_holds_whatever_the_order(size: int, header: bool,
+                                                                  data) -> None:
     """Real ``ChunkStore`` and ``Driver``: after each chunk, exactly the parts whose
-    bytes are all held are decoded (none before the header); the apply decodes the
-    rest and the weights end bitwise at the target."""
+    bytes are all held are decoded (none before the header, which the manifest may
+    carry); the apply decodes the rest and the weights end bitwise at the target."""
     n = -(-len(PATCH) // size)
     order = data.draw(st.permutations(range(n)))
     with tempfile.TemporaryDirectory() as tmp:
-        _, seen, ahead = _fanout(Path(tmp), size, order, tuple(SIZES))
+        _, seen, ahead = _fanout(Path(tmp), size, order, tuple(SIZES),
+                                 _part(-1) if header else None)
     for k, got in enumerate(seen):
-        assert got == _whole(set(order[:k + 1]), size)
+        assert got == _whole(set(order[:k + 1]), size, header)
     last = seen[-1] if seen else set()
     assert ahead == sum(STARTS[q + 2] - STARTS[q + 1] for q in last)
 
@@ -349,3 +377,39 @@ def test_a_layout_that_lies_falls_back_to_decoding_in_order(tmp_path, caplog) ->
     assert all(not s for s in seen)
     assert ahead == 0
     assert "does not match its manifest's layout" in caplog.text
+
+
+def _lying_header() -> bytes:
+    """A valid header of the patch's header's length that differs from it: two
+    tensors' shapes transposed (the first such edit whose table compresses to the same
+    length)."""
+    from swarm.codec.format import decode_header, encode_header
+
+    h = decode_header(_part(-1))
+    for k, e in enumerate(h.entries):
+        if len(e.shape) == 2 and e.shape[0] != e.shape[1]:
+            entries = list(h.entries)
+            entries[k] = type(e)(e.name, e.op, e.dtype, (e.shape[1], e.shape[0]))
+            lie = encode_header(h.base_digest, h.target_digest, entries)
+            if len(lie) == SIZES[0]:
+                return lie
+    raise AssertionError("no same-length edit of the header")
+
+
+@pytest.mark.parametrize("how", ["valid, other shapes", "corrupt"])
+def test_a_header_that_lies_falls_back_to_decoding_in_order(tmp_path, caplog, how) -> None:
+    """The manifest's copy of the header is signed but differs from the patch's own: the
+    records decoded ahead with it are dropped, the apply decodes the patch in order from
+    its own header, says so, and lands bitwise."""
+    if how == "corrupt":
+        lie = bytearray(_part(-1))
+        lie[-1] ^= 0xFF  # in the compressed table: its checksum fails
+        lie = bytes(lie)
+    else:
+        lie = _lying_header()
+    n = -(-len(PATCH) // 256)
+    with caplog.at_level("WARNING", logger="patchswarm.node"):
+        digest, _, ahead = _fanout(tmp_path, 256, list(range(n)), tuple(SIZES), lie)
+    assert digest == RESULT.target_digest
+    assert ahead == 0
+    assert "header differs" in caplog.text

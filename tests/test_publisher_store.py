@@ -46,8 +46,9 @@ def test_published_chunks_are_served_from_memory_and_on_disk(tmp_path: Path) -> 
 
 
 def test_a_published_patch_carries_its_layout(tmp_path: Path) -> None:
-    """The trainer's manifest names where the patch's header and each record lie (nodes
-    decode records out of order from it); the layout is signed and adds up."""
+    """The trainer's manifest names where the patch's header and each record lie, and
+    carries the header (nodes decode records out of order, before the chunk holding
+    the header arrived); the layout is signed and adds up."""
     from swarm.codec.format import record_layout
 
     base, view = dense_pair(2 << 20, seed=1)
@@ -59,5 +60,6 @@ def test_a_published_patch_carries_its_layout(tmp_path: Path) -> None:
         payload = pub.store.payload(r.version)
         assert m.records == tuple(record_layout(payload))
         assert len(m.records) >= 2 and sum(m.records) == len(payload)
+        assert m.header == payload[:m.records[0]]  # small: the manifest carries it
     finally:
         pub.close()

@@ -80,7 +80,7 @@ from swarm.errors import ConfigError, ManifestError, PatchswarmError
 from swarm.protocol import events as ev
 from swarm.trust.chunks import split_payload
 from swarm.trust.keys import TrustStore, key_id, load_private_key
-from swarm.trust.manifest import build_manifest, patch_records, sign_manifest
+from swarm.trust.manifest import build_manifest, patch_layout, sign_manifest
 from trainer.fleet import FleetView, StalenessTimeout
 from trainer.view_file import PUBLISHED_VIEW, VIEW_PATTERN, ViewSaver, drop_views_below, view_files
 
@@ -552,8 +552,7 @@ class Publisher:
             target_digest=p.target_digest, chunk_size=self.cfg.chunk_size, key_id=self.key_id,
             encryption=encryption,
             # a plain patch's layout: nodes decode each record as soon as they hold it
-            records=patch_records(payload) if p.kind == "patch" and encryption is None
-            else None,
+            **(patch_layout(payload) if p.kind == "patch" and encryption is None else {}),
         )
         raw = sign_manifest(m, self.key)
         # The transaction of the module docstring; the active record is the commit point.

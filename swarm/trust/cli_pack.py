@@ -125,16 +125,16 @@ def _write_synced(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _layout(payload: bytes) -> tuple[int, ...] | None:
+def _layout(payload: bytes) -> dict:
     """The patch's layout for the manifest; none for bytes that do not parse as a
     patch (packed as given: the nodes' apply reports them)."""
     from swarm.errors import PatchFormatError
-    from swarm.trust.manifest import patch_records
+    from swarm.trust.manifest import patch_layout
 
     try:
-        return patch_records(payload)
+        return patch_layout(payload)
     except PatchFormatError:
-        return None
+        return {}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
         chunk_size=args.chunk_size,
         key_id=key_id(key),
         encryption=encryption,
-        records=_layout(payload) if kind == "patch" and encryption is None else None,
+        **(_layout(payload) if kind == "patch" and encryption is None else {}),
     )
     raw = sign_manifest(manifest, key)
     out = Path(args.output)

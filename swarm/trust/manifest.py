@@ -52,6 +52,9 @@ MAX_ENCRYPTION_BYTES = 256 * 1024
 # room an encrypted one's ``encryption`` map has.
 MAX_RECORDS_BYTES = 256 * 1024
 RECORDS_KEY = "opt.records"
+# ... and the patch's header itself where it is this small (most models: a few KiB to tens)
+MAX_HEADER_BYTES = 64 * 1024
+HEADER_KEY = "opt.header"
 MAX_BODY_BYTES = HASH_LEN * MAX_CHUNK_COUNT + 2 * MAX_ENCRYPTION_BYTES
 MAX_MANIFEST_BYTES = MAX_BODY_BYTES + 1024
 MAX_NESTING = 8
@@ -102,6 +105,10 @@ class Manifest:
     # (body key ``opt.records``, so nodes of before it ignore it): with it a node
     # decodes each record once the chunks holding it arrived, in any order.
     records: tuple[int, ...] | None = field(default=None, hash=False)
+    # The patch's header (its first ``records[0]`` bytes: the tensor table), where it is
+    # at most ``MAX_HEADER_BYTES``: a node decodes records before the chunk holding the
+    # header arrived. Optional (``opt.header``); only with ``records``.
+    header: bytes | None = field(default=None, hash=False)
 
     @property
     def chunk_count(self) -> int:
@@ -201,14 +208,19 @@ def pack_records(sizes: tuple[int, ...]) -> bytes:
     return bytes(out)
 
 
-def patch_records(payload: bytes | bytearray | memoryview) -> tuple[int, ...] | None:
-    """A plain patch's layout for ``build_manifest(records=...)``; None where it would
-    not fit the manifest (past ~85,000 records), which only costs nodes decoding
-    ahead out of order. A malformed patch raises ``PatchFormatError``."""
+def patch_layout(payload: bytes | bytearray | memoryview) -> dict[str, Any]:
+    """A plain patch's layout for ``build_manifest(**patch_layout(payload))``: its
+    ``records`` (None where they would not fit the manifest: past ~85,000 records) and
+    its ``header`` (None past ``MAX_HEADER_BYTES``). Leaving either out only costs
+    nodes decoding ahead. A malformed patch raises ``PatchFormatError``."""
     from swarm.codec.format import record_layout
 
     sizes = tuple(record_layout(payload))
-    return sizes if len(pack_records(sizes)) <= MAX_RECORDS_BYTES else None
+    if len(pack_records(sizes)) > MAX_RECORDS_BYTES:
+        return {"records": None, "header": None}
+    head = bytes(memoryview(payload).cast("B")[:sizes[0]]) if sizes[0] <= MAX_HEADER_BYTES \
+        else None
+    return {"records": sizes, "header": head}
 
 
 def unpack_records(raw: object) -> tuple[int, ...]:
@@ -250,6 +262,8 @@ def _body_dict(m: Manifest) -> dict[str, Any]:
     }
     if m.records is not None:
         body[RECORDS_KEY] = pack_records(m.records)
+    if m.header is not None:
+        body[HEADER_KEY] = m.header
     return body
 
 
@@ -317,6 +331,13 @@ def validate_manifest(m: Manifest) -> None:
         validate_encryption(m.encryption, m)
     if m.records is not None:
         _validate_records(m)
+    if m.header is not None:
+        if m.records is None:
+            raise ManifestError("field header comes with field records only")
+        if type(m.header) is not bytes or len(m.header) != m.records[0] \
+                or len(m.header) > MAX_HEADER_BYTES:
+            raise ManifestError(f"field header must be the patch's first {m.records[0]} bytes, "
+                                f"at most {MAX_HEADER_BYTES}")
 
 
 def _validate_records(m: Manifest) -> None:
@@ -371,6 +392,7 @@ def _from_body(body: dict[str, Any]) -> Manifest:
         key_id=body["key_id"],
         encryption=enc,
         records=unpack_records(body[RECORDS_KEY]) if RECORDS_KEY in body else None,
+        header=body.get(HEADER_KEY),
     )
     validate_manifest(m)
     return m
@@ -393,9 +415,10 @@ def build_manifest(
     created_at: float | None = None,
     encryption: dict | None = None,
     records: list[int] | tuple[int, ...] | None = None,
+    header: bytes | None = None,
 ) -> Manifest:
     """Describe ``payload`` (already encrypted, in confidential mode) as a manifest;
-    ``records``: a plain patch's layout (``Manifest.records``)."""
+    ``records``, ``header``: a plain patch's layout (``patch_layout``)."""
     if type(chunk_size) is not int or not MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE:
         raise ManifestError(
             f"chunk size {chunk_size} out of range [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}]"
@@ -414,6 +437,7 @@ def build_manifest(
         key_id=key_id,
         encryption=encryption,
         records=None if records is None else tuple(records),
+        header=None if header is None else bytes(header),
     )
     validate_manifest(m)
     return m
