@@ -221,11 +221,7 @@ class InProcessWeights(EngineAdapter):
         parts still to decode (-1: the header), which are decoded here."""
         from swarm.codec.apply import PatchApplier
 
-        if version <= self.version:
-            raise PatchApplyError(f"version {version} is not newer than active {self.version}")
-        if base_digest is not None and base_digest != self.digest:
-            raise PatchApplyError(
-                f"version {version} patches another state than the active version {self.version}")
+        self._check_stageable(version, base_digest)
         with self.lock:
             pre, self._pre_rec = self._pre_rec, None
             self._pre = None
@@ -269,14 +265,10 @@ class InProcessWeights(EngineAdapter):
 
         ``offset``: ``payload`` starts there, the bytes before it were decoded by
         ``prefeed`` (``prefed(version)`` of them, else this refuses)."""
-        if version <= self.version:
-            raise PatchApplyError(f"version {version} is not newer than active {self.version}")
+        self._check_stageable(version, base_digest if kind == "patch" else None)
         if kind == "patch":
             from swarm.codec import stage_patch
 
-            if base_digest is not None and base_digest != self.digest:
-                raise PatchApplyError(
-                    f"version {version} patches another state than the active version {self.version}")
             with self.lock:
                 # base digest checked, nothing changed
                 pre, self._pre = self._pre, None
@@ -301,6 +293,13 @@ class InProcessWeights(EngineAdapter):
             self._staged_changes = None
         else:
             raise PatchFormatError(f"unknown payload kind {kind!r}")
+
+    def _check_stageable(self, version: int, base_digest: bytes | None) -> None:
+        if version <= self.version:
+            raise PatchApplyError(f"version {version} is not newer than active {self.version}")
+        if base_digest is not None and base_digest != self.digest:
+            raise PatchApplyError(
+                f"version {version} patches another state than the active version {self.version}")
 
     def _stage_applier(self, version: int, applier) -> None:
         """Hold ``applier`` (every record of ``version`` decoded) for ``commit``."""
