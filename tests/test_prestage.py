@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from node.engines.inprocess import InProcessWeights
 from swarm.codec import encode_patch
 from swarm.errors import PatchApplyError
+from tests.prestage_support import prestage_done, run_driver
 
 
 def _states(seed: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -116,33 +117,24 @@ def _apply_after(tmp_path, prefix: int, *, prestage: bool) -> tuple[bytes, int]:
     """Every chunk stored, ``prefix`` bytes decoded ahead by hand (an earlier prestage
     that stopped there), then (``prestage``) the driver's prestage, then its apply:
     (the digest, the bytes it counted as decoded ahead)."""
-    from node.driver import Driver
-    from node.store import ChunkStore
-
     size = 2048
     m, signed, chunks, trust = _signed(size)
     w = _holder(OLD)
 
-    async def main(store: ChunkStore) -> tuple[bytes, int]:
-        drv = Driver(None, store, None, weights=w, host="127.0.0.1", port=0)  # type: ignore[arg-type]
+    async def body(drv, store) -> tuple[bytes, int]:
         store.put_manifest(signed, m)
         for i, c in enumerate(chunks):
             store.put_chunk(2, i, c)
         w.prefeed(2, RESULT.base_digest, 0, PATCH[:prefix])
         assert w.prefed(2) == prefix
-        try:
-            if prestage:
-                drv._prestage_kick(2)  # goes on from there, slice by slice, to the end
-                while drv._pre_task is not None:
-                    await asyncio.sleep(0.001)
-                assert w.prefed(2) == len(PATCH)
-            digest = await asyncio.to_thread(drv._apply_truth, 2)
-            return digest, drv._ahead_bytes
-        finally:
-            await drv.stop(drain_s=0.1)
+        if prestage:
+            drv._prestage_kick(2)  # goes on from there, slice by slice, to the end
+            await prestage_done(drv)
+            assert w.prefed(2) == len(PATCH)
+        digest = await asyncio.to_thread(drv._apply_truth, 2)
+        return digest, drv._ahead_bytes
 
-    with ChunkStore(tmp_path, trust=trust) as store:
-        out = asyncio.run(main(store))
+    out = run_driver(tmp_path, trust, w, body)
     assert out[0] == RESULT.target_digest
     assert _bits(w.weights) == _bits(NEW)
     return out
@@ -169,30 +161,20 @@ def test_driver_decodes_stored_chunks_ahead_of_the_apply(tmp_path) -> None:
     """Real ``ChunkStore`` (signed manifest, verified chunks) and ``Driver``: chunks
     stored in order are decoded by the prestage task; the apply then reads and decodes
     only what is left, and the weights end bitwise at the target."""
-    from node.driver import Driver
-    from node.store import ChunkStore
-
     size = 2048
     m, signed, chunks, trust = _signed(size)
     assert len(chunks) >= 4
     w = _holder(OLD)
 
-    async def main(store: ChunkStore) -> bytes:
-        drv = Driver(None, store, None, weights=w, host="127.0.0.1", port=0)  # type: ignore[arg-type]
+    async def body(drv, store) -> bytes:
         store.put_manifest(signed, m)
         for i, c in enumerate(chunks[:-1]):
             store.put_chunk(2, i, c)
             drv._prestage_kick(2)
-            while drv._pre_task is not None:
-                await asyncio.sleep(0.001)
+            await prestage_done(drv)
         assert w.prefed(2) == size * (len(chunks) - 1)
         store.put_chunk(2, len(chunks) - 1, chunks[-1])
-        try:
-            return await asyncio.to_thread(drv._apply_truth, 2)
-        finally:
-            await drv.stop(drain_s=0.1)  # joins the prestage thread
+        return await asyncio.to_thread(drv._apply_truth, 2)
 
-    with ChunkStore(tmp_path, trust=trust) as store:
-        digest = asyncio.run(main(store))
-    assert digest == RESULT.target_digest
+    assert run_driver(tmp_path, trust, w, body) == RESULT.target_digest
     assert _bits(w.weights) == _bits(NEW)

@@ -21,6 +21,7 @@ from node.engines.inprocess import InProcessWeights
 from swarm.codec import PatchApplier, encode_patch
 from swarm.codec.format import record_layout
 from swarm.errors import ManifestError, PatchApplyError, PatchFormatError
+from tests.prestage_support import prestage_done, run_driver
 
 
 def _states(seed: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -298,14 +299,10 @@ def _fanout(root: Path, size: int, order: list[int], records,
     """Chunks stored in ``order`` with a prestage step after each but the last, then
     the apply: (its digest, the parts decoded ahead after each chunk, the bytes it
     counted as decoded ahead)."""
-    from node.driver import Driver
-    from node.store import ChunkStore
-
     m, signed, chunks, trust = _signed(size, records, header)
     w = InProcessWeights(_clone(OLD), 1, "cpu")
 
-    async def main(store: ChunkStore) -> tuple[bytes, list, int]:
-        drv = Driver(None, store, None, weights=w, host="127.0.0.1", port=0)  # type: ignore[arg-type]
+    async def body(drv, store) -> tuple[bytes, list, int]:
         store.put_manifest(signed, m)
         seen = []
         reads: collections.Counter[int] = collections.Counter()
@@ -315,24 +312,19 @@ def _fanout(root: Path, size: int, order: list[int], records,
             reads[index] += 1
             return read_chunk(version, index)
 
-        store.read_chunk = counted  # type: ignore[method-assign]
-        try:
-            for i in order[:-1]:
-                store.put_chunk(2, i, chunks[i])
-                drv._prestage_kick(2)
-                while drv._pre_task is not None:
-                    await asyncio.sleep(0.001)
-                seen.append(w.prefed_records(2))
-            # each chunk was read (and hashed) once at most, however many records it holds
-            assert max(reads.values(), default=0) <= 1, reads
-            store.put_chunk(2, order[-1], chunks[order[-1]])
-            digest = await asyncio.to_thread(drv._apply_truth, 2)
-            return digest, seen, drv._ahead_bytes
-        finally:
-            await drv.stop(drain_s=0.1)
+        store.read_chunk = counted
+        for i in order[:-1]:
+            store.put_chunk(2, i, chunks[i])
+            drv._prestage_kick(2)
+            await prestage_done(drv)
+            seen.append(w.prefed_records(2))
+        # each chunk was read (and hashed) once at most, however many records it holds
+        assert max(reads.values(), default=0) <= 1, reads
+        store.put_chunk(2, order[-1], chunks[order[-1]])
+        digest = await asyncio.to_thread(drv._apply_truth, 2)
+        return digest, seen, drv._ahead_bytes
 
-    with ChunkStore(root, trust=trust) as store:
-        out = asyncio.run(main(store))
+    out = run_driver(root, trust, w, body)
     assert out[0] == RESULT.target_digest
     assert _bits(w.weights) == _bits(NEW)
     return out
