@@ -31,6 +31,7 @@ from swarm.trust.confidential import NoKeyError, decrypt_payload
 log = logging.getLogger("patchswarm.node")
 
 AHEAD_GRACE_TRIES = 3  # probes an engine ahead of a restarted node is given before a rebuild
+APPLIES_KEPT = 16  # versions whose apply times /status shows (apply_seconds, apply_split, activated_at)
 
 
 @dataclass
@@ -380,9 +381,10 @@ class ApplyPipeline:
                             **self._truth_split, "engine_s": round(t1 - t_truth, 4)}
         # for /status only (the log line says it in words)
         self.apply_splits[version] = {**self.apply_split, "ahead_bytes": self._ahead_bytes}
-        while len(self.apply_splits) > 16:
-            del self.apply_splits[min(self.apply_splits)]
         self.activated_at[version] = time.time()
+        for per_version in (self.apply_seconds, self.apply_splits, self.activated_at):
+            while len(per_version) > APPLIES_KEPT:  # a node runs for thousands of versions
+                del per_version[min(per_version)]
         st = self.engine_state
         if st.healthy:
             log.info("version %d active (digest %s, %.3f s: %s; %d bytes decoded ahead)",

@@ -250,7 +250,7 @@ class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
         self._applying = False
         self._ahead_bytes = 0  # of the last apply's payload, decoded while it downloaded
         self.apply_split: dict[str, float] = {}
-        self.apply_splits: dict[int, dict[str, float]] = {}  # the last 16 (/status)
+        self.apply_splits: dict[int, dict[str, float]] = {}  # the last APPLIES_KEPT (/status)
         self._truth_split: dict[str, float] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
         self.link_server: LinkServer | None = None
@@ -265,8 +265,8 @@ class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
         # node_key), and the versions we hold and relay but cannot open
         self.node_key: Any = None
         self.no_key_versions: dict[int, str] = {}
-        self.apply_seconds: dict[int, float] = {}
-        self.activated_at: dict[int, float] = {}
+        self.apply_seconds: dict[int, float] = {}  # the last APPLIES_KEPT (/status)
+        self.activated_at: dict[int, float] = {}  # the last APPLIES_KEPT (/status)
         self.listeners: list[Callable[[ev.Action], None]] = []
         # the HTTP API when it shares the swarm port (no TLS): connections that do not
         # start with a link preface are served by it (node.link.LinkServer)
@@ -799,8 +799,13 @@ class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
 
     def _note_sent(self, c: Conn, v: int, i: int) -> None:
         region = self.core.peer_region(c.id)
-        if region is not None:
-            self.sent_to_region.setdefault(v, {}).setdefault(region, set()).add(i)
+        if region is None:
+            return
+        if v not in self.sent_to_region:  # a new version: drop those the core forgot
+            held = self.core.manifests
+            for u in [u for u in self.sent_to_region if u not in held]:
+                del self.sent_to_region[u]
+        self.sent_to_region.setdefault(v, {}).setdefault(region, set()).add(i)
 
     # --------------------------------------------------------------- chunks
 

@@ -600,15 +600,21 @@ class Publisher:
         self._collect()
         return result
 
-    def _collect(self) -> None:
+    def collect(self) -> list[int]:
         """``[store] keep_versions``: drop what no node needs (never the chain from the
-        newest anchor, nor what the core still announces). While the origin runs, its
-        core keeps every version it published or loaded and may still push their
-        chunks, so those stay until the next start (the core has no event to forget
-        a version); at start, before the core runs, the rule alone applies."""
+        newest anchor, nor a version the core still holds); the versions removed. Runs
+        after every publish. While the origin runs, its core forgets at each publish
+        (and heartbeat) the versions it no longer announces, those whose pushes are done
+        (``NodeCore._forget_old``), so a long-running trainer's store stays at about
+        ``anchor_every`` + ``keep_versions`` versions; at start, before the core runs,
+        the rule alone applies."""
+        return self._collect()
+
+    def _collect(self) -> list[int]:
+        """``collect``; logs what it removed or why it could not."""
         keep = self.cfg.keep_versions
         if not keep:
-            return
+            return []
         core = self.node.core
         in_core: set[int] = set()
         if self._loop is not None:
@@ -617,11 +623,12 @@ class Publisher:
             removed = self.store.gc(max(keep, core.cfg.keep_versions), in_core)
         except PatchswarmError as exc:
             log.warning("store gc failed: %s", exc)
-            return
+            return []
         if removed:
             log.info("store gc: removed versions %s", _ranges(removed))
             for v in removed:
                 self.published.pop(v, None)
+        return removed
 
     def _seal(self, patch: bytes, version: int) -> tuple[bytes | bytearray, dict | None]:
         """Confidential mode (``[publish] recipients``): the payload sealed per chunk for

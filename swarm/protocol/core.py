@@ -622,13 +622,31 @@ class NodeCore(ReadModel):
         self.active_version = e.version
         self.log("info", "version_active", version=e.version)
         self.role.on_versions_changed()
-        lo = self.versions.retained_from(e.version, self.cfg.keep_versions)
-        for v in [v for v in self.versions.states if v < lo]:
-            self.versions.drop(v)
-            for p in self.peers.values():
-                p.bits.pop(v, None)
-                p.coming.pop(v, None)
+        self._forget_old(e.version)
         self._replan()
+
+    def _forget_old(self, active: int) -> None:
+        """Forget every version below what ``active`` retains (``retained_from``: the
+        last ``keep_versions`` and everything from the newest anchor), as announcements to
+        new peers already leave them out: its state, the peers' bits of it, the role's. A
+        version the role still moves (``Role.moving``: the origin's pushes or relay orders
+        of it under way) stays until a later call (the origin's next publish or heartbeat),
+        so nothing in flight loses its version."""
+        lo = self.versions.retained_from(active, self.cfg.keep_versions)
+        states = self.versions.states
+        for v in [v for v in states if v < lo and not self.role.moving(v)]:
+            st = states[v]
+            for p in self.peers.values():
+                # a peer that still lacks some of it must not keep asking us for it
+                if p.state is READY and p.bits.get(v, st.full) != st.full and st.have:
+                    self.send(p, wire.Bitfield(v, wire.bits_to_bytes(0, st.chunk_count)).encode())
+            self.versions.drop(v)
+            self.role.forget(v)
+        for p in self.peers.values():  # and what peers hold of versions we do not
+            for v in [v for v in p.bits if v < lo and v not in states]:
+                del p.bits[v]
+            for v in [v for v in p.coming if v < lo and v not in states]:
+                del p.coming[v]
 
     def _on_publish(self, e: ev.Publish) -> None:
         try:
@@ -643,6 +661,9 @@ class NodeCore(ReadModel):
             self.active_version = m.version
         self._accept(m, e.manifest, persist=False, have_all=True)
         self.role.on_publish(m.version)
+        # a long-running origin forgets what it no longer announces, so its store can be
+        # collected (trainer.publisher: gc keeps only what the core still holds)
+        self._forget_old(self.active_version)
 
     def _on_local(self, e: ev.LocalChunks) -> None:
         try:
@@ -709,7 +730,9 @@ class NodeCore(ReadModel):
         if self.cfg.is_origin:
             return
         now = self.now
-        ready = [p for p in self.peers.values() if p.state is READY]
+        # peers we may ask: the origin and other regions' borders push or relay, and
+        # what they hold is no source for a request
+        ready = [p for p in self.peers.values() if p.state is READY and p.can_req]
         changed = False
         for v in self.versions.wanted:
             st = self.versions.states[v]
@@ -751,6 +774,8 @@ class NodeCore(ReadModel):
             self._next_hb = now + self.cfg.heartbeat_s
             heartbeat(self)
             self.check_available()
+            if self.cfg.is_origin and self.active_version is not None:
+                self._forget_old(self.active_version)  # versions whose pushes were under way
 
 _HANDLERS: dict[type, Callable[[NodeCore, Any], None]] = {
     ev.Tick: NodeCore._on_tick,

@@ -92,7 +92,18 @@ class ChunkExchange:
             self.host.send(p, wire.Request.pack(v, picks))
 
     def on_bitfield(self, p: Peer, f: wire.Bitfield) -> None:
-        self._holdings(p, f.version, wire.bits_from_bytes(f.bits), fill_anyway=True)
+        """What ``p`` holds of a version, all of it: chunks it no longer shows are no longer
+        asked of it (a peer that forgot a version we still take sends an empty one)."""
+        bits = wire.bits_from_bytes(f.bits)
+        v = f.version
+        gone = p.bits.get(v, 0) & ~bits
+        if gone:
+            p.bits[v] &= ~gone
+            st = self.versions.get(v)
+            if st is not None and st.avail is not None and p.can_req:
+                for i in iter_bits(gone & st.full):
+                    st.avail[i] -= 1
+        self._holdings(p, v, bits, fill_anyway=True)
 
     def on_have(self, p: Peer, f: wire.Have) -> None:
         add = 0

@@ -67,6 +67,11 @@ class FleetTable:
             del e[next(iter(e))]
         return None
 
+    def active(self, node_id: str) -> int | None:
+        """The version ``node_id`` last reported active (None: no report, or none active)."""
+        e = self._entries.get(node_id)
+        return None if e is None else e[1]
+
     def entries(self, connected: set[str]) -> list[FleetEntry]:
         return [FleetEntry(n, r, a, s, t, n in connected)
                 for n, (r, a, s, t) in sorted(self._entries.items())]

@@ -157,6 +157,13 @@ class Role:
     def on_versions_changed(self) -> None:
         """Our active or engine-served version changed."""
 
+    def moving(self, v: int) -> bool:
+        """True while this role moves chunks of ``v`` (the core does not forget it yet)."""
+        return False
+
+    def forget(self, v: int) -> None:
+        """The core forgot version ``v``: drop what this role keeps of it."""
+
     def on_relays_lost(self, p: Peer, relays: list[tuple[int, int]]) -> None:
         """``p`` went away while we were relaying ``(version, index)`` chunks to it."""
 

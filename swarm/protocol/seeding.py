@@ -231,6 +231,34 @@ class OriginRole(Role):
             return True
         return False
 
+    def moving(self, v: int) -> bool:
+        """Pushes or relay orders of ``v`` under way, or a linked node that showed ``v``,
+        lacks some of it and has not reported a newer version active (a border of a
+        region still taking it: the origin may push it more)."""
+        if any(key[1] == v for key in self.pushes):
+            return True
+        if any(plan.inflight for plan in self.plans.get(v, {}).values()):
+            return True
+        st = self.host.holding(v)
+        if st is None:
+            return False
+        for p in self.host.peers.values():
+            if p.ready and p.bits.get(v, st.full) != st.full:
+                active = self.table.active(p.node_id)
+                if active is None or active < v:
+                    return True
+        return False
+
+    def forget(self, v: int) -> None:
+        self.plans.pop(v, None)
+        if v in self.versions:
+            self.versions.remove(v)
+        for pushed in self.pushed.values():
+            pushed.pop(v, None)
+        for conn in [c for c, (u, _i) in self.first_push.items() if u == v]:
+            del self.first_push[conn]
+        self.graces = [g for g in self.graces if g[2] != v]
+
     # ------------------------------------------------------------------ read model
     def region_sent(self, v: int) -> dict[str, int]:
         """Per region: the chunks of ``v`` that entered it (bitsets), as far as the plan knows."""
