@@ -88,3 +88,29 @@ def test_any_publish_schedule_reaches_every_node_and_leaves_the_window(gaps, anc
     if full:
         lo = min(lo, max(full))
     assert held(o) == [v for v in sorted(published) if v >= lo]
+
+
+@settings(max_examples=30, deadline=None)
+@given(gaps=st.lists(st.sampled_from([0.0, 0.05, 0.3, 2.0]), min_size=2, max_size=6),
+       anchors=st.sets(st.integers(3, 7), min_size=1), keep=st.integers(1, 3),
+       join_after=st.integers(0, 5), seed=st.integers(0, 3))
+def test_a_late_joiner_reaches_the_newest_version(gaps, anchors, keep, join_after, seed):
+    """A fresh node that starts after ``join_after`` publishes, with at least one anchor
+    published: whatever the origin and the nodes forgot meanwhile, it reaches the newest
+    version with the others."""
+    s, net, o, hosts = fleet(2, 2, keep_versions=keep, seed=seed)
+    joiner = None
+    for k, gap in enumerate(gaps):
+        if k == min(join_after, len(gaps) - 1):
+            joiner = net.add("joiner", "reg1", bootstrap=(o.addr, hosts[2].addr),
+                             active_version=None, keep_versions=keep)
+            net.start(joiner)
+        v = k + 2
+        net.deliver(o, ev.Publish(net.now, anchor(s, v) if v in anchors else s.manifest(v, PATCH)))
+        net.run(net.now + gap)
+    newest = len(gaps) + 1
+    everyone = [*hosts, joiner]
+    if not any(v <= newest for v in anchors):
+        return  # no anchor published: a fresh node has no way in (by design)
+    net.run(net.now + 90.0, stop=lambda: all(h.core.active_version == newest for h in everyone))
+    assert [h.core.active_version for h in everyone] == [newest] * len(everyone)
