@@ -97,7 +97,7 @@ def main() -> int:
                        "node_store_versions": nodes}
                 rows.append(row)
                 print(f"{k:>9} {pub.version:>7} {row['store_versions']:>14} "
-                      f"{row['store_bytes'] / 1e6:>9.2f} {row['core_versions']:>13} {str(nodes):>19}")
+                      f"{row['store_bytes'] / 1e6:>9.2f} {row['core_versions']:>13} {nodes!s:>19}")
         finally:
             pub.close()
     out = {"bench": "trainer_store", "label": args.label, "versions": args.versions,

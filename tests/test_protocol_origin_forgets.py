@@ -114,3 +114,27 @@ def test_a_late_joiner_reaches_the_newest_version(gaps, anchors, keep, join_afte
         return  # no anchor published: a fresh node has no way in (by design)
     net.run(net.now + 90.0, stop=lambda: all(h.core.active_version == newest for h in everyone))
     assert [h.core.active_version for h in everyone] == [newest] * len(everyone)
+
+
+@settings(max_examples=60, deadline=None)
+@given(gaps=st.lists(st.sampled_from([0.0, 0.05, 0.3, 2.0]), min_size=2, max_size=6),
+       anchors=st.sets(st.integers(3, 7)), keep=st.integers(1, 3),
+       kill_at=st.integers(0, 5), victim=st.integers(0, 5), seed=st.integers(0, 3))
+def test_a_node_that_dies_mid_schedule_strands_nobody(gaps, anchors, keep, kill_at, victim, seed):
+    """A node (a border or not) dies between two publishes: every live node still reaches
+    the newest version, and the origin does not keep versions for the dead one."""
+    s, net, o, hosts = fleet(2, 3, keep_versions=keep, seed=seed)
+    dead = None
+    for k, gap in enumerate(gaps):
+        if k == min(kill_at, len(gaps) - 1):
+            dead = hosts[victim]
+            net.kill(dead)
+        v = k + 2
+        net.deliver(o, ev.Publish(net.now, anchor(s, v) if v in anchors else s.manifest(v, PATCH)))
+        net.run(net.now + gap)
+    newest = len(gaps) + 1
+    live = [h for h in hosts if h is not dead]
+    net.run(net.now + 120.0, stop=lambda: all(h.core.active_version == newest for h in live))
+    assert [h.core.active_version for h in live] == [newest] * len(live)
+    net.run(net.now + 2 * o.core.cfg.heartbeat_s)
+    assert min(held(o)) >= o.core.versions.retained_from(newest, keep)

@@ -77,6 +77,8 @@ class VersionSet:
 
     def drop(self, v: int) -> None:
         self.states.pop(v, None)
+        self.stalled.discard(v)  # a node runs for thousands of versions: nothing stays behind
+        self.unavailable.discard(v)
 
     def seen(self, raw: bytes) -> int | None:
         """The version of manifest bytes verified before (so they are not verified twice)."""
