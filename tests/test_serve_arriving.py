@@ -372,3 +372,15 @@ def test_an_answer_sent_while_its_chunk_arrives_takes_only_a_free_slot() -> None
     assert p["d"].send(wire.Request(V, (0,))) == []  # not kept out by the early answer
     assert _chunks(p["d"].actions) == [ev.SendChunk(p["d"].conn, V, 0, 1000, False)]
     assert p["c"].send(wire.Request(V, (2,))) == [wire.Reject(V, (2,))]  # no free slot
+
+
+def test_early_requests_bounds_the_arriving_chunks_asked_for_at_once() -> None:
+    """``early_requests``: at most that many requests for chunks only arriving at their
+    peer are out at once, one per peer; a chunk held whole is still asked for first."""
+    for k in (1, 2):
+        n, p = _node(serve_arriving=True, early_requests=k, max_requests=4, endgame_chunks=0)
+        assert p["c"].send(wire.Coming(V, (2,))) == [wire.Request(V, (2,))]
+        got = p["d"].send(wire.Coming(V, (3,)))
+        assert got == ([wire.Request(V, (3,))] if k == 2 else [])
+        assert len(n.requests.early) == k
+        assert p["c"].send(wire.Coming(V, (0,))) == []  # one per peer

@@ -76,11 +76,12 @@ class Requests:
             coming = p.coming.get(v, 0) & cand if p.coming else 0
             if coming:
                 # Chunks the peer only has arriving come no faster than they arrive there:
-                # ask for one only when the peer holds nothing else we miss, one at a time.
+                # ask for one only when the peer holds nothing else we miss, and keep at
+                # most ``early_requests`` such requests out (one per peer).
                 if cand & ~coming:
                     cand &= ~coming
                     coming = 0
-                elif self.early:
+                elif len(self.early) >= c.early_requests:
                     cand = 0
                 else:
                     room = 1
