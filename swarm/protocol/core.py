@@ -628,10 +628,11 @@ class NodeCore(ReadModel):
     def _forget_old(self, active: int) -> None:
         """Forget every version below what ``active`` retains (``retained_from``: the
         last ``keep_versions`` and everything from the newest anchor), as announcements to
-        new peers already leave them out: its state, the peers' bits of it, the role's. A
-        version the role still moves (``Role.moving``: the origin's pushes or relay orders
-        of it under way) stays until a later call (the origin's next publish or heartbeat),
-        so nothing in flight loses its version."""
+        new peers already leave them out: its state, the peers' bits of it, the role's;
+        peers that still lack some of it get an empty BITFIELD of it, so they stop asking
+        us. A version the role still moves (``Role.moving``: on the origin, pushes or relay
+        orders of it under way, or a linked node still taking it) stays until a later call
+        (the origin's next publish or heartbeat), so no region loses a link of its chain."""
         lo = self.versions.retained_from(active, self.cfg.keep_versions)
         states = self.versions.states
         for v in [v for v in states if v < lo and not self.role.moving(v)]:
