@@ -38,7 +38,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = 256 * 1024
 PORT = 9917
-ARMS = {"ws": None, "link": 0.0, "link-batched": 0.002, "link-cap16": 0.016}
+# arm: (read_coalesce_s, read_lowat)
+ARMS = {"ws": None, "link": (0.0, 0), "link-batched": (0.002, 0), "link-cap16": (0.016, 0),
+        "link-lowat": (0.002, 128 * 1024), "link-lowat64": (0.002, 64 * 1024),
+        "link-lowat256": (0.002, 256 * 1024), "link-lowat-nohold": (0.0, 128 * 1024)}
 
 
 def _usage() -> tuple[float, int]:
@@ -105,7 +108,7 @@ async def _receive(arm: str, n: int, tls: ssl.SSLContext) -> dict:
 
         server = LinkServer(on_link, ssl_context=tls, max_message=1 << 23,
                             guard=ConnectionGuard(max_total=4, max_per_ip=4, upgrade_timeout_s=30),
-                            read_coalesce_s=ARMS[arm])
+                            read_coalesce_s=ARMS[arm][0], read_lowat=ARMS[arm][1])
         await server.start("0.0.0.0", PORT)
     print("listening", flush=True)
     await asyncio.wait_for(done.wait(), 600)
@@ -176,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mbit", default="100,1000", help="tbf rates to run, comma separated")
     ap.add_argument("--mib", type=int, default=12, help="MiB per arm and rate")
+    ap.add_argument("--arms", default=",".join(ARMS), help="arms to run, comma separated")
     ap.add_argument("--runs", type=int, default=2, help="runs per arm and rate (interleaved)")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     ap.add_argument("--inner", choices=["receive", "send"], help=argparse.SUPPRESS)
@@ -210,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
                 _sh("ip", "netns", "exec", ns[0], "tc", "qdisc", "add", "dev", "va", "root", "tbf",
                     "rate", f"{mbit}mbit", "burst", "32768", "latency", "100ms")
                 for run in range(args.runs):
-                    for arm in ARMS:
+                    for arm in args.arms.split(","):
                         r = _one(ns, arm, n, Path(tmp))
                         rows.append({"mbit": mbit, "arm": arm, "run": run + 1, **r})
                         print(f"{mbit:>5} Mbit {arm:13} run {run + 1}: {r}", flush=True)

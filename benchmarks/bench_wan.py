@@ -169,6 +169,9 @@ NETWORK_KNOBS = (
      "padding that opens a long link's window before its first chunk (0: off, shipped)"),
     ("--read-coalesce-ms", "read_coalesce_ms", float, "MS",
      "the longest a peer link holds its socket to read a batch (2: round 12's fixed hold)"),
+    ("--read-lowat-kib", "read_lowat_kib", int, "KIB",
+     "bytes the kernel gathers before it wakes a link inside a chunk block (SO_RCVLOWAT; "
+     "0: off; shipped 256)"),
     ("--lanes", "lanes", lambda s: s if s == "auto" else int(s), "N|auto",
      "connections per link to a peer in another region, chunks striped over them; auto: "
      "4 on a link found capped by random loss (docs/striped-links.md)"),

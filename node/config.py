@@ -46,7 +46,7 @@ _SECTIONS = {
     "node": {"id", "region", "model", "role", "warm_memory_mib"},
     "network": {"listen", "advertise", "bootstrap", "swarm_secret", "swarm_secret_file",
                 "max_connections", "max_connections_per_ip", "upgrade_timeout_s",
-                "allow_plaintext", "unsent_limit_kib", "read_coalesce_ms", "lanes",
+                "allow_plaintext", "unsent_limit_kib", "read_coalesce_ms", "read_lowat_kib", "lanes",
                 "congestion_control", "congestion_restart_s", "congestion_restart_idle_s",
                 "warm_up_kib",
                 "warm_up_min_rtt_ms"},
@@ -131,6 +131,9 @@ class NodeConfig:
     # the longest a peer link holds its socket while data streams in, to read a batch at
     # once (0: a read per wake-up; node.link: 192 KiB at the link's rate, 2 ms at least)
     read_coalesce_ms: float = 2.0
+    # inside a large message (a chunk block), the bytes the kernel gathers before it wakes
+    # a peer link, at most (SO_RCVLOWAT; 0: off, timed holds only; node.link._gather)
+    read_lowat_kib: int = 256
     # TCP congestion control of peer sockets ("": the system's; node.driver.set_congestion)
     congestion_control: str = "bbr"
     # BBR started over on a link whose chunk runs this long, or starts after idle (0: never;
@@ -512,6 +515,7 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = Non
         "max_connections_per_ip": _int_in(net, "max_connections_per_ip", 32, 1, 1_000_000),
         "unsent_limit_kib": _int_in(net, "unsent_limit_kib", 128, 0, 1 << 20),
         "warm_up_kib": _int_in(net, "warm_up_kib", 0, 0, 32 * 1024),
+        "read_lowat_kib": _int_in(net, "read_lowat_kib", 256, 0, 4096),
         **_lanes(net),
     }
     upgrade = _get(net, "network", "upgrade_timeout_s", (int, float), 10.0)

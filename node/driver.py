@@ -81,7 +81,7 @@ from node.engines.base import Engine
 from node.engines.config import EngineConfig
 from node.engines.inprocess import InProcessWeights
 from node.guard import ConnectionGuard
-from node.link import READ_COALESCE_S, Link, LinkServer, Placed, dial
+from node.link import READ_COALESCE_S, READ_LOWAT, Link, LinkServer, Placed, dial
 from node.ports import StorePort, TrustPort
 from node.striping import StripedLinks
 from node.tcp import (
@@ -154,7 +154,7 @@ class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
                  api_addr: tuple[str, int] | None = None,
                  guard: ConnectionGuard | None = None,
                  unsent_limit: int = UNSENT_LIMIT,
-                 read_coalesce_s: float = READ_COALESCE_S,
+                 read_coalesce_s: float = READ_COALESCE_S, read_lowat: int = READ_LOWAT,
                  congestion: str = CONGESTION_CONTROL,
                  congestion_restart_s: float = CONGESTION_RESTART_S,
                  congestion_restart_idle_s: float = RESTART_IDLE_S,
@@ -186,6 +186,7 @@ class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
         self.blocks_copied = 0
         self.lanes_refused = 0
         self.read_coalesce_s = read_coalesce_s
+        self.read_lowat = read_lowat
         self.unsent_limit = unsent_limit
         self.congestion = congestion
         # BBR started over on a link whose chunk starts after idle or runs long (node.tcp)
@@ -282,7 +283,7 @@ class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
         self.link_server = LinkServer(
             self._accept_link, ssl_context=self.tls.server if self.tls is not None else None,
             max_message=MAX_LINK_MESSAGE, guard=self.guard, http=self.runner.server,
-            read_coalesce_s=self.read_coalesce_s)
+            read_coalesce_s=self.read_coalesce_s, read_lowat=self.read_lowat)
         await self.link_server.start(self.host, self.port)
         if self.api_app is not None and self.api_addr is not None:
             self.api_runner = web.AppRunner(self.api_app, access_log=None, handle_signals=False)
@@ -524,7 +525,7 @@ class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
             link = await dial(host.strip("[]"), int(port),
                               ssl_context=self.tls.client if self.tls is not None else None,
                               max_message=MAX_LINK_MESSAGE, timeout=CONNECT_TIMEOUT_S + 5.0,
-                              read_coalesce_s=self.read_coalesce_s)
+                              read_coalesce_s=self.read_coalesce_s, read_lowat=self.read_lowat)
         except (TimeoutError, OSError, ValueError) as exc:
             if not self.draining:
                 self.feed(ev.ConnectFailed(self.now(), addr, f"{type(exc).__name__}: {exc}"[:200]))

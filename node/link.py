@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import socket
 import ssl
 import struct
 from collections.abc import Awaitable, Callable
@@ -58,6 +59,13 @@ FIRST_HOLD_S = 0.002  # a hold before the rate is measured (and at most at 1 Gbi
 STREAM_GAP_S = 0.2  # holds further apart than this: a new stream, its rate unknown
 LARGE_READ = 64 * 1024  # a read this large found a backlog: read again at once
 SMALL_MESSAGE = 16 * 1024  # assembled in the scratch buffer; larger ones get their own
+LOWAT_MIN = 16 * 1024  # a smaller mark is not worth its system calls: 1 (wake at once)
+READ_LOWAT = 256 * 1024  # shipped default of [network] read_lowat_kib: bytes the kernel gathers
+# before it wakes a link that is inside a large message (SO_RCVLOWAT; 0: off)
+# TLS bytes a link may hold undecrypted (a record's ciphertext read in part: 16 KiB of
+# plaintext, its header, type and tag), which count toward the message's rest but are no
+# longer in the socket: a wake-up mark is set this much below the bytes still to come
+TLS_RECORD_SLACK = 16384 + 256 + 512
 SCRATCH_BYTES = 64 * 1024
 RECV_QUEUE_BYTES = 8 * 1024 * 1024  # received, not yet taken: reading pauses beyond it
 CLOSE_WAIT_S = 2.0
@@ -92,7 +100,7 @@ class LinkProtocol(asyncio.BufferedProtocol):
     (``admit`` / ``release``) and the deadline for the dialer's preface."""
 
     def __init__(self, max_message: int, *, server_side: bool = False,
-                 tls: bool = False, coalesce_s: float = 0.0,
+                 tls: bool = False, coalesce_s: float = 0.0, lowat: int = 0,
                  on_ready: Callable[[Link], None] | None = None,
                  fallback: Callable[[LinkProtocol, bytes], bool] | None = None,
                  placer: Callable[[bytes, int], memoryview | None] | None = None,
@@ -108,6 +116,10 @@ class LinkProtocol(asyncio.BufferedProtocol):
         self.server_side = server_side
         self.tls = tls
         self.coalesce_s = coalesce_s
+        self.lowat_max = lowat  # SO_RCVLOWAT inside a large message (0: never)
+        self.lowat = 1  # the socket's mark now (1: the kernel's default)
+        self.rcvbuf = 0  # the socket's receive buffer as of the message's start
+        self.sock: Any = None
         self.on_ready = on_ready
         self.fallback = fallback  # (self, first bytes) -> True if another protocol took them
         # (first place_header bytes of a large message, bytes after them) -> where those
@@ -167,6 +179,10 @@ class LinkProtocol(asyncio.BufferedProtocol):
                 return
             self.admitted = True
         self.transport = transport
+        if self.lowat_max > 1:
+            self.sock = transport.get_extra_info("socket")
+            if self.sock is None:
+                self.lowat_max = 0
         if self.deadline_s is not None:
             self.deadline = self.loop.call_later(self.deadline_s, self._expire)
         if not self.server_side:  # a server answers the dialer's preface (so it can hand
@@ -195,6 +211,7 @@ class LinkProtocol(asyncio.BufferedProtocol):
             if self.bpos == len(self.body):
                 msg = self.body_obj
                 self.body = self.body_obj = None
+                self.rcvbuf = 0
                 if (isinstance(msg, Placed) and not msg.diverted and self.filled is not None
                         and not self.closed):
                     try:
@@ -210,12 +227,40 @@ class LinkProtocol(asyncio.BufferedProtocol):
             except ProtocolError as exc:
                 self._fail(str(exc))
                 return
+        if self.lowat_max > 1 and self._gather():
+            return
         # The read drained what was there and was not large: data trickles in. Hold the
         # socket for coalesce_s so the next read takes what gathered meanwhile at once.
         if (self.coalesce_s > 0 and nbytes < self.offered and nbytes < LARGE_READ
                 and self.held_batch is None and not self.closed):
             self.held_batch = self.loop.call_later(self._hold_s(), self._batch_done)
             self._update_reading()
+
+    def _gather(self) -> bool:
+        """Inside a large message, let the kernel gather the bytes before it wakes the
+        link: the socket's receive low-water mark (``SO_RCVLOWAT``) becomes the bytes the
+        message still needs (less what the TLS layer may hold of them), at most
+        ``lowat_max``; outside one, or near its end, it is 1 again. Unlike a timed hold
+        this cannot wait for bytes that will never come (the peer wrote the message
+        whole: its rest is on its way), the kernel wakes the link early when its
+        buffer or the receive window runs short (``tcp_epollin_ready``), and a FIN or an
+        error wakes it at once. True while a mark above 1 is set (no timed hold then)."""
+        want = 1
+        try:
+            if self.body is not None and not self.closed and self.reading:
+                if self.rcvbuf == 0:  # once a message (the kernel grows it as it goes)
+                    self.rcvbuf = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+                want = min(self.lowat_max, self.rcvbuf // 4,
+                           len(self.body) - self.bpos - (TLS_RECORD_SLACK if self.tls else 0))
+                if want < LOWAT_MIN:
+                    want = 1
+            if want != self.lowat:
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+                self.lowat = want
+        except (OSError, AttributeError):
+            self.lowat_max, self.lowat = 0, 1  # not this platform's: timed holds only
+            return False
+        return want > 1
 
     def _hold_s(self) -> float:
         """How long this hold lasts: as long as ``READ_BATCH`` bytes take to come in at
@@ -573,13 +618,13 @@ class Link:
 
 async def dial(host: str, port: int, *, ssl_context: ssl.SSLContext | None, max_message: int,
                timeout: float, read_coalesce_s: float = READ_COALESCE_S,
-               lane: bool = False) -> Link:
+               read_lowat: int = READ_LOWAT, lane: bool = False) -> Link:
     """Connect, run the TLS handshake, exchange prefaces; bounded by ``timeout`` as a whole.
     ``lane``: open it as an extra connection of a striped link (``LANE_PREFACE``).
     Raises ``OSError`` (``ConnectionError``, ``ssl.SSLError``) or ``TimeoutError``."""
     loop = asyncio.get_running_loop()
     proto = LinkProtocol(max_message, tls=ssl_context is not None, coalesce_s=read_coalesce_s,
-                         preface=LANE_PREFACE if lane else PREFACE)
+                         lowat=read_lowat, preface=LANE_PREFACE if lane else PREFACE)
 
     async def connect() -> None:
         extra: dict[str, Any] = {}
@@ -604,13 +649,14 @@ class LinkServer:
     def __init__(self, on_link: Callable[[Link], Awaitable[None]], *,
                  ssl_context: ssl.SSLContext | None, max_message: int, guard: Any,
                  http: Callable[[], asyncio.Protocol] | None = None,
-                 read_coalesce_s: float = READ_COALESCE_S) -> None:
+                 read_coalesce_s: float = READ_COALESCE_S, read_lowat: int = READ_LOWAT) -> None:
         self.on_link = on_link
         self.ssl_context = ssl_context
         self.max_message = max_message
         self.guard = guard
         self.http = http if ssl_context is None else None
         self.read_coalesce_s = read_coalesce_s
+        self.read_lowat = read_lowat
         self.server: asyncio.AbstractServer | None = None
         self.tasks: set[asyncio.Task] = set()
 
@@ -636,7 +682,8 @@ class LinkServer:
             t.add_done_callback(self.tasks.discard)
 
         return LinkProtocol(self.max_message, server_side=True, tls=self.ssl_context is not None,
-                            coalesce_s=self.read_coalesce_s, on_ready=ready,
+                            coalesce_s=self.read_coalesce_s, lowat=self.read_lowat,
+                            on_ready=ready,
                             fallback=self._to_http if self.http is not None else None,
                             admit=g.admit, release=g.release, deadline_s=g.upgrade_timeout_s,
                             on_deadline=g.note_timed_out)
