@@ -9,16 +9,18 @@ a sender process in the other, over TLS 1.3, with uvloop, for each arm:
 - ``ws``: aiohttp websockets over TLS, the server receiving (the transport before
   round 12);
 - ``link``: ``node.link`` with ``read_coalesce_s = 0`` (a read per wake-up);
-- ``link-batched``: ``node.link`` as shipped (``read_coalesce_s = 0.002``: the hold's
-  2 ms floor and cap, round 12's fixed hold);
+- ``link-batched``: ``read_coalesce_s = 0.002`` (the hold's 2 ms floor and cap, round
+  12's fixed hold), no wake-up mark (``read_lowat = 0``: rounds 12-46);
 - ``link-cap16``: ``read_coalesce_s = 0.016``: each hold as long as 192 KiB take at the
-  link's measured rate, 2-16 ms (round 21).
+  link's measured rate, 2-16 ms (round 21);
+- ``link-lowat``: ``node.link`` as shipped (round 47): the 2 ms hold between messages,
+  and inside one the socket's ``SO_RCVLOWAT`` (``read_lowat = 256 KiB``).
 
 The table gives the receiver process's CPU seconds per GB (utime + stime,
 ``getrusage``), its voluntary context switches per message (how often its loop
 slept and woke), and the rate. Needs root (namespaces, tc); everything it makes is
 removed at the end. Usage: ``python benchmarks/bench_link_rx.py [--mbit 100,1000]
-[--mib 12] [--runs 2] [--out F.json]``.
+[--mib 12] [--runs 2] [--arms link-batched,link-lowat] [--out F.json]``.
 """
 
 from __future__ import annotations
@@ -40,8 +42,7 @@ BLOCK = 256 * 1024
 PORT = 9917
 # arm: (read_coalesce_s, read_lowat)
 ARMS = {"ws": None, "link": (0.0, 0), "link-batched": (0.002, 0), "link-cap16": (0.016, 0),
-        "link-lowat": (0.002, 128 * 1024), "link-lowat64": (0.002, 64 * 1024),
-        "link-lowat256": (0.002, 256 * 1024), "link-lowat-nohold": (0.0, 128 * 1024)}
+        "link-lowat": (0.002, 256 * 1024)}
 
 
 def _usage() -> tuple[float, int]:

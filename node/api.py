@@ -40,7 +40,7 @@ from prometheus_client.core import (
     SummaryMetricFamily,
 )
 
-from node import buffers
+from node import buffers, link
 
 if TYPE_CHECKING:
     from node.driver import Driver
@@ -133,6 +133,10 @@ def status_dict(driver: Driver, model: str) -> dict[str, Any]:
             # again (sender)
             "stripe_wants": driver.stripe_wants,
             "blocks_resent": driver.blocks_resent,
+            # receive low-water marks set inside chunk blocks, and marks not reached in
+            # time and dropped ([network] read_lowat_kib, node.link._gather)
+            "read_marks": link.MARKS["set"],
+            "read_marks_expired": link.MARKS["expired"],
             # chunks this node restarted over lanes that came up while they went on
             # the link alone
             "chunks_restriped": driver.chunks_restriped,
@@ -414,6 +418,10 @@ class _Collector:
                  "ran long or left bytes unacknowledged ([network] congestion_restart_s)"),
                 ("patchswarm_lanes_opened", "lanes_opened",
                  "Extra connections of striped peer links opened or accepted ([network] lanes)"),
+                ("patchswarm_read_marks", "read_marks",
+                 "Receive low-water marks set inside chunk blocks ([network] read_lowat_kib)"),
+                ("patchswarm_read_marks_expired", "read_marks_expired",
+                 "Receive low-water marks not reached in time and dropped to one byte"),
                 ("patchswarm_lanes_refused", "lanes_refused",
                  "Extra connections of striped peer links refused, by either side"),
                 ("patchswarm_loss_capped_links", "loss_capped_links",

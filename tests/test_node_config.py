@@ -44,6 +44,8 @@ def test_valid_config_resolves_paths_and_core_knobs(tmp_path: Path) -> None:
     assert cfg.congestion_control == "bbr"
     assert parse_config(_doc(network={"congestion_control": ""}), tmp_path).congestion_control == ""
     assert parse_config(_doc(network={"read_coalesce_ms": 0}), tmp_path).read_coalesce_ms == 0
+    assert cfg.read_lowat_kib == 256
+    assert parse_config(_doc(network={"read_lowat_kib": 0}), tmp_path).read_lowat_kib == 0
     assert cfg.congestion_restart_s == 1.0
     assert parse_config(_doc(network={"congestion_restart_s": 0}),
                         tmp_path).congestion_restart_s == 0
@@ -67,6 +69,8 @@ def test_valid_config_resolves_paths_and_core_knobs(tmp_path: Path) -> None:
     ({"network": {"warm_up_kib": 32 * 1024 + 1}}, "network.warm_up_kib"),
     ({"network": {"congestion_restart_idle_s": 0.001}}, "network.congestion_restart_idle_s"),
     ({"network": {"warm_up_kib": "lots"}}, "network.warm_up_kib"),
+    ({"network": {"read_lowat_kib": 4097}}, "network.read_lowat_kib"),
+    ({"network": {"read_lowat_kib": -1}}, "network.read_lowat_kib"),
     ({"network": {"warm_up_min_rtt_ms": -1}}, "network.warm_up_min_rtt_ms"),
     ({"network": {"warm_up_min_rtt_ms": True}}, "network.warm_up_min_rtt_ms"),
     ({"network": {"listen": "h:99999"}}, "network.listen"),
