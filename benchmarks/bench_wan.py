@@ -639,6 +639,11 @@ def _figures(fleet: Any, meter: Meter, sts: dict[str, dict[str, Any]],
                                 n.name].get("withdrawn_chunks", 0),
                             # RELAY_ALIVE reports this border sent (cumulative)
                             "relay_alive": st.get("relay_alive"),
+                            # receive marks set inside chunk blocks, and marks the 100 ms
+                            # guard dropped, this version ([network] read_lowat_kib)
+                            **{k: (st.get("transport") or {}).get(k, 0) - (
+                                before[n.name].get("transport") or {}).get(k, 0)
+                               for k in ("read_marks", "read_marks_expired")},
                             "proc": {k: io1[n.name].get(k, 0) - io0[n.name].get(k, 0)
                                      for k in io1[n.name]}}
         regions[r] = max(regions.get(r, 0.0), t_act - t0)
@@ -654,6 +659,8 @@ def _figures(fleet: Any, meter: Meter, sts: dict[str, dict[str, Any]],
     out.update(meter.diff(m0, m1, patch_bytes, polls))
     cpus = [v["cpu_s"] for v in per_node.values()]
     out["node_cpu_s"] = round(sum(cpus), 2)
+    out["read_marks"] = {k: sum(v[k] for v in per_node.values())
+                         for k in ("read_marks", "read_marks_expired")}
     out["cpu_s_per_gb"] = round(sum(cpus) / (recv_total / 1e9), 2) if recv_total else None
     out["cpu_s_per_gb_max_node"] = max(v["cpu_s_per_gb"] or 0 for v in per_node.values())
     # chunk bytes the nodes took in per byte of patch each needed (1.0: no duplicates;
@@ -817,6 +824,8 @@ def run_libtorrent(lab: Any, args: argparse.Namespace, meter: Meter, seed: int
     out.update(meter.diff(m0, m1, size, {}))
     cpus = [v["cpu_s"] for v in per_node.values()]
     out["node_cpu_s"] = round(sum(cpus), 2)
+    out["read_marks"] = {k: sum(v[k] for v in per_node.values())
+                         for k in ("read_marks", "read_marks_expired")}
     out["cpu_s_per_gb"] = round(sum(cpus) / (len(cpus) * size / 1e9), 2)
     out["cpu_s_per_gb_max_node"] = max(v["cpu_s_per_gb"] for v in per_node.values())
     return out
@@ -901,9 +910,12 @@ def summary_line(row: dict[str, Any]) -> str:
         later = ("; later versions " + ", ".join(
             f"{v['all_s']} s ({max(u['into_copies'] for r, u in v['uplinks'].items() if r != '0')} copies)"
             for v in row["later_versions"]))
+    marks = row.get("read_marks")
+    gather = (f", {marks['read_marks']} receive marks ({marks['read_marks_expired']} expired)"
+              if marks else "")
     return (f"  {row['system']} run {row['run']}: all {row['all_s']} s "
             f"(from hand-off {row['all_from_handoff_s']} s), regions {row['regions_s']}, "
-            f"copies in {into}, {row['cpu_s_per_gb']} CPU-s/GB, "
+            f"copies in {into}, {row['cpu_s_per_gb']} CPU-s/GB{gather}, "
             f"holders {row['holders']['cpu_s']} CPU-s / {row['holders']['packets']} pkts{later}")
 
 
