@@ -1517,6 +1517,7 @@ def test_after_start_up_a_push_goes_to_an_idle_border_already_pushed_to() -> Non
     peers = [o.peers[k + 1] for k in range(3)]
     role.pushed_to.update({1, 2})
     assert role.window.startup
+    role.window.dep_on = False  # start-up on HAVE rounds only (a push left slowly)
     assert role._push_target(peers, {1: 1}, 1, "r1").conn == 1  # start-up: behind the first
     role.window.startup = False  # as if the window's start-up had ended
     assert role._push_target(peers, {1: 1}, 1, "r1").conn == 2
@@ -1535,4 +1536,48 @@ def test_after_start_up_a_push_goes_to_an_idle_border_already_pushed_to() -> Non
     assert role._push_target(peers, {1: 1}, 1, "r1").conn == 1
     role.pushed_to.add(2)
     role.cfg = dataclasses.replace(role.cfg, spread_pushes=False)  # the shipped default
+    assert role._push_target(peers, {1: 1}, 1, "r1").conn == 1
+
+
+def _first_version_pushes(**knobs) -> tuple[NodeCore, list[ev.Action], Signer]:
+    """An origin with three borders in r1 (conns 1-3) publishing a first version."""
+    s = Signer()
+    o = _core("origin", "trainer", role="origin", signer=s, border_nodes=3, **knobs)
+    for k in range(3):
+        Script(o, k + 1, node_id=f"a{k}", region="r1").handshake()
+    return o, o.handle(ev.Publish(o.now, s.manifest(2, 8))), s
+
+
+def test_start_up_on_fast_departures_spreads_pushes_over_idle_borders() -> None:
+    """``spread_startup``: while the uplink window's start-up grows on departures, a
+    push goes to a border with nothing in flight instead of stacking behind one on the
+    warm border (a first version over a fat uplink: each border's downlink is the limit,
+    so pushes spread over borders leave, and open the window, all at once)."""
+    for spread, pushed in ((True, ([1, 2], [1, 3])), (False, ([1, 1], [1, 2]))):
+        o, acts, _ = _first_version_pushes(spread_startup=spread)
+        assert o.role.window.on_departures
+        first = _sent_chunks(acts)
+        # the window's floor: two pushes, on two borders (stacked: both on the first)
+        assert [x.conn for x in first] == pushed[0]
+        # the first push left fast: the window opens by one, and its two free places go
+        # to the warm border, idle again, and to the one border with nothing in flight
+        # (stacked: the warm border's second place first)
+        acts = o.handle(ev.ChunkSent(o.now + 0.03, 1, 2, first[0].index))
+        assert [x.conn for x in _sent_chunks(acts)] == pushed[1], spread
+        assert o.role.window.w == 3
+
+
+def test_start_up_spreading_stops_once_the_uplink_or_fresh_connections_are_slow() -> None:
+    o, _, _ = _first_version_pushes()
+    role = o.role
+    peers = [o.peers[k + 1] for k in range(3)]
+    assert role._push_target(peers, {1: 1}, 1, "r1").conn == 2  # idle, never pushed to
+    assert role._push_target(peers, {}, 1, "r1").conn == 1  # the warm one while it idles
+    assert role._push_target(peers, {1: 1, 2: 1, 3: 1}, 1, "r1").conn == 1  # none idle: stack
+    role.cold_paths["r1"] = ColdPath()
+    role.cold_paths["r1"].slow = True  # a fresh connection into r1 measured slow
+    role.pushed_to.add(1)
+    assert role._push_target(peers, {1: 1}, 1, "r1").conn == 1
+    role.cold_paths["r1"].slow = False
+    role.window.dep_on = False  # a push took fast_startup_s to leave: a thin uplink
     assert role._push_target(peers, {1: 1}, 1, "r1").conn == 1

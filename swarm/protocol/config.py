@@ -115,6 +115,11 @@ class CoreConfig:
     # versions where it fired were slow; a fat-trainer fleet's steady state gains 3-4 %
     # (docs/simulation.md round 17)
     spread_pushes: bool = False
+    # origin: while the uplink window's start-up grows on departures (every push left
+    # within fast_startup_s: the uplink is not the limit), a push goes to an idle border
+    # rather than stack behind one on the warm border, so the window opens by a push per
+    # border at once (a first version over a fat uplink; docs/simulation.md round 48)
+    spread_startup: bool = True
     # a chunk arriving from a peer may be asked for by the region's peers at once (sent
     # block by block as it comes, the last once verified here): see docs/protocol.md.
     # Offered (COMING) only by a node that knows at least serve_arriving_region nodes of

@@ -1097,7 +1097,32 @@ class OriginRole(Role):
         second version 1.21-1.23x its bound on two seeds of three against 1.14x,
         docs/simulation.md round 17). A border the origin never pushed to is not taken for
         this (its connection would start from slow start). Start-up keeps stacking: its
-        doubled rounds on a thin uplink would otherwise put every push on the wire at once."""
+        doubled rounds on a thin uplink would otherwise put every push on the wire at once.
+
+        Except while the start-up grows on departures (``spread_startup``: every push so
+        far left within ``fast_startup_s``, so the uplink is not what holds them): then a
+        push goes to a border with nothing in flight (the warm one first) rather than
+        stack behind a push on the warm border. Each border's downlink is the limit
+        there, and a push stacked on one border leaves only after the one ahead of it, so
+        the window opened by one push per border-downlink time; spread, the departures
+        come from every border at once and the window doubles once per push time
+        (`slow-direct`'s first version, 3 to 20 in flight at 0.19 s stacked; fleet-1k's
+        first versions -0.4 to -1.2 %; docs/simulation.md round 48). A first version's
+        connections are all fresh, and several fresh ones ramp up together faster than one.
+        A thin uplink never gets here: its first push takes ``fast_startup_s`` to leave
+        and ends the start-up before the window lets a second push into a region go. Not
+        where a fresh connection into the region was measured slow (``_stay_used``)."""
+        if (self.cfg.spread_startup and self.cfg.fast_startup_s > 0 and self.window.on_departures
+                and self._stay_used(self.pushed_to, region) is None):
+            idle = None
+            for b in bs:
+                if not load.get(b.conn, 0):
+                    if b.conn == warm:
+                        return b
+                    if idle is None:
+                        idle = b
+            if idle is not None:
+                return idle
         if self.window.startup or not self.cfg.spread_pushes:
             return self._target(bs, load, warm=warm, used=self._stay_used(self.pushed_to, region),
                             depth=self._used_depth(region))
