@@ -824,8 +824,6 @@ def run_libtorrent(lab: Any, args: argparse.Namespace, meter: Meter, seed: int
     out.update(meter.diff(m0, m1, size, {}))
     cpus = [v["cpu_s"] for v in per_node.values()]
     out["node_cpu_s"] = round(sum(cpus), 2)
-    out["read_marks"] = {k: sum(v[k] for v in per_node.values())
-                         for k in ("read_marks", "read_marks_expired")}
     out["cpu_s_per_gb"] = round(sum(cpus) / (len(cpus) * size / 1e9), 2)
     out["cpu_s_per_gb_max_node"] = max(v["cpu_s_per_gb"] for v in per_node.values())
     return out
