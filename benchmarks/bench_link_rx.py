@@ -38,6 +38,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import perfstat  # noqa: E402  (benchmarks/perfstat.py: perf record, stop, group)
+
 BLOCK = 256 * 1024
 PORT = 9917
 # arm: (read_coalesce_s, read_lowat)
@@ -155,7 +158,8 @@ def _sh(*cmd: str) -> None:
     subprocess.run(cmd, check=True, capture_output=True, timeout=30)
 
 
-def _one(ns: tuple[str, str], arm: str, n: int, certs: Path) -> dict:
+def _one(ns: tuple[str, str], arm: str, n: int, certs: Path,
+         perf_out: Path | None = None) -> dict:
     py, me = sys.executable, str(Path(__file__).resolve())
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     common = ["--arm", arm, "--n", str(n), "--certs", str(certs)]
@@ -165,10 +169,15 @@ def _one(ns: tuple[str, str], arm: str, n: int, certs: Path) -> dict:
         assert rx.stdout is not None
         if rx.stdout.readline().strip() != "listening":
             raise RuntimeError("the receiver did not start")
+        prof = perfstat.record("perf", rx.pid, perf_out, freq=9999) if perf_out is not None else None
         subprocess.run(["ip", "netns", "exec", ns[0], py, me, "--inner", "send", *common,
                         "--host", "10.231.0.2"], check=True, env=env, timeout=600)
         out, _ = rx.communicate(timeout=60)
-        return json.loads(out.strip().splitlines()[-1])
+        res = json.loads(out.strip().splitlines()[-1])
+        if prof is not None and perf_out is not None:
+            perfstat.interrupt(prof)
+            res["perf"] = perfstat.read_perf("perf", perf_out)
+        return res
     finally:
         if rx.poll() is None:
             rx.kill()
@@ -183,12 +192,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arms", default=",".join(ARMS), help="arms to run, comma separated")
     ap.add_argument("--runs", type=int, default=2, help="runs per arm and rate (interleaved)")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
+    ap.add_argument("--perf", type=Path, metavar="DIR",
+                    help="sample each receiver with Linux perf into DIR/<mbit>-<arm>-<run>.data "
+                         "and report its shares by stage (benchmarks/perfstat.py)")
     ap.add_argument("--inner", choices=["receive", "send"], help=argparse.SUPPRESS)
     ap.add_argument("--arm", help=argparse.SUPPRESS)
     ap.add_argument("--n", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--certs", help=argparse.SUPPRESS)
     ap.add_argument("--host", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.perf:
+        args.perf.mkdir(parents=True, exist_ok=True)
     if args.inner:
         return _inner(args)
     if os.geteuid() != 0:
@@ -216,7 +230,9 @@ def main(argv: list[str] | None = None) -> int:
                     "rate", f"{mbit}mbit", "burst", "32768", "latency", "100ms")
                 for run in range(args.runs):
                     for arm in args.arms.split(","):
-                        r = _one(ns, arm, n, Path(tmp))
+                        perf_out = (args.perf / f"{mbit}-{arm}-{run + 1}.data"
+                                    if args.perf else None)
+                        r = _one(ns, arm, n, Path(tmp), perf_out)
                         rows.append({"mbit": mbit, "arm": arm, "run": run + 1, **r})
                         print(f"{mbit:>5} Mbit {arm:13} run {run + 1}: {r}", flush=True)
         finally:

@@ -1088,6 +1088,23 @@ def test_a_region_whose_pushes_never_left_fast_is_capped_before_any_have(leave_s
         assert {c for c, _ in _never_fast_run(leave_s, slow_s=0.05)} == {2}
 
 
+def test_a_push_not_gone_when_one_issued_with_it_left_fast_caps_its_region_at_once() -> None:
+    """The moment r1's pushes leave fast, ``slow``'s, issued with them and still leaving,
+    have been leaving as long as r1's took: no faster. The window's start-up opens it on
+    those departures, and the new places go to r1, not down ``slow``'s path (round 49:
+    `slow-direct`'s far region got a second direct push at 34 ms, when it tied, and the
+    two shared its 50 Mbit/s link for 1.3 s). A region that did push fast is not capped."""
+    o, _a, first = _r1_and_slow(uplink_window_max=8)
+    t = o.now
+    more: list[tuple[int, int]] = []
+    for conn, i in first:
+        if conn == 1:
+            more += _pushes(o.handle(ev.ChunkSent(t + 0.03, 1, 2, i)))
+    assert o.role.window.w > 4  # the start-up grew on the departures
+    assert more and {c for c, _ in more} == {1}, more
+    assert o.role._push_capped("slow") and not o.role._push_capped("r1")
+
+
 def test_a_sender_goes_to_a_connection_it_has_sent_on_before_a_new_one() -> None:
     """``_target``: the warm border while it has room, else the least loaded of the
     borders the sender has sent chunks to (their TCP windows open), else the least loaded

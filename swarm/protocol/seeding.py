@@ -858,8 +858,10 @@ class OriginRole(Role):
         Before any HAVE has timed a push (the first version's first tenths of a second),
         a region none of whose pushes has left within ``fast_startup_s`` counts as slow
         while a push into it is still leaving that was issued no later than one into
-        another region that did leave that fast, and has been leaving for longer than
-        that one took (pushes share the uplink: the difference is the path's)."""
+        another region that did leave that fast, and has been leaving at least as long
+        as that one took (pushes share the uplink: the difference is the path's). "At
+        least": at the moment the fast one leaves, a push issued with it that has not
+        left is no faster, and a second push down its path would share it (round 49)."""
         f = self.cfg.slow_path_factor
         if f <= 0:
             return False
@@ -879,11 +881,12 @@ class OriginRole(Role):
         if oldest is None:
             return False  # nothing under way: one may go
         if (leaving is not None and leaving <= self.fast_mark and r not in self.fast_regions
-                and now - leaving > self.fast_took and self.cfg.fast_startup_s > 0):
+                and now > leaving and now - leaving >= self.fast_took
+                and self.cfg.fast_startup_s > 0):
             # No push into r has left fast, and one issued with or after this one did,
             # into another region, in less time than this one has been leaving: r's
             # direct path is slower than the uplink. Known before any HAVE could time it
-            # (`slow-direct`: at 67 ms, not ~0.2 s).
+            # (`slow-direct`: at the first departure, 34 ms, not ~0.2 s).
             return True
         home = self.cfg.region  # pushes at home cross no uplink: no measure for remote paths
         others = [s for x, s in self.push_s.items() if x != r and x != home]
