@@ -884,7 +884,7 @@ class OriginRole(Role):
                 and now > leaving and now - leaving >= self.fast_took
                 and self.cfg.fast_startup_s > 0):
             # No push into r has left fast, and one issued with or after this one did,
-            # into another region, in less time than this one has been leaving: r's
+            # into another region, in no more time than this one has been leaving: r's
             # direct path is slower than the uplink. Known before any HAVE could time it
             # (`slow-direct`: at the first departure, 34 ms, not ~0.2 s).
             return True
