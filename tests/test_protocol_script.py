@@ -1565,23 +1565,25 @@ def _first_version_pushes(**knobs) -> tuple[NodeCore, list[ev.Action], Signer]:
     return o, o.handle(ev.Publish(o.now, s.manifest(2, 8))), s
 
 
-def test_start_up_on_fast_departures_spreads_pushes_over_idle_borders() -> None:
+@pytest.mark.parametrize("step", [1, 2])
+def test_start_up_on_fast_departures_spreads_pushes_over_idle_borders(step: int) -> None:
     """``spread_startup``: while the uplink window's start-up grows on departures, a
     push goes to a border with nothing in flight instead of stacking behind one on the
     warm border (a first version over a fat uplink: each border's downlink is the limit,
     so pushes spread over borders leave, and open the window, all at once)."""
     for spread, pushed in ((True, ([1, 2], [1, 3])), (False, ([1, 1], [1, 2]))):
-        o, acts, _ = _first_version_pushes(spread_startup=spread)
+        o, acts, _ = _first_version_pushes(spread_startup=spread, fast_startup_step=step)
         assert o.role.window.on_departures
         first = _sent_chunks(acts)
         # the window's floor: two pushes, on two borders (stacked: both on the first)
         assert [x.conn for x in first] == pushed[0]
-        # the first push left fast: the window opens by one, and its two free places go
-        # to the warm border, idle again, and to the one border with nothing in flight
-        # (stacked: the warm border's second place first)
+        # the first push left fast: the window opens by the step, and its first two free
+        # places go to the warm border, idle again, and to the one border with nothing in
+        # flight (stacked: the warm border's second place first)
         acts = o.handle(ev.ChunkSent(o.now + 0.03, 1, 2, first[0].index))
-        assert [x.conn for x in _sent_chunks(acts)] == pushed[1], spread
-        assert o.role.window.w == 3
+        got = [x.conn for x in _sent_chunks(acts)]
+        assert got[:2] == pushed[1] and len(got) == 1 + step, (spread, got)
+        assert o.role.window.w == 2 + step
 
 
 def test_start_up_spreading_stops_once_the_uplink_or_fresh_connections_are_slow() -> None:

@@ -353,6 +353,16 @@ def test_every_departure_of_a_full_window_opens_it_by_one() -> None:
     assert win.w == 18
 
 
+@pytest.mark.parametrize("step", [1, 2, 3])
+def test_each_departure_of_a_full_window_opens_it_by_its_step(step: int) -> None:
+    win = UplinkWindow(2, 40, departure_step=step)
+    seen = drive_departures(win, {2: 0.03}, waves=3)
+    # a wave of w departures opens w x step places: the window grows (1 + step)-fold
+    assert seen == [min(40, 2 * (1 + step) ** k) for k in (1, 2, 3)], seen
+    win.left(0.2, 0.19, 0.2, False, 1000, 0.19)  # the window was not full: nothing
+    assert win.w == seen[-1]
+
+
 def test_start_up_on_departures_opens_only_a_window_it_can_fill() -> None:
     win = UplinkWindow(4, 256)
     drive_departures(win, {4: 0.03}, waves=3, backlog=3)
@@ -373,13 +383,14 @@ def test_not_full_departures_and_an_ended_start_up_do_not_move_it() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(lo=st.integers(1, 8), span=st.integers(0, 64),
+@given(lo=st.integers(1, 8), span=st.integers(0, 64), step=st.integers(1, 4),
        events=st.lists(st.tuples(st.sampled_from(("left", "delivered", "restart")),
                                  st.floats(0.0, 0.5), st.floats(0.0, 0.5), st.booleans(),
                                  st.integers(0, 64)), max_size=300))
 def test_departures_keep_the_window_within_its_bounds(
-        lo: int, span: int, events: list[tuple[str, float, float, bool, int]]) -> None:
-    win = UplinkWindow(lo, lo + span)
+        lo: int, span: int, step: int,
+        events: list[tuple[str, float, float, bool, int]]) -> None:
+    win = UplinkWindow(lo, lo + span, departure_step=step)
     now = 0.0
     for kind, dt, age, full, backlog in events:
         now += dt

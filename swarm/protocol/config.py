@@ -43,7 +43,7 @@ KNOB_RANGES: dict[str, tuple[float, float]] = {
     "serve_arriving_region": (0, 1_000_000), "serve_arriving_endgame": (0, 1 << 20),
     "early_requests": (1, 1024),
     "cut_through_after_s": (0.0, 3600.0),
-    "fast_startup_s": (0.0, 3600.0),
+    "fast_startup_s": (0.0, 3600.0), "fast_startup_step": (1, 64),
 }
 
 
@@ -95,6 +95,10 @@ class CoreConfig:
     # doubles on the pushes' departures, a round trip before their HAVEs (0: off;
     # swarm.protocol.uplink, docs/simulation.md round 34)
     fast_startup_s: float = 0.2
+    # ... by this many places per departure while the window is full: 2, it triples once a
+    # push time (1: doubles, as TCP's slow start; `slow-direct`'s first version 2.097 ->
+    # 2.070 s, fleet-1k's 4.490 -> 4.454, later versions the same; docs/simulation.md round 49)
+    fast_startup_step: int = 2
     relay_slots: int = 1  # concurrent cross-region relays per border node
     # origin: a remote region whose pushes take this many times the fastest other remote
     # region's (a push under way counts its age) gets one push at a time; the rest of its

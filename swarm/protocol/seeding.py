@@ -134,7 +134,8 @@ class OriginRole(Role):
         self.first_push: dict[int, tuple[int, int]] = {}  # border conn -> (version, index)
         self.pushed_to: set[int] = set()  # border conns that carried a push of ours
         self.uplink_pushes = 0  # pushes into remote regions not yet confirmed by a HAVE
-        self.window = UplinkWindow(c.uplink_window, max(c.uplink_window, c.uplink_window_max))
+        self.window = UplinkWindow(c.uplink_window, max(c.uplink_window, c.uplink_window_max),
+                                   departure_step=c.fast_startup_step)
         # (sender conn | ORIGIN_SRC, region) -> the border conn it sent to last (``_target``)
         self.warm: dict[tuple[int, str], int] = {}
         # border conn -> the border conns we ordered it to relay to: connections that have

@@ -71,12 +71,13 @@ from __future__ import annotations
 
 class UplinkWindow:
     __slots__ = ("best", "best_w", "dep_best", "dep_flat", "dep_n", "dep_on", "dep_start",
-                 "dep_w", "down", "flat", "full_rounds", "hi", "hold", "last_rate", "lo", "n", "nbytes",
+                 "dep_step", "dep_w", "down", "flat", "full_rounds", "hi", "hold", "last_rate", "lo", "n", "nbytes",
                  "probe_gain", "probing", "rounds", "since", "start", "startup", "startup_gain",
                  "w")
 
     def __init__(self, lo: int, hi: int, *, startup_gain: float = 1.25,
-                 probe_gain: float = 1.1, hold: int = 4, full_rounds: int = 2) -> None:
+                 probe_gain: float = 1.1, hold: int = 4, full_rounds: int = 2,
+                 departure_step: int = 1) -> None:
         if not 1 <= lo <= hi:
             raise ValueError(f"uplink window bounds {lo}..{hi}")
         self.lo, self.hi = lo, hi
@@ -102,6 +103,7 @@ class UplinkWindow:
         self.dep_best = 0.0  # pushes/s of the best departure round
         self.dep_flat = 0  # departure rounds in a row that did not beat it
         self.dep_w = lo
+        self.dep_step = departure_step  # places opened per departure while the window is full
 
     def raise_floor(self, n: int) -> None:
         """At least ``n`` in flight from now on (``lo``), the window and its best with it."""
@@ -148,7 +150,8 @@ class UplinkWindow:
         if not full:
             return
         if self.w < self.hi and (backlog is None or backlog >= self.w):
-            self.w += 1  # one more per departure while the window was full (slow start)
+            # more per departure while the window was full (slow start: one)
+            self.w = min(self.hi, self.w + self.dep_step)
         if self.dep_start is None:
             # the round is timed from a departure, over as many as the window was then
             self.dep_start, self.dep_n, self.dep_w = now, 0, self.w
