@@ -235,7 +235,8 @@ class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
         self.arrivals: dict[tuple[int, int], Arrival] = {}  # chunks arriving now (cut-through)
         self.verifying: dict[tuple[int, int], int] = {}  # whole copies being hashed and stored
         self._ids = itertools.count(1)
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.Handle | None = None
+        self._timer_for = 0.0  # the core's wake-up time the timer was armed for
         self._tasks: set[asyncio.Task] = set()
         self._apply_task: asyncio.Task | None = None
         # decoding the verified prefix of a patch while the rest downloads (``_prestage``)
@@ -375,16 +376,18 @@ class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
             return
         t = self.core.next_wakeup()
         if self._timer is not None:
-            if t is not None and abs(self._timer.when() - t) < 1e-4:
+            if t is not None and abs(self._timer_for - t) < 1e-4:
                 return
             self._timer.cancel()
             self._timer = None
         if t is None or self.draining:
             return
-        # the loop's own clock: a time already past would make uvloop hand back a plain
-        # Handle (``call_soon``), which has no ``when()`` to compare with above
-        t = max(t, self.loop.time() + 0.001)
-        self._timer = self.loop.call_at(t, self._on_timer)
+        # The wake-up the timer is for is kept here, not read back with ``when()``: uvloop
+        # keeps time in whole milliseconds and hands back a plain Handle (``call_soon``,
+        # no ``when()``) for a delay that rounds to 0, which a time only just ahead of
+        # ``loop.time()`` can become once its millisecond ticks over (a loaded box).
+        self._timer_for = t
+        self._timer = self.loop.call_at(max(t, self.loop.time() + 0.001), self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None

@@ -196,3 +196,35 @@ def test_a_fleet_relays_chunks_while_they_arrive_and_ends_bitwise_equal() -> Non
         assert sum(st["relays"]["failed"] for st in statuses.values()) == 0
         metrics = fleet.http(fleet.nodes[0].addr, "/metrics").decode()
         assert 'outcome="cut_through"' in metrics
+
+
+def test_the_core_timer_survives_a_loop_that_hands_back_a_plain_handle() -> None:
+    """uvloop keeps time in whole milliseconds and turns a ``call_at`` whose delay rounds
+    to 0 into ``call_soon``: a plain Handle, no ``when()``. On a loaded box the driver's
+    timer, armed a millisecond ahead, became one, and the next ``_arm_timer`` died on
+    ``when()`` inside a reader task (CI, round 49). The driver keeps the wake-up it armed
+    for itself: the same wake-up again keeps the timer, another one replaces it."""
+    import uvloop
+
+    async def run() -> None:
+        drv = _driver([])
+        loop = asyncio.get_running_loop()
+        drv.loop = loop
+        armed: list[float] = []
+
+        def call_at(when: float, cb: Any, *args: Any) -> asyncio.Handle:
+            armed.append(when)
+            return loop.call_soon(cb, *args)  # what uvloop returns for a 0 ms delay
+
+        drv.loop = type("L", (), {"call_at": staticmethod(call_at), "time": loop.time})()  # type: ignore[assignment]
+        wake = [loop.time() + 0.0004]
+        drv.core.next_wakeup = lambda: wake[0]  # type: ignore[method-assign]
+        drv._arm_timer()
+        drv._arm_timer()  # the same wake-up: the timer is kept, nothing re-armed
+        assert len(armed) == 1 and not hasattr(drv._timer, "when")  # a plain Handle
+        wake[0] += 1.0
+        drv._arm_timer()  # another wake-up: the plain Handle is cancelled and replaced
+        assert len(armed) == 2
+        drv._timer.cancel()  # type: ignore[union-attr]
+
+    uvloop.run(run())
