@@ -413,3 +413,16 @@ def test_a_bad_fast_startup_s_is_refused_by_name(bad: object) -> None:
         knobs = check_knobs({"fast_startup_s": bad}, "swarm")
         CoreConfig(node_id="o", region="r", model="m", listen_addr="127.0.0.1:1",
                    role="origin", **knobs)
+
+
+@pytest.mark.parametrize("bad", [0, 65, 1.5, "two", True])
+def test_a_bad_fast_startup_step_is_refused_by_name(bad: object) -> None:
+    from swarm.errors import ConfigError
+    from swarm.protocol.config import CoreConfig, check_knobs
+
+    with pytest.raises(ConfigError, match="fast_startup_step"):
+        knobs = check_knobs({"fast_startup_step": bad}, "swarm")
+        CoreConfig(node_id="o", region="r", model="m", listen_addr="127.0.0.1:1",
+                   role="origin", **knobs)
+    with pytest.raises(ValueError, match="step"):
+        UplinkWindow(2, 8, departure_step=0)

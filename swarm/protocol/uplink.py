@@ -50,11 +50,12 @@ went 5 → 10 → 20 at 0.19 and 0.40 s while the 10 Gbit/s uplink ran half empt
 regions' downlinks waited for chunks to spread. So start-up also runs on *departures*
 (``left``): while every push leaves the origin within ``fast_startup_s`` (0.2 s: 4 MiB at
 over 168 Mbit/s, each push capped by its border's downlink, not by the uplink), each
-departure of a push while the window was full opens the window by one, as each ACK does
-TCP's window in slow start: the window doubles once per push time, as the pushes leave
-(until round 42 it doubled only once a round of ``w`` departures had been timed: 5 → 10 →
-20 → 40 at 0.07, 0.18 and 0.29 s on fleet-1k; now 5 → 10 → 20 at 0.04 and 0.10 s;
-docs/simulation.md round 43). Rounds are still timed, as many departures in a row as the
+departure of a push while the window was full opens the window by ``departure_step``
+(``fast_startup_step``, 2): the window triples once per push time, as the pushes leave
+(round 43 opened it by one, as each ACK does TCP's window in slow start, so it doubled:
+5 → 10 → 20 at 0.04 and 0.10 s on fleet-1k; until round 42 it doubled only once a round of
+``w`` departures had been timed: 5 → 10 → 20 → 40 at 0.07, 0.18 and 0.29 s;
+docs/simulation.md rounds 43 and 49). Rounds are still timed, as many departures in a row as the
 window held when the round began, to end it: a round whose departure rate does not beat
 the best by ``startup_gain`` counts as flat (more pushes may stack on busy borders before
 the next spread them); two flat rounds in a row end it, as does a push that takes
@@ -80,6 +81,8 @@ class UplinkWindow:
                  departure_step: int = 1) -> None:
         if not 1 <= lo <= hi:
             raise ValueError(f"uplink window bounds {lo}..{hi}")
+        if departure_step < 1:
+            raise ValueError(f"uplink window departure step {departure_step}")
         self.lo, self.hi = lo, hi
         self.startup_gain, self.probe_gain, self.hold = startup_gain, probe_gain, hold
         self.w = lo
