@@ -107,6 +107,8 @@ class Conn:
     # another region and after; the next look, the count last seen
     ack_timer: asyncio.TimerHandle | None = None
     ack_seen: int = 0
+    # the origin: the next look at the path of a push leaving on it (``ev.PathSample``)
+    path_timer: asyncio.TimerHandle | None = None
     in_chunk: bool = False  # a chunk is being sent (the ack watch goes on meanwhile)
     # the receiver: chunks whose copy on the link itself (PSB1) the sender restarted
     # striped, once lanes came up mid-chunk; that copy's withdrawal is expected, not news

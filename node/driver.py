@@ -667,6 +667,8 @@ class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
                     c.in_chunk = True
                     if not self.core.cfg.is_origin and self._other_region(c):
                         self._watch_acks(c)  # a relay: RELAY_ALIVE while it is acknowledged
+                    elif self.core.cfg.is_origin and self.core.cfg.clear_startup:
+                        self._watch_path(c)  # a push: is there a queue on its path?
                     striped, seq = bool(c.lanes), None
                     if not c.laning:
                         self._chunks_flow(c)

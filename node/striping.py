@@ -385,10 +385,10 @@ class StripedLinks:
 
     def _lanes_end(self, c: Conn) -> None:
         """``c`` closed: so do its lanes; its offered token is void."""
-        for timer in (c.stall_timer, c.ack_timer):
+        for timer in (c.stall_timer, c.ack_timer, c.path_timer):
             if timer is not None:
                 timer.cancel()
-        c.stall_timer = c.ack_timer = None
+        c.stall_timer = c.ack_timer = c.path_timer = None
         if c.lane_token is not None and self.lane_tokens.get(c.lane_token) == c.id:
             del self.lane_tokens[c.lane_token]
         for lane in c.lanes:

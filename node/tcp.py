@@ -362,6 +362,20 @@ def path_sample(sock: Any) -> tuple[int, int, int] | None:
     return retrans, srtt, floor
 
 
+def ramping(sock: Any) -> bool:
+    """Whether ``sock``'s window is still opening from its start: BBR in its start-up
+    (pacing gain over 2x: 2.89 there, at most 1.25 after), or a loss-based window under
+    its slow-start threshold (Linux ``TCP_INFO``). False where it cannot be read."""
+    info = bbr_info(sock)
+    if info is not None:
+        return info[3] > 2 * 256
+    raw = _tcp_info(sock)
+    if raw is None:
+        return False
+    ssthresh, cwnd = struct.unpack_from("=II", raw, 76)
+    return cwnd < ssthresh
+
+
 class RandomLoss:
     """Whether one link's sender is capped by random loss on its path, so that more
     connections ("lanes", docs/striped-links.md) would carry more, or by a queue it

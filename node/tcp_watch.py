@@ -11,10 +11,13 @@ from typing import Any
 
 from node.conn import Arrival, Conn
 from node.tcp import (
+    QUEUE_FACTOR,
     STALE_SETTLE_RTTS,
     acked_bytes,
     bbr_model,
     keeps_window_across_idle,
+    path_sample,
+    ramping,
     restart_congestion,
     unacked_bytes,
 )
@@ -24,6 +27,8 @@ log = logging.getLogger("patchswarm.node")
 
 # how often a watched link's acknowledged bytes are looked at (``TcpWatch._ack_watch``)
 ACK_WATCH_S = 1.0
+# the origin looks at a leaving push's path once a round trip (its floor), at most this often
+PATH_WATCH_MIN_S = 0.02
 
 
 class TcpWatch:
@@ -67,6 +72,36 @@ class TcpWatch:
         c.ack_seen = seen
         if c.in_chunk or any((unacked_bytes(s) or 0) > 0 for s in self._socks(c)):
             c.ack_timer = self.loop.call_later(ACK_WATCH_S, self._ack_watch, c)
+
+    def _watch_path(self, c: Conn) -> None:
+        """Start ``_path_watch`` on ``c`` (the origin, a chunk leaving on it) unless it runs."""
+        if c.path_timer is None and self.loop is not None and c.sock is not None:
+            c.path_timer = self.loop.call_later(self._path_period(c), self._path_watch, c)
+
+    @staticmethod
+    def _path_period(c: Conn) -> float:
+        sample = path_sample(c.sock)
+        floor = sample[2] / 1e6 if sample is not None else 0.0
+        return max(PATH_WATCH_MIN_S, floor)
+
+    def _path_watch(self, c: Conn) -> None:
+        """A timer on ``c`` while a chunk leaves on it: whether its smoothed round trip
+        runs ``QUEUE_FACTOR`` x above its floor (a queue stands on the path), and whether
+        its window is still opening (``node.tcp.ramping``), as ``ev.PathSample``, once a
+        round trip. The core reads only those of pushes into
+        other regions (``OriginRole.on_path_sample``)."""
+        c.path_timer = None
+        if c.closing or self.conns.get(c.id) is not c or self.loop is None or not c.in_chunk:
+            return
+        sample = path_sample(c.sock)
+        if sample is None:
+            return  # not a TCP socket this platform can look into: no samples
+        _retrans, srtt, floor = sample
+        if floor > 0:
+            self.feed(ev.PathSample(self.now(), c.id, srtt > QUEUE_FACTOR * floor, floor / 1e6,
+                                    ramping=ramping(c.sock)))
+        c.path_timer = self.loop.call_later(max(PATH_WATCH_MIN_S, floor / 1e6),
+                                            self._path_watch, c)
 
     def _arm_restart_check(self, c: Conn) -> None:
         if c.restart_timer is not None:

@@ -73,6 +73,9 @@ BASE_VERSION = 1
 # how often a node's driver looks whether a link's bytes are being acknowledged
 # (node.tcp_watch.ACK_WATCH_S; the simulator may not import the node)
 ACK_WATCH_S = 1.0
+# a sampled round trip above this x its floor reads as a queue on the path
+# (node.tcp.QUEUE_FACTOR; ``ev.PathSample``)
+PATH_QUEUE_FACTOR = 1.25
 # node.warm_up's first look at a new link, its looks while the handshake is under way
 # (each twice as late), and BBR's start-up gain per round trip (the simulator may not
 # import the node)
@@ -282,6 +285,8 @@ class Simulation:
 
         knobs = {**STRATEGY_KNOBS[strategy], **sc.protocol}
         self.arrive_all = bool(knobs.get("serve_arriving", CoreConfig.serve_arriving))
+        # the origin's driver samples its pushes' paths (``ev.PathSample``)
+        self.path_samples = bool(knobs.get("clear_startup", CoreConfig.clear_startup))
         self.paced: dict[tuple[SimNode, int, int], list[list[Any]]] = {}
         self.alive_count = 0  # rollout nodes alive now
         self.published = 0
@@ -831,6 +836,8 @@ class Simulation:
             # ACK_WATCH_S that the target acknowledges bytes (``ev.Acked``), and the core
             # tells the origin (RELAY_ALIVE), which keeps a long relay from timing out
             self.engine.schedule(now + ACK_WATCH_S, self._acked, item)
+        if half.node.origin and src.site != dst.site and self.path_samples:
+            self.engine.schedule(now + max(half.rtt, 0.01), self._path_sample, item)
         if item[7]:
             # sent while it arrives here: it cannot leave faster than it comes in (it
             # follows the rate of the flow bringing it in until it is verified here)
@@ -927,6 +934,25 @@ class Simulation:
             return  # the chunk left (its arrival is one latency on) or the link is gone
         self._deliver(half.node, half.inc, ev.Acked(self.engine.now, half.cid))
         self.engine.schedule(self.engine.now + ACK_WATCH_S, self._acked, item)
+
+    def _path_sample(self, item: list[Any]) -> None:
+        """The origin's driver samples a push's socket once a round trip while it leaves
+        (``ev.PathSample``): its round trip runs above ``PATH_QUEUE_FACTOR`` x its floor
+        where the queues of the full resources on its path hold that much."""
+        half = item[0]
+        if half.cur is not item or not half.open or half.node.inc != half.inc:
+            return
+        # the queues on its way that stand now: a shaped uplink (``queue_ms``) its flows
+        # fill; links with no queue modelled hold next to none (a host's NIC)
+        wait = 0.0
+        for r, d in self.topo.queues.get((half.node.ep.site, half.peer.node.ep.site), ()):
+            if sum(min(f.rate, r.cap) for f in r.flows) >= 0.98 * r.cap:
+                wait += d
+        queued = wait > (PATH_QUEUE_FACTOR - 1.0) * half.rtt
+        now = self.engine.now
+        self._deliver(half.node, half.inc, ev.PathSample(now, half.cid, queued, half.rtt,
+                                                          ramping=half.cwnd != INF))
+        self.engine.schedule(now + max(half.rtt, 0.01), self._path_sample, item)
 
     def _idle_restart(self, half: Half, cap: float, res: list[Resource]) -> None:
         """A connection's window decays while it carries no chunk: Linux halves a window

@@ -21,7 +21,7 @@ from swarm.protocol import wire
 from swarm.protocol.coldpath import WARM_PUSHES, ColdPath
 from swarm.protocol.config import CoreConfig
 from swarm.protocol.core import NodeCore
-from swarm.protocol.seeding import AHEAD_ORDERS
+from swarm.protocol.seeding import AHEAD_ORDERS, CLEAR_RTTS
 from swarm.protocol.testing import MODEL, SECRET, Script, Signer
 
 
@@ -1600,3 +1600,57 @@ def test_start_up_spreading_stops_once_the_uplink_or_fresh_connections_are_slow(
     role.cold_paths["r1"].slow = False
     role.window.dep_on = False  # a push took fast_startup_s to leave: a thin uplink
     assert role._push_target(peers, {1: 1}, 1, "r1").conn == 1
+
+
+def test_pushes_whose_paths_show_no_queue_for_six_round_trips_lift_the_uplink_window() -> None:
+    """``clear_startup``: once the samples of the leaving pushes' paths (``PathSample``)
+    have shown no queue for ``CLEAR_RTTS`` round trips, the site uplink has room: the
+    window no longer limits pushes, and a region takes pushes before relays. A queue on
+    one push while another's path is clear is that border's downlink and changes
+    nothing; a queue on every push leaving is the site uplink's, and ends it."""
+    o, acts, _ = _first_version_pushes(clear_startup=True, fast_startup_s=0.0)
+    role = o.role
+    first = _sent_chunks(acts)
+    # the window's floor: two pushes, stacked on the first border (no start-up spreads them)
+    assert [x.conn for x in first] == [1, 1] and role._uplink_limit() == 2
+    rtt, t = 0.1, o.now + 0.1
+    assert _sent_chunks(o.handle(ev.PathSample(t, 1, False, rtt))) == []
+    assert role._uplink_limit() == 2 and not role._uplink_clear("r1")  # a run begins
+    assert _sent_chunks(o.handle(ev.PathSample(t + 0.55, 1, False, rtt))) == []  # 5.5 RTTs
+    got = _sent_chunks(o.handle(ev.PathSample(t + CLEAR_RTTS * rtt + 0.01, 1, False, rtt)))
+    # six round trips clear: every border takes its border_inflight at once
+    assert sorted(x.conn for x in got) == [2, 2, 3, 3]
+    assert role._uplink_limit() == role.window.hi and role._uplink_clear("r1")
+    assert not role._uplink_clear(role.cfg.region)  # the origin's own region: no uplink
+    o.handle(ev.PathSample(t + 0.7, 2, True, rtt))
+    assert role._uplink_clear("r1")  # 1's path is clear: 2's queue is its border's downlink
+    for conn in (1, 3):
+        o.handle(ev.PathSample(t + 0.8, conn, True, rtt))
+    assert role._uplink_limit() == 2 and not role._uplink_clear("r1")  # the uplink's queue
+    # a clear sample starts a new run; a conn with no push leaving is not sampled
+    o.handle(ev.PathSample(t + 0.9, 7, False, rtt))
+    assert role.clear_since is None
+
+
+def test_samples_of_windows_still_opening_start_no_clear_run() -> None:
+    """A push whose TCP window is still opening (slow start, BBR's start-up) shows no
+    queue on a thin uplink too, until it has filled it: such samples start no clear run,
+    though they count as no queue (the run is not ended while one is clear)."""
+    o, _acts, _ = _first_version_pushes(clear_startup=True, fast_startup_s=0.0)
+    role = o.role
+    for _k in range(12):
+        assert _sent_chunks(o.handle(ev.PathSample(o.now + 0.1, 1, False, 0.1, ramping=True))) == []
+    assert role.clear_since is None and role._uplink_limit() == 2
+    o.handle(ev.PathSample(o.now + 0.1, 1, False, 0.1))  # no longer opening: a run begins
+    start = role.clear_since
+    assert start is not None
+    o.handle(ev.PathSample(o.now + 0.1, 1, False, 0.1, ramping=True))
+    assert role.clear_since == start
+
+
+def test_path_samples_change_nothing_unless_clear_startup_is_on() -> None:
+    o, acts, _ = _first_version_pushes(fast_startup_s=0.0, clear_startup=False)
+    first = _sent_chunks(acts)
+    for k in range(8):
+        assert _sent_chunks(o.handle(ev.PathSample(o.now + 0.1 * k, first[0].conn, False, 0.1))) == []
+    assert o.role.clear_since is None and o.role._uplink_limit() == 2

@@ -124,6 +124,12 @@ class CoreConfig:
     # rather than stack behind one on the warm border, so the window opens by a push per
     # border at once (a first version over a fat uplink; docs/simulation.md round 48)
     spread_startup: bool = True
+    # origin: once pushes into remote regions whose TCP windows are no longer opening have
+    # shown no queue on their paths for 6 round trips (the driver's ``ev.PathSample``), the
+    # site uplink has room: the uplink window stops limiting pushes and regions take
+    # pushes before relays, until a queue shows on every push leaving (a long fat path,
+    # flows held by random loss: `lossy-long` 20.1 -> 10.0-10.3 s; docs/simulation.md round 50)
+    clear_startup: bool = True
     # a chunk arriving from a peer may be asked for by the region's peers at once (sent
     # block by block as it comes, the last once verified here): see docs/protocol.md.
     # Offered (COMING) only by a node that knows at least serve_arriving_region nodes of

@@ -718,6 +718,11 @@ class NodeCore(ReadModel):
         if p is not None and p.state is READY:
             self.role.on_acked(e.conn)
 
+    def _on_path_sample(self, e: ev.PathSample) -> None:
+        p = self.peers.get(e.conn)
+        if p is not None and p.state is READY:
+            self.role.on_path_sample(e.conn, e.queued, e.rtt, e.ramping)
+
     def _on_engine_served(self, e: ev.EngineServed) -> None:
         if e.version != self.served_version:
             self.served_version = e.version
@@ -796,4 +801,5 @@ _HANDLERS: dict[type, Callable[[NodeCore, Any], None]] = {
     ev.EngineServed: NodeCore._on_engine_served,
     ev.Progress: NodeCore._on_progress,
     ev.Acked: NodeCore._on_acked,
+    ev.PathSample: NodeCore._on_path_sample,
 }

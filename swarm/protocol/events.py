@@ -214,6 +214,22 @@ class Acked(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class PathSample(Event):
+    """The driver looked at the TCP socket of ``conn`` while a chunk of ours was leaving
+    on it: ``queued`` whether its round trip ran above its floor, i.e. a queue stood at
+    some bottleneck of the path. Only the origin reads them (``OriginRole.on_path_sample``):
+    pushes whose paths show no queue for long, with their windows no longer opening, tell
+    it that its site uplink has room (a long fat path, or flows held by random loss)."""
+
+    conn: int
+    queued: bool
+    rtt: float  # the path's round-trip floor, seconds
+    # its window is still opening from its start (slow start, BBR's start-up): no queue
+    # yet says nothing of the room on the path
+    ramping: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class EngineServed(Event):
     """The node's engine confirmed serving ``version`` (the fleet view reports it)."""
 

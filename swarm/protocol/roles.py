@@ -119,6 +119,9 @@ class Role:
     def on_acked(self, conn: int) -> None:
         """What we sent on ``conn`` is being acknowledged (``ev.Acked``)."""
 
+    def on_path_sample(self, conn: int, queued: bool, rtt: float, ramping: bool) -> None:
+        """A sample of ``conn``'s path while a chunk of ours leaves on it (``ev.PathSample``)."""
+
     def on_relay_sent(self, conn: int, v: int, i: int) -> None:
         """A relay we carried out to ``conn`` was handed over whole (``ChunkSent``)."""
 

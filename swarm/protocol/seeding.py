@@ -48,6 +48,11 @@ MIN_PATH_SAMPLES = 3
 # each waiting order's chunk came through a slow push that has left us (on a thin path: a
 # push that has left)
 AHEAD_ORDERS = 4
+# round trips the pushes' paths must show no queue on the site uplink before the origin
+# takes it for one that has room (``clear_startup``): TCP's slow start from its initial
+# window fills a thin uplink within ~5 (100 Mbit/s at 81 ms: the emulated WAN's first
+# version); a fat one, or paths held by loss, stay clear for as long as pushes leave
+CLEAR_RTTS = 6
 
 
 class SeedMode(enum.Enum):
@@ -141,6 +146,12 @@ class OriginRole(Role):
         # border conn -> the border conns we ordered it to relay to: connections that have
         # carried a chunk, whose TCP window is open (``_target``; pushes: ``pushed_to``)
         self.relayed_to: dict[int, set[int]] = {}
+        # push conn -> (when, queued) of its path's last sample (``on_path_sample``), and
+        # the places the uplink window is lent while the pushes' paths show no queue
+        self.path_seen: dict[int, tuple[float, bool]] = {}
+        self.clear_since: float | None = None
+        self.clear_rtt = 0.0
+        self.clear_logged = False  # the clear run is long enough, and was logged
 
     # ------------------------------------------------------------------ role hooks
     def frame_handlers(self) -> dict[type[wire.Frame], FrameHandler]:
@@ -314,6 +325,7 @@ class OriginRole(Role):
         for key in [k for k in self.pushes if k[0] == p.conn]:
             del self.pushes[key]
         self.pushed.pop(p.conn, None)
+        self.path_seen.pop(p.conn, None)
         self.first_push.pop(p.conn, None)
         self.pushed_to.discard(p.conn)
         for key in [k for k, t in self.warm.items() if k[0] == p.conn or t == p.conn]:
@@ -551,6 +563,56 @@ class OriginRole(Role):
                for e in plan.inflight.values()):
             self.acked_until[conn] = self.host.now + self.cfg.request_timeout_s
 
+    def on_path_sample(self, conn: int, queued: bool, rtt: float, ramping: bool) -> None:
+        """A push leaving on ``conn`` sampled its path (``clear_startup``). A queue on
+        every push leaving now is a full bottleneck all of them cross, the site uplink:
+        the clear run ends. A queue on some only is their borders' downlinks, which say
+        nothing of the uplink. A clear sample from a window no longer opening starts a
+        clear run, if none is on; one still opening (TCP's slow start, BBR's start-up:
+        a thin uplink looks clear until the window fills it) counts only as no queue."""
+        if not self.cfg.clear_startup or self.mode is not REGIONS:
+            return
+        home = self.cfg.region
+        leaving = {c for (c, _v, _i), r in self.pushes.items() if r and r != home}
+        if conn not in leaving:
+            return
+        now = self.host.now
+        self.path_seen[conn] = (now, queued)
+        if not queued:
+            if ramping:
+                return
+            if self.clear_since is None:
+                self.clear_since, self.clear_rtt = now, rtt
+            else:
+                self.clear_rtt = max(self.clear_rtt, rtt)  # the longest path's slow start
+            if self._clear_for(CLEAR_RTTS) and not self.clear_logged:
+                self.clear_logged = True
+                self.host.log("info", "uplink_clear", since=round(self.clear_since, 3),
+                              rtt_ms=round(self.clear_rtt * 1e3, 1))
+                self.schedule()
+            return
+        if all(self.path_seen.get(c, (0.0, True))[1] for c in leaving):
+            if self.clear_logged:
+                self.clear_logged = False
+                self.host.log("info", "uplink_queued")
+            self.clear_since = None
+
+    def _clear_for(self, rtts: float) -> bool:
+        """Whether the pushes' paths have shown no queue on the site uplink for ``rtts``
+        round trips (from the first clear sample since the last queue on all of them)."""
+        return (self.clear_since is not None
+                and self.host.now - self.clear_since >= rtts * self.clear_rtt)
+
+    def _uplink_clear(self, r: str) -> bool:
+        """Whether pushes into remote region ``r`` go before relays: the site uplink has
+        shown no queue for long (``on_path_sample``), so a relay saves it nothing and
+        adds a second leg (over a fresh connection, its own slow start), unless relays
+        into ``r`` have been measured faster than pushes (a slow direct path)."""
+        if r == self.cfg.region or not self._clear_for(CLEAR_RTTS):
+            return False
+        push, relay = self.push_s.get(r), self.relay_s.get(r)
+        return push is None or relay is None or push <= relay
+
     def _due(self, entry: list) -> float | None:
         """When an in-flight transfer times out: its deadline, or for a push whose bytes
         are still being acknowledged (``on_acked``) the later of that and the ack's.
@@ -724,9 +786,11 @@ class OriginRole(Role):
                   missing: int, now: float, union: int, rbits: dict[str, int]) -> int:
         """Start one transfer of a chunk region ``r`` misses: a relay if a border of
         another region can carry one, else a push. The chunk's index, or -1."""
-        i = self._relay_one(v, r, bs, plan, load, missing, now, union, home_ok=False)
-        if i >= 0:
-            return i
+        clear = self._uplink_clear(r)
+        if not clear:
+            i = self._relay_one(v, r, bs, plan, load, missing, now, union, home_ok=False)
+            if i >= 0:
+                return i
         # Novel chunks first (no remote region has them): they can be relayed on. A
         # second copy into the remote regions only once the origin's own pushes into
         # them have left (its uplink is often its site's thin uplink, shared by every
@@ -736,12 +800,12 @@ class OriginRole(Role):
         cand = missing & ~union
         if not cand:
             relayable = self._relayable(v, r, rbits, plan, now)
-            if relayable is None or self._direct_faster(r):
+            if clear or relayable is None or self._direct_faster(r):
                 cand = missing  # no region can relay into r (or r is home)
             elif not self.pushes_leaving():
                 cand = missing & ~relayable
         i = self._push_one(v, r, bs, plan, load, cand) if cand else -1
-        if i < 0:
+        if i < 0 and not clear:
             # no push: a border of another region may take the order for a chunk we are
             # pushing to it, carried out as soon as it is stored (relay on arrival)
             i = self._relay_one(v, r, bs, plan, load, missing, now, union, home_ok=False,
@@ -825,9 +889,12 @@ class OriginRole(Role):
     def _uplink_limit(self) -> int:
         """Transfers allowed through the site uplink: the measured window, which never
         drops below one per remote region with a border, so that no region's downlink
-        idles while the window is still small (its start-up, on the first version)."""
+        idles while the window is still small (its start-up, on the first version); no
+        limit while the pushes' paths have long shown no queue (``on_path_sample``)."""
         home = self.cfg.region
         self.window.raise_floor(sum(1 for r, bs in self.borders.items() if r != home and bs))
+        if self._clear_for(CLEAR_RTTS):
+            return self.window.hi  # the uplink has room: it is not the limit
         return self.window.w
 
     def _uplink_free(self, r: str, plan: RegionPlan) -> bool:
@@ -951,7 +1018,8 @@ class OriginRole(Role):
                     crossed |= plan.sent | plan.infl
             n += popcount(st.full & ~crossed)
             for r, plan in plans.items():
-                if plan.remote and (not self.cfg.relay or self._direct_faster(r)):
+                if plan.remote and (not self.cfg.relay or self._direct_faster(r)
+                                    or self._uplink_clear(r)):
                     n += popcount(crossed & ~(plan.sent | plan.infl))
         return n
 
