@@ -146,8 +146,9 @@ class OriginRole(Role):
         # border conn -> the border conns we ordered it to relay to: connections that have
         # carried a chunk, whose TCP window is open (``_target``; pushes: ``pushed_to``)
         self.relayed_to: dict[int, set[int]] = {}
-        # push conn -> (when, queued) of its path's last sample (``on_path_sample``), and
-        # the places the uplink window is lent while the pushes' paths show no queue
+        # push conn -> (when, queued) of its path's last sample (``on_path_sample``); since
+        # when samples have shown no queue on the site uplink, and the longest round trip
+        # among them (``_clear_for``)
         self.path_seen: dict[int, tuple[float, bool]] = {}
         self.clear_since: float | None = None
         self.clear_rtt = 0.0
@@ -591,7 +592,11 @@ class OriginRole(Role):
                               rtt_ms=round(self.clear_rtt * 1e3, 1))
                 self.schedule()
             return
-        if all(self.path_seen.get(c, (0.0, True))[1] for c in leaving):
+        # (a push not sampled within two round trips says nothing either way yet)
+        fresh = 2.0 * max(rtt, self.clear_rtt)
+        recent = [seen[1] for c in leaving
+                  if (seen := self.path_seen.get(c)) is not None and now - seen[0] <= fresh]
+        if all(recent):
             if self.clear_logged:
                 self.clear_logged = False
                 self.host.log("info", "uplink_queued")
