@@ -138,3 +138,28 @@ def test_from_any_retained_point_the_newest_version_is_reachable(history, keep, 
     joiner.replan(None)
     if any(h for h in history):
         assert joiner.chain[-1] == newest
+
+
+def test_a_version_given_up_on_while_its_last_chunk_was_on_its_way_is_applied_when_it_comes() -> None:
+    """A border takes a patch by push (nobody shows it: there is nothing to ask for).
+    Its last chunk crawls over a slow path for longer than ``unavailable_s``, so the node
+    gives up on the version; when the chunk comes whole, the version is whole: it goes
+    back into the chain and is applied. (It was held whole and never applied: the
+    simulator's 1 % loss over 150 ms, a node of region b.)"""
+    s = Signer()
+    cfg = CoreConfig(node_id="n", region="r", model=MODEL, listen_addr="n:1",
+                     swarm_secret=SECRET, active_version=1, unavailable_s=5.0)
+    core = NodeCore(cfg, verify_manifest=s.verify, rng=random.Random(0))
+    core.raise_internal_errors = True
+    a = Script(core, 1, node_id="a", region="q")
+    a.handshake()
+    a.send(wire.Announce(s.manifest(2, PATCH)))
+    assert core.versions.chain == [2]
+    for i in range(PATCH - 1):  # pushed: whole chunks, nothing asked for
+        core.handle(ev.ChunkReceived(core.now + 0.5, 1, 2, i, True))
+    for _t in range(10):
+        core.handle(ev.Tick(core.now + 1.0))
+    assert 2 in core.versions.unavailable and core.versions.chain == []
+    acts = core.handle(ev.ChunkReceived(core.now + 1.0, 1, 2, PATCH - 1, True))
+    assert 2 not in core.versions.unavailable and core.versions.chain == [2]
+    assert [a.version for a in acts if isinstance(a, ev.ApplyVersion)] == [2]

@@ -1605,9 +1605,9 @@ def test_start_up_spreading_stops_once_the_uplink_or_fresh_connections_are_slow(
 def test_pushes_whose_paths_show_no_queue_for_six_round_trips_lift_the_uplink_window() -> None:
     """``clear_startup``: once the samples of the leaving pushes' paths (``PathSample``)
     have shown no queue for ``CLEAR_RTTS`` round trips, the site uplink has room: the
-    window no longer limits pushes, and a region takes pushes before relays. A queue on
-    one push while another's path is clear is that border's downlink and changes
-    nothing; a queue on every push leaving is the site uplink's, and ends it."""
+    window no longer limits pushes. A queue on one push while another's path is clear is
+    that border's downlink and changes nothing; a queue on every push leaving is the site
+    uplink's, and ends it."""
     o, acts, _ = _first_version_pushes(clear_startup=True, fast_startup_s=0.0)
     role = o.role
     first = _sent_chunks(acts)
@@ -1615,18 +1615,17 @@ def test_pushes_whose_paths_show_no_queue_for_six_round_trips_lift_the_uplink_wi
     assert [x.conn for x in first] == [1, 1] and role._uplink_limit() == 2
     rtt, t = 0.1, o.now + 0.1
     assert _sent_chunks(o.handle(ev.PathSample(t, 1, False, rtt))) == []
-    assert role._uplink_limit() == 2 and not role._uplink_clear("r1")  # a run begins
+    assert role._uplink_limit() == 2 and role.clear_since == t  # a run begins
     assert _sent_chunks(o.handle(ev.PathSample(t + 0.55, 1, False, rtt))) == []  # 5.5 RTTs
     got = _sent_chunks(o.handle(ev.PathSample(t + CLEAR_RTTS * rtt + 0.01, 1, False, rtt)))
     # six round trips clear: every border takes its border_inflight at once
     assert sorted(x.conn for x in got) == [2, 2, 3, 3]
-    assert role._uplink_limit() == role.window.hi and role._uplink_clear("r1")
-    assert not role._uplink_clear(role.cfg.region)  # the origin's own region: no uplink
+    assert role._uplink_limit() == role.window.hi
     o.handle(ev.PathSample(t + 0.7, 2, True, rtt))
-    assert role._uplink_clear("r1")  # 1's path is clear: 2's queue is its border's downlink
+    assert role._uplink_limit() == role.window.hi  # 1 is clear: 2's queue is its border's
     for conn in (1, 3):
         o.handle(ev.PathSample(t + 0.8, conn, True, rtt))
-    assert role._uplink_limit() == 2 and not role._uplink_clear("r1")  # the uplink's queue
+    assert role._uplink_limit() == 2 and role.clear_since is None  # the uplink's queue
     # a clear sample starts a new run; a conn with no push leaving is not sampled
     o.handle(ev.PathSample(t + 0.9, 7, False, rtt))
     assert role.clear_since is None

@@ -126,9 +126,9 @@ class CoreConfig:
     spread_startup: bool = True
     # origin: once pushes into remote regions whose TCP windows are no longer opening have
     # shown no queue on their paths for 6 round trips (the driver's ``ev.PathSample``), the
-    # site uplink has room: the uplink window stops limiting pushes and regions take
-    # pushes before relays, until a queue shows on every push leaving (a long fat path,
-    # flows held by random loss: `lossy-long` 20.1 -> 10.0-10.3 s; docs/simulation.md round 50)
+    # site uplink has room: the uplink window stops limiting pushes, until a queue shows
+    # on every push leaving (a long fat path, flows held by random loss: `lossy-long`
+    # 20.1 -> ~10 s a version; docs/simulation.md round 50)
     clear_startup: bool = True
     # a chunk arriving from a peer may be asked for by the region's peers at once (sent
     # block by block as it comes, the last once verified here): see docs/protocol.md.

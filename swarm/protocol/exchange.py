@@ -282,6 +282,11 @@ class ChunkExchange:
                 vs.wanted = [w for w in vs.wanted if w != v]
                 st.avail = None
                 self.host.check_apply()
+            if v in self.versions.unavailable:
+                # given up on while this chunk was on its way (a push or relay over a
+                # slow path: nothing whole came for ``unavailable_s``): it came, so the
+                # version is in the chain again, and applied if it is now whole
+                self.host.shown(v)
         if p is not None and requested:
             self.fill(p)
         self.fill_all()

@@ -584,6 +584,7 @@ class OriginRole(Role):
                 return
             if self.clear_since is None:
                 self.clear_since, self.clear_rtt = now, rtt
+                self.host.log("debug", "uplink_clear_run", conn=conn, rtt_ms=round(rtt * 1e3, 1))
             else:
                 self.clear_rtt = max(self.clear_rtt, rtt)  # the longest path's slow start
             if self._clear_for(CLEAR_RTTS) and not self.clear_logged:
@@ -600,6 +601,9 @@ class OriginRole(Role):
             if self.clear_logged:
                 self.clear_logged = False
                 self.host.log("info", "uplink_queued")
+            elif self.clear_since is not None:
+                self.host.log("debug", "uplink_clear_run_ended", conn=conn,
+                              s=round(now - self.clear_since, 3))
             self.clear_since = None
 
     def _clear_for(self, rtts: float) -> bool:
@@ -607,16 +611,6 @@ class OriginRole(Role):
         round trips (from the first clear sample since the last queue on all of them)."""
         return (self.clear_since is not None
                 and self.host.now - self.clear_since >= rtts * self.clear_rtt)
-
-    def _uplink_clear(self, r: str) -> bool:
-        """Whether pushes into remote region ``r`` go before relays: the site uplink has
-        shown no queue for long (``on_path_sample``), so a relay saves it nothing and
-        adds a second leg (over a fresh connection, its own slow start), unless relays
-        into ``r`` have been measured faster than pushes (a slow direct path)."""
-        if r == self.cfg.region or not self._clear_for(CLEAR_RTTS):
-            return False
-        push, relay = self.push_s.get(r), self.relay_s.get(r)
-        return push is None or relay is None or push <= relay
 
     def _due(self, entry: list) -> float | None:
         """When an in-flight transfer times out: its deadline, or for a push whose bytes
@@ -791,11 +785,9 @@ class OriginRole(Role):
                   missing: int, now: float, union: int, rbits: dict[str, int]) -> int:
         """Start one transfer of a chunk region ``r`` misses: a relay if a border of
         another region can carry one, else a push. The chunk's index, or -1."""
-        clear = self._uplink_clear(r)
-        if not clear:
-            i = self._relay_one(v, r, bs, plan, load, missing, now, union, home_ok=False)
-            if i >= 0:
-                return i
+        i = self._relay_one(v, r, bs, plan, load, missing, now, union, home_ok=False)
+        if i >= 0:
+            return i
         # Novel chunks first (no remote region has them): they can be relayed on. A
         # second copy into the remote regions only once the origin's own pushes into
         # them have left (its uplink is often its site's thin uplink, shared by every
@@ -805,12 +797,12 @@ class OriginRole(Role):
         cand = missing & ~union
         if not cand:
             relayable = self._relayable(v, r, rbits, plan, now)
-            if clear or relayable is None or self._direct_faster(r):
+            if relayable is None or self._direct_faster(r):
                 cand = missing  # no region can relay into r (or r is home)
             elif not self.pushes_leaving():
                 cand = missing & ~relayable
         i = self._push_one(v, r, bs, plan, load, cand) if cand else -1
-        if i < 0 and not clear:
+        if i < 0:
             # no push: a border of another region may take the order for a chunk we are
             # pushing to it, carried out as soon as it is stored (relay on arrival)
             i = self._relay_one(v, r, bs, plan, load, missing, now, union, home_ok=False,
@@ -1023,8 +1015,7 @@ class OriginRole(Role):
                     crossed |= plan.sent | plan.infl
             n += popcount(st.full & ~crossed)
             for r, plan in plans.items():
-                if plan.remote and (not self.cfg.relay or self._direct_faster(r)
-                                    or self._uplink_clear(r)):
+                if plan.remote and (not self.cfg.relay or self._direct_faster(r)):
                     n += popcount(crossed & ~(plan.sent | plan.infl))
         return n
 
