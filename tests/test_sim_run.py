@@ -237,8 +237,9 @@ def test_a_thin_uplink_s_later_versions_are_no_slower_than_its_first():
 def _upload_bound_small(slow_relay_factor: float, seed: int) -> dict:
     """``upload-bound`` at 8 nodes a region and 64 MiB, three versions: the edge
     region's hosts send at 100 Mbit/s, the core regions' at 1 Gbit/s. Without
-    ``clear_startup``: with it the 10 Gbit/s trainer's pushes show no queue, its window
-    stops limiting them, and the edge relays 8 chunks out whatever the per-path rule."""
+    ``clear_startup`` (its default): with it the 10 Gbit/s trainer's pushes show no
+    queue, its window stops limiting them, and the edge relays 8 chunks out whatever the
+    per-path rule."""
     import dataclasses
 
     from simulations.scenario import load_scenario
@@ -378,8 +379,8 @@ def test_a_thin_uplink_s_queue_lifts_the_window_never():
     from simulations.scenario import load_scenario
 
     sc = load_scenario(CONFIGS / "wan-3x4.toml")
-    off = dataclasses.replace(sc, protocol={**sc.protocol, "clear_startup": False})
-    views = [deterministic_view(run_strategy(x, "patchswarm")[1]) for x in (sc, off)]
+    on = dataclasses.replace(sc, protocol={**sc.protocol, "clear_startup": True})
+    views = [deterministic_view(run_strategy(x, "patchswarm")[1]) for x in (sc, on)]
     for v in views:
         v.pop("events")  # the samples are events of their own
     assert views[0] == views[1]

@@ -127,9 +127,10 @@ class CoreConfig:
     # origin: once pushes into remote regions whose TCP windows are no longer opening have
     # shown no queue on their paths for 6 round trips (the driver's ``ev.PathSample``), the
     # site uplink has room: the uplink window stops limiting pushes, until a queue shows
-    # on every push leaving (a long fat path, flows held by random loss: `lossy-long`
-    # 20.1 -> ~10 s a version; docs/simulation.md round 50)
-    clear_startup: bool = True
+    # on every push leaving. Off: the simulator's fat trainer over long lossy links gains
+    # 2x (`lossy-long` 20.1 -> ~10 s), but the emulated lossy WAN behind a 100 Mbit/s
+    # uplink showed no gain (docs/simulation.md round 50)
+    clear_startup: bool = False
     # a chunk arriving from a peer may be asked for by the region's peers at once (sent
     # block by block as it comes, the last once verified here): see docs/protocol.md.
     # Offered (COMING) only by a node that knows at least serve_arriving_region nodes of
