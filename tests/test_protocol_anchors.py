@@ -77,16 +77,22 @@ def test_a_node_far_behind_chooses_by_bytes() -> None:
     assert vs.chain == [6, 7, 8] and vs.free == set()
 
 
-def test_an_unavailable_patch_falls_back_to_the_anchor() -> None:
-    """Patch 2 is cheaper than anchor 3 (4 chunks, then 3 is free), but nobody holds
-    it: after ``unavailable_s`` the node takes the anchor; it takes 2 back if shown."""
+def _node_at_1(peer_region: str) -> tuple[Signer, NodeCore, Script]:
+    """A node of region r at version 1 (``unavailable_s`` 5) linked to one peer."""
     s = Signer()
     cfg = CoreConfig(node_id="n", region="r", model=MODEL, listen_addr="n:1",
                      swarm_secret=SECRET, active_version=1, unavailable_s=5.0)
     core = NodeCore(cfg, verify_manifest=s.verify, rng=random.Random(0))
     core.raise_internal_errors = True
-    a = Script(core, 1, node_id="a", region="r")
+    a = Script(core, 1, node_id="a", region=peer_region)
     a.handshake()
+    return s, core, a
+
+
+def test_an_unavailable_patch_falls_back_to_the_anchor() -> None:
+    """Patch 2 is cheaper than anchor 3 (4 chunks, then 3 is free), but nobody holds
+    it: after ``unavailable_s`` the node takes the anchor; it takes 2 back if shown."""
+    s, core, a = _node_at_1("r")
     for raw in (s.manifest(2, PATCH), anchor(s, 3), s.manifest(4, PATCH)):
         a.send(wire.Announce(raw))
     assert core.versions.chain == [2, 3, 4] and core.versions.wanted == [2, 4]
@@ -146,13 +152,7 @@ def test_a_version_given_up_on_while_its_last_chunk_was_on_its_way_is_applied_wh
     gives up on the version; when the chunk comes whole, the version is whole: it goes
     back into the chain and is applied. (It was held whole and never applied: the
     simulator's 1 % loss over 150 ms, a node of region b.)"""
-    s = Signer()
-    cfg = CoreConfig(node_id="n", region="r", model=MODEL, listen_addr="n:1",
-                     swarm_secret=SECRET, active_version=1, unavailable_s=5.0)
-    core = NodeCore(cfg, verify_manifest=s.verify, rng=random.Random(0))
-    core.raise_internal_errors = True
-    a = Script(core, 1, node_id="a", region="q")
-    a.handshake()
+    s, core, a = _node_at_1("q")
     a.send(wire.Announce(s.manifest(2, PATCH)))
     assert core.versions.chain == [2]
     for i in range(PATCH - 1):  # pushed: whole chunks, nothing asked for
