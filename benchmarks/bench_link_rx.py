@@ -14,10 +14,33 @@ a sender process in the other, over TLS 1.3, with uvloop, for each arm:
 - ``link-cap16``: ``read_coalesce_s = 0.016``: each hold as long as 192 KiB take at the
   link's measured rate, 2-16 ms (round 21);
 - ``link-lowat``: ``node.link`` as shipped (round 47): the 2 ms hold between messages,
-  and inside one the socket's ``SO_RCVLOWAT`` (``read_lowat = 256 KiB``).
+  and inside one the socket's ``SO_RCVLOWAT`` (``read_lowat = 256 KiB``);
+- ``link-lowat-tight``: an experiment, not a setting: ``link-lowat`` with each mark up to
+  the message's very end (``TLS_RECORD_SLACK = 0``, ``LOWAT_MIN = 1``). Safe only because this
+  sender never stops: a mark may then ask for up to a record's ciphertext that the loop's
+  TLS layer already holds, and where nothing follows the message the link would sit on
+  it until ``LOWAT_GUARD_S``. It shows what wake-ups beyond one a block cost.
 
-The table gives the receiver process's CPU seconds per GB (utime + stime,
-``getrusage``), its voluntary context switches per message (how often its loop
+Floors, to show what the machine, the cipher and the loop cost before any of the link's
+own code runs (round 51):
+
+- ``tcp-floor``: plain TCP, a blocking ``recv_into`` of up to 1 MiB with ``SO_RCVLOWAT``
+  at a block: one system call per 256 KiB, so nearly all of it is the kernel's receive
+  path (segments, ACKs, copies to user space) at this rate;
+- ``tls-floor``: the same over TLS 1.3 through memory BIOs (as the loop's TLS transport
+  does it): Python's ``ssl`` record layer on top, one read call per 16 KiB record;
+- ``loop-tcp-floor`` / ``loop-tls-floor``: the event loop (uvloop) and its transport (TLS
+  1.3: the loop's own TLS layer) under a buffered protocol that only counts the bytes,
+  the socket's mark at a block: what the loop and its TLS layer cost before the link's
+  framing;
+- ``aead-floor``: plain TCP carrying 256 KiB frames sealed with AES-128-GCM
+  (``cryptography``'s ``decrypt_into``, a fixed benchmark key): what a record layer of
+  our own with block-sized records would cost (not a transport: no key exchange).
+
+Every process tunes its allocator as a node does (``node.daemon.tune_malloc``; before
+round 51 the link arms' receivers did not, and a 256 KiB message's buffer could come
+back as fresh pages). The table gives the receiver process's CPU seconds per GB (utime + stime,
+``getrusage``; the system part on its own), its voluntary context switches per message (how often its loop
 slept and woke), and the rate. Needs root (namespaces, tc); everything it makes is
 removed at the end. Usage: ``python benchmarks/bench_link_rx.py [--mbit 100,1000]
 [--mib 12] [--runs 2] [--arms link-batched,link-lowat] [--out F.json]``.
@@ -45,12 +68,20 @@ BLOCK = 256 * 1024
 PORT = 9917
 # arm: (read_coalesce_s, read_lowat)
 ARMS = {"ws": None, "link": (0.0, 0), "link-batched": (0.002, 0), "link-cap16": (0.016, 0),
-        "link-lowat": (0.002, 256 * 1024)}
+        "link-lowat": (0.002, 256 * 1024), "tcp-floor": None, "tls-floor": None,
+        "aead-floor": None,
+        "loop-tcp-floor": None, "loop-tls-floor": None,
+        "link-lowat-tight": (0.002, 256 * 1024)}
+FLOORS = ("tcp-floor", "tls-floor", "aead-floor")
+LOOP_FLOORS = ("loop-tcp-floor", "loop-tls-floor")
+AEAD_KEY = bytes(range(16))  # aead-floor measures the cipher's cost, not trust
+TAG = 16
 
 
-def _usage() -> tuple[float, int]:
+def _usage() -> tuple[float, int, float]:
+    """(user + system CPU seconds, voluntary context switches, system CPU seconds)."""
     r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime, r.ru_nvcsw
+    return r.ru_utime + r.ru_stime, r.ru_nvcsw, r.ru_stime
 
 
 def _make_certificate(tmp: Path) -> None:
@@ -81,6 +112,8 @@ async def _receive(arm: str, n: int, tls: ssl.SSLContext) -> dict:
         mark["u1"], mark["t1"] = _usage(), time.perf_counter()
         done.set()
 
+    if arm in LOOP_FLOORS:
+        return await _receive_loop_floor(arm, n, tls)
     if arm == "ws":
         from aiohttp import web
 
@@ -103,6 +136,11 @@ async def _receive(arm: str, n: int, tls: ssl.SSLContext) -> dict:
         from node.guard import ConnectionGuard
         from node.link import Link, LinkServer
 
+        if arm == "link-lowat-tight":  # an experiment: marks up to the message's end
+            import node.link
+
+            node.link.TLS_RECORD_SLACK, node.link.LOWAT_MIN = 0, 1
+
         async def on_link(link: Link) -> None:
             for i in range(n):
                 await link.recv()
@@ -118,6 +156,7 @@ async def _receive(arm: str, n: int, tls: ssl.SSLContext) -> dict:
     await asyncio.wait_for(done.wait(), 600)
     gb = (n - 1) * BLOCK / 1e9
     return {"cpu_s_per_gb": round((mark["u1"][0] - mark["u0"][0]) / gb, 2),
+            "system_s_per_gb": round((mark["u1"][2] - mark["u0"][2]) / gb, 2),
             "wakeups_per_message": round((mark["u1"][1] - mark["u0"][1]) / (n - 1), 1),
             "mb_per_s": round(gb * 1e3 / (mark["t1"] - mark["t0"]), 1)}
 
@@ -142,7 +181,172 @@ async def _send(arm: str, n: int, host: str, tls: ssl.SSLContext) -> None:
     await link.close()
 
 
+async def _receive_loop_floor(arm: str, n: int, tls: ssl.SSLContext) -> dict:
+    """A loop floor's receiver: the loop's transport, a protocol that counts bytes."""
+    import socket
+
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    want, mark = n * BLOCK, {}
+
+    class Count(asyncio.BufferedProtocol):
+        def __init__(self) -> None:
+            self.buf, self.total = memoryview(bytearray(1 << 20)), 0
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
+            sock = transport.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, BLOCK)
+
+        def get_buffer(self, sizehint: int) -> memoryview:
+            return self.buf
+
+        def buffer_updated(self, nbytes: int) -> None:
+            self.total += nbytes
+            if "u0" not in mark and self.total >= BLOCK:
+                mark["u0"], mark["t0"], mark["base"] = _usage(), time.perf_counter(), self.total
+            if self.total >= want and not done.done():
+                mark["u1"], mark["t1"] = _usage(), time.perf_counter()
+                done.set_result(None)
+
+    server = await loop.create_server(Count, "0.0.0.0", PORT,
+                                      ssl=tls if arm == "loop-tls-floor" else None)
+    print("listening", flush=True)
+    await asyncio.wait_for(done, 600)
+    server.close()
+    gb = (want - mark["base"]) / 1e9
+    return {"cpu_s_per_gb": round((mark["u1"][0] - mark["u0"][0]) / gb, 2),
+            "system_s_per_gb": round((mark["u1"][2] - mark["u0"][2]) / gb, 2),
+            "wakeups_per_message": round((mark["u1"][1] - mark["u0"][1]) / (n - 1), 1),
+            "mb_per_s": round(gb * 1e3 / (mark["t1"] - mark["t0"]), 1)}
+
+
+def _tls_server(conn, tls: ssl.SSLContext) -> tuple[ssl.SSLObject, ssl.MemoryBIO, ssl.MemoryBIO]:
+    """A TLS 1.3 server over memory BIOs (as the link's), handshaken on a blocking socket."""
+    inc, out = ssl.MemoryBIO(), ssl.MemoryBIO()
+    obj = tls.wrap_bio(inc, out, server_side=True)
+    while True:
+        try:
+            obj.do_handshake()
+            break
+        except ssl.SSLWantReadError:
+            if out.pending:
+                conn.sendall(out.read())
+            data = conn.recv(65536)
+            if not data:
+                raise RuntimeError("the sender closed during the handshake") from None
+            inc.write(data)
+    if out.pending:
+        conn.sendall(out.read())
+    return obj, inc, out
+
+
+def _receive_floor(arm: str, n: int, tls: ssl.SSLContext) -> dict:
+    """A floor arm's receiver: blocking reads of up to 1 MiB that wake at a block
+    (``SO_RCVLOWAT``), nothing done with the bytes; TLS through memory BIOs."""
+    import socket
+
+    ls = socket.create_server(("0.0.0.0", PORT))
+    print("listening", flush=True)
+    conn, _ = ls.accept()
+    ls.close()
+    obj = inc = None
+    if arm == "tls-floor":
+        obj, inc, _ = _tls_server(conn, tls)
+    if arm == "aead-floor":
+        return _receive_aead(conn, n)
+    raw = memoryview(bytearray(1 << 20))
+    buf = memoryview(bytearray(1 << 20))
+    total, want, u0, t0, base, calls, lowat = 0, n * BLOCK, None, 0.0, 0, 0, 0
+    while total < want:
+        # wake at a block, or at what is left (the sender holds its end open after it)
+        if min(BLOCK, want - total) != lowat:
+            lowat = min(BLOCK, want - total)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
+        got = conn.recv_into(raw, len(raw) if obj is not None else min(len(raw), want - total))
+        if not got:
+            raise RuntimeError(f"the sender closed after {total} of {want} bytes")
+        calls += 1
+        if obj is None:
+            total += got
+        else:
+            inc.write(raw[:got])
+            while True:
+                try:
+                    total += obj.read(len(buf), buf)
+                except ssl.SSLWantReadError:
+                    break
+        if u0 is None and total >= BLOCK:  # from the first block, as the other arms
+            u0, t0, base = _usage(), time.perf_counter(), total
+    u1, t1 = _usage(), time.perf_counter()
+    conn.close()
+    gb = (total - base) / 1e9
+    return {"cpu_s_per_gb": round((u1[0] - u0[0]) / gb, 2),
+            "system_s_per_gb": round((u1[2] - u0[2]) / gb, 2),
+            "wakeups_per_message": round((u1[1] - u0[1]) / (n - 1), 1),
+            "mb_per_s": round(gb * 1e3 / (t1 - t0), 1), "reads_per_message": round(calls / n, 1)}
+
+
+def _receive_aead(conn, n: int) -> dict:
+    """``aead-floor``'s receiver: a frame's bytes in one wake-up, opened in place."""
+    import socket
+
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    aead, frame = AESGCM(AEAD_KEY), BLOCK + TAG
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, frame)
+    raw, out = memoryview(bytearray(frame)), bytearray(BLOCK)
+    u0, t0, calls, filled = None, 0.0, 0, 0
+    for i in range(n):
+        while filled < frame:  # asks for the frame's rest: wakes when it is all there
+            got = conn.recv_into(raw[filled:], frame - filled)
+            if not got:
+                raise RuntimeError(f"the sender closed in frame {i} of {n}")
+            calls += 1
+            filled += got
+        aead.decrypt_into(i.to_bytes(12, "big"), raw, None, out)
+        filled = 0
+        if i == 0:
+            u0, t0 = _usage(), time.perf_counter()
+    u1, t1 = _usage(), time.perf_counter()
+    conn.close()
+    gb = (n - 1) * BLOCK / 1e9
+    return {"cpu_s_per_gb": round((u1[0] - u0[0]) / gb, 2),
+            "system_s_per_gb": round((u1[2] - u0[2]) / gb, 2),
+            "wakeups_per_message": round((u1[1] - u0[1]) / (n - 1), 1),
+            "mb_per_s": round(gb * 1e3 / (t1 - t0), 1), "reads_per_message": round(calls / n, 1)}
+
+
+def _send_floor(arm: str, n: int, host: str, tls: ssl.SSLContext) -> None:
+    import socket
+
+    payload = os.urandom(BLOCK)
+    conn = socket.create_connection((host, PORT), timeout=60)
+    sock = tls.wrap_socket(conn) if arm == "tls-floor" else conn
+    if arm == "aead-floor":
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        aead = AESGCM(AEAD_KEY)
+        for i in range(n):
+            sock.sendall(aead.encrypt(i.to_bytes(12, "big"), payload, None))
+    for _ in range(n if arm != "aead-floor" else 0):
+        sock.sendall(payload)
+    time.sleep(1.0)
+    sock.close()
+
+
 def _inner(args: argparse.Namespace) -> int:
+    from node.daemon import tune_malloc
+
+    tune_malloc()  # as a node's process (round 51: the link arms allocate per message)
+    if args.arm in LOOP_FLOORS and args.inner == "send":  # the blocking floors' sender
+        args.arm = args.arm.removeprefix("loop-")
+    if args.arm in FLOORS:
+        server, client = _contexts(Path(args.certs))
+        if args.inner == "receive":
+            print(json.dumps(_receive_floor(args.arm, args.n, server)), flush=True)
+        else:
+            _send_floor(args.arm, args.n, args.host, client)
+        return 0
     import uvloop
 
     uvloop.install()
@@ -238,9 +442,11 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             for name in ns:
                 subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
-    print(f"\n{'Mbit':>5} {'arm':13} {'run':>3} {'CPU-s/GB':>9} {'wake-ups/msg':>13} {'MB/s':>7}")
+    print(f"\n{'Mbit':>5} {'arm':16} {'run':>3} {'CPU-s/GB':>9} {'system':>7} "
+          f"{'wake-ups/msg':>13} {'MB/s':>7}")
     for r in rows:
-        print(f"{r['mbit']:>5} {r['arm']:13} {r['run']:>3} {r['cpu_s_per_gb']:>9.2f} "
+        print(f"{r['mbit']:>5} {r['arm']:16} {r['run']:>3} {r['cpu_s_per_gb']:>9.2f} "
+              f"{r.get('system_s_per_gb', float('nan')):>7.2f} "
               f"{r['wakeups_per_message']:>13.1f} {r['mb_per_s']:>7.1f}")
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_transport import write_results
