@@ -13,10 +13,16 @@ a sender process in the other, over TLS 1.3, with uvloop, for each arm:
   12's fixed hold), no wake-up mark (``read_lowat = 0``: rounds 12-46);
 - ``link-cap16``: ``read_coalesce_s = 0.016``: each hold as long as 192 KiB take at the
   link's measured rate, 2-16 ms (round 21);
-- ``link-lowat``: ``node.link`` as shipped (round 47): the 2 ms hold between messages,
-  and inside one the socket's ``SO_RCVLOWAT`` (``read_lowat = 256 KiB``);
-- ``link-lowat-tight``: an experiment, not a setting: ``link-lowat`` with each mark up to
-  the message's very end (``TLS_RECORD_SLACK = 0``, ``LOWAT_MIN = 1``). Safe only because this
+- ``link-lowat``: ``node.link`` as shipped: since round 51 its own TLS layer, which after
+  the handshake carries each message as one AES-256-GCM frame (``node.frames``) and
+  wakes the link once a frame is all there;
+- ``link-records``: the link's own TLS layer with frames off (TLS records, marks that
+  count exactly the ciphertext it holds);
+- ``link-loop-tls``: the link on the event loop's TLS transport (rounds 47-50): the 2 ms
+  hold between messages, inside one the socket's ``SO_RCVLOWAT`` (``read_lowat = 256
+  KiB``) a record short of the message's end;
+- ``link-lowat-tight``: an experiment, not a setting: ``link-loop-tls`` with each mark up
+  to the message's very end (``TLS_RECORD_SLACK = 0``, ``LOWAT_MIN = 1``). Safe only because this
   sender never stops: a mark may then ask for up to a record's ciphertext that the loop's
   TLS layer already holds, and where nothing follows the message the link would sit on
   it until ``LOWAT_GUARD_S``. It shows what wake-ups beyond one a block cost.
@@ -71,7 +77,9 @@ ARMS = {"ws": None, "link": (0.0, 0), "link-batched": (0.002, 0), "link-cap16": 
         "link-lowat": (0.002, 256 * 1024), "tcp-floor": None, "tls-floor": None,
         "aead-floor": None,
         "loop-tcp-floor": None, "loop-tls-floor": None,
-        "link-lowat-tight": (0.002, 256 * 1024)}
+        "link-lowat-tight": (0.002, 256 * 1024), "link-loop-tls": (0.002, 256 * 1024),
+        "link-records": (0.002, 256 * 1024)}
+LOOP_TLS = ("link-lowat-tight", "link-loop-tls")  # link arms on the loop's TLS transport
 FLOORS = ("tcp-floor", "tls-floor", "aead-floor")
 LOOP_FLOORS = ("loop-tcp-floor", "loop-tls-floor")
 AEAD_KEY = bytes(range(16))  # aead-floor measures the cipher's cost, not trust
@@ -150,7 +158,9 @@ async def _receive(arm: str, n: int, tls: ssl.SSLContext) -> dict:
 
         server = LinkServer(on_link, ssl_context=tls, max_message=1 << 23,
                             guard=ConnectionGuard(max_total=4, max_per_ip=4, upgrade_timeout_s=30),
-                            read_coalesce_s=ARMS[arm][0], read_lowat=ARMS[arm][1])
+                            read_coalesce_s=ARMS[arm][0], read_lowat=ARMS[arm][1],
+                            tls_layer="loop" if arm in LOOP_TLS else "own",
+                            frames=arm != "link-records")
         await server.start("0.0.0.0", PORT)
     print("listening", flush=True)
     await asyncio.wait_for(done.wait(), 600)
@@ -174,7 +184,8 @@ async def _send(arm: str, n: int, host: str, tls: ssl.SSLContext) -> None:
         return
     from node.link import dial
 
-    link = await dial(host, PORT, ssl_context=tls, max_message=1 << 23, timeout=10)
+    link = await dial(host, PORT, ssl_context=tls, max_message=1 << 23, timeout=10,
+                      tls_layer="loop" if arm in LOOP_TLS else "own", frames=arm != "link-records")
     for _ in range(n):
         await link.send(payload)
     await asyncio.sleep(1.0)

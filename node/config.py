@@ -47,6 +47,7 @@ _SECTIONS = {
     "network": {"listen", "advertise", "bootstrap", "swarm_secret", "swarm_secret_file",
                 "max_connections", "max_connections_per_ip", "upgrade_timeout_s",
                 "allow_plaintext", "unsent_limit_kib", "read_coalesce_ms", "read_lowat_kib", "lanes",
+                "frames",
                 "congestion_control", "congestion_restart_s", "congestion_restart_idle_s",
                 "warm_up_kib",
                 "warm_up_min_rtt_ms"},
@@ -134,6 +135,9 @@ class NodeConfig:
     # inside a large message (a chunk block), the bytes the kernel gathers before it wakes
     # a peer link, at most (SO_RCVLOWAT; 0: off, timed holds only; node.link._gather)
     read_lowat_kib: int = 256
+    # after the mutual-TLS handshake, carry each link message as one AES-256-GCM frame under
+    # keys exchanged in the TLS channel, where the peer offers it too (node.frames)
+    frames: bool = True
     # TCP congestion control of peer sockets ("": the system's; node.driver.set_congestion)
     congestion_control: str = "bbr"
     # BBR started over on a link whose chunk runs this long, or starts after idle (0: never;
@@ -541,6 +545,7 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = Non
         raise ConfigError("network.warm_up_min_rtt_ms: must be a number in 0..10000, "
                           f"got {warm_rtt!r}")
     tls = _tls(data.get("tls"), base_dir, node_id, region, role)
+    frames = _get(net, "network", "frames", bool, True)
     plaintext = _get(net, "network", "allow_plaintext", bool, False)
     if tls is None and not plaintext and not _loopback(host):
         raise ConfigError(
@@ -553,7 +558,7 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = Non
         raise ConfigError("gateway: only a rollout node (node.role = \"node\") serves requests")
     cfg = NodeConfig(
         tls=tls, api_listen=api_listen, api_token=api_token, upgrade_timeout_s=float(upgrade),
-        read_coalesce_ms=float(coalesce), congestion_control=congestion,
+        read_coalesce_ms=float(coalesce), congestion_control=congestion, frames=frames,
         congestion_restart_s=float(restart), congestion_restart_idle_s=float(restart_idle),
         warm_up_min_rtt_ms=float(warm_rtt),
         gateway=gateway,

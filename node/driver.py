@@ -155,6 +155,7 @@ class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
                  guard: ConnectionGuard | None = None,
                  unsent_limit: int = UNSENT_LIMIT,
                  read_coalesce_s: float = READ_COALESCE_S, read_lowat: int = READ_LOWAT,
+                 frames: bool = True,
                  congestion: str = CONGESTION_CONTROL,
                  congestion_restart_s: float = CONGESTION_RESTART_S,
                  congestion_restart_idle_s: float = RESTART_IDLE_S,
@@ -187,6 +188,7 @@ class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
         self.lanes_refused = 0
         self.read_coalesce_s = read_coalesce_s
         self.read_lowat = read_lowat
+        self.frames = frames  # offer the data plane's frames on TLS links (node.frames)
         self.unsent_limit = unsent_limit
         self.congestion = congestion
         # BBR started over on a link whose chunk starts after idle or runs long (node.tcp)
@@ -284,7 +286,8 @@ class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
         self.link_server = LinkServer(
             self._accept_link, ssl_context=self.tls.server if self.tls is not None else None,
             max_message=MAX_LINK_MESSAGE, guard=self.guard, http=self.runner.server,
-            read_coalesce_s=self.read_coalesce_s, read_lowat=self.read_lowat)
+            read_coalesce_s=self.read_coalesce_s, read_lowat=self.read_lowat,
+            frames=self.frames)
         await self.link_server.start(self.host, self.port)
         if self.api_app is not None and self.api_addr is not None:
             self.api_runner = web.AppRunner(self.api_app, access_log=None, handle_signals=False)
@@ -528,7 +531,8 @@ class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
             link = await dial(host.strip("[]"), int(port),
                               ssl_context=self.tls.client if self.tls is not None else None,
                               max_message=MAX_LINK_MESSAGE, timeout=CONNECT_TIMEOUT_S + 5.0,
-                              read_coalesce_s=self.read_coalesce_s, read_lowat=self.read_lowat)
+                              read_coalesce_s=self.read_coalesce_s, read_lowat=self.read_lowat,
+            frames=self.frames)
         except (TimeoutError, OSError, ValueError) as exc:
             if not self.draining:
                 self.feed(ev.ConnectFailed(self.now(), addr, f"{type(exc).__name__}: {exc}"[:200]))

@@ -53,6 +53,7 @@ import struct
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from node.tls_layer import TlsProtocol
 from swarm.errors import ProtocolError
 
 PREFACE = b"PSL1"
@@ -194,6 +195,10 @@ class LinkProtocol(asyncio.BufferedProtocol):
                 return
             self.admitted = True
         self.transport = transport
+        if getattr(transport, "frames", False):
+            # a frame is a message: the TLS layer wakes the link once it is all there
+            # (node.tls_layer), so no marks and no holds of the link's own
+            self.lowat_max, self.coalesce_s = 0, 0.0
         if self.lowat_max > 1:
             self.sock = transport.get_extra_info("socket")
             if self.sock is None:
@@ -266,7 +271,7 @@ class LinkProtocol(asyncio.BufferedProtocol):
                 if self.rcvbuf == 0:  # once a message (the kernel grows it as it goes)
                     self.rcvbuf = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
                 want = min(self.lowat_max, self.rcvbuf // 4,
-                           len(self.body) - self.bpos - (TLS_RECORD_SLACK if self.tls else 0))
+                           len(self.body) - self.bpos - self._tls_held())
                 if want < LOWAT_MIN:
                     want = 1
             if want != self.lowat:
@@ -283,6 +288,14 @@ class LinkProtocol(asyncio.BufferedProtocol):
         if want > 1:
             self.lowat_guard = self.loop.call_later(LOWAT_GUARD_S, self._mark_expired)
         return want > 1
+
+    def _tls_held(self) -> int:
+        """Ciphertext of the message's rest that the TLS layer holds already: exact under
+        the link's own layer (``node.tls_layer``), a record's worth under the loop's."""
+        if not self.tls:
+            return 0
+        pending = getattr(self.transport, "tls_pending", None)
+        return pending() if pending is not None else TLS_RECORD_SLACK
 
     def _mark_expired(self) -> None:
         """The mark was not reached in ``LOWAT_GUARD_S``: wake on any byte again (a slow
@@ -652,19 +665,33 @@ class Link:
 
 async def dial(host: str, port: int, *, ssl_context: ssl.SSLContext | None, max_message: int,
                timeout: float, read_coalesce_s: float = READ_COALESCE_S,
-               read_lowat: int = READ_LOWAT, lane: bool = False) -> Link:
+               read_lowat: int = READ_LOWAT, lane: bool = False,
+               tls_layer: str = "own", frames: bool = True) -> Link:
     """Connect, run the TLS handshake, exchange prefaces; bounded by ``timeout`` as a whole.
     ``lane``: open it as an extra connection of a striped link (``LANE_PREFACE``).
+    ``tls_layer``: "own" (``node.tls_layer``, shipped) or "loop" (the event loop's TLS
+    transport, the layer before round 51; kept to measure against). ``frames``: offer
+    the data plane's frames (``node.frames``; the own layer only).
     Raises ``OSError`` (``ConnectionError``, ``ssl.SSLError``) or ``TimeoutError``."""
     loop = asyncio.get_running_loop()
     proto = LinkProtocol(max_message, tls=ssl_context is not None, coalesce_s=read_coalesce_s,
                          lowat=read_lowat, preface=LANE_PREFACE if lane else PREFACE)
+    layer: TlsProtocol | None = None
+    if ssl_context is not None and tls_layer == "own":
+        layer = TlsProtocol(proto, ssl_context, server_side=False, handshake_timeout_s=timeout,
+                            max_message=max_message + HEADER.size, lowat=read_lowat,
+                            frames=frames)
 
     async def connect() -> None:
-        extra: dict[str, Any] = {}
-        if ssl_context is not None:
-            extra = {"ssl": ssl_context, "server_hostname": "", "ssl_handshake_timeout": timeout}
-        await loop.create_connection(lambda: proto, host, port, **extra)
+        if layer is not None:
+            await loop.create_connection(lambda: layer, host, port)
+            await layer.handshake_done  # raises what ended it (ssl.SSLError, TimeoutError, ...)
+        else:
+            extra: dict[str, Any] = {}
+            if ssl_context is not None:
+                extra = {"ssl": ssl_context, "server_hostname": "",
+                         "ssl_handshake_timeout": timeout}
+            await loop.create_connection(lambda: proto, host, port, **extra)
         await proto.ready
 
     try:
@@ -672,6 +699,8 @@ async def dial(host: str, port: int, *, ssl_context: ssl.SSLContext | None, max_
     except BaseException:
         if proto.transport is not None:
             proto.transport.abort()
+        elif layer is not None:
+            layer.abort()
         raise
     return proto.link
 
@@ -683,9 +712,12 @@ class LinkServer:
     def __init__(self, on_link: Callable[[Link], Awaitable[None]], *,
                  ssl_context: ssl.SSLContext | None, max_message: int, guard: Any,
                  http: Callable[[], asyncio.Protocol] | None = None,
-                 read_coalesce_s: float = READ_COALESCE_S, read_lowat: int = READ_LOWAT) -> None:
+                 read_coalesce_s: float = READ_COALESCE_S, read_lowat: int = READ_LOWAT,
+                 tls_layer: str = "own", frames: bool = True) -> None:
+        self.frames = frames
         self.on_link = on_link
         self.ssl_context = ssl_context
+        self.own_tls = ssl_context is not None and tls_layer == "own"  # as dial's
         self.max_message = max_message
         self.guard = guard
         self.http = http if ssl_context is None else None
@@ -697,10 +729,12 @@ class LinkServer:
     async def start(self, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()
         extra: dict[str, Any] = {}
-        if self.ssl_context is not None:  # the handshake has the guard's deadline too
+        if self.ssl_context is not None and not self.own_tls:
+            # the handshake has the guard's deadline too
             extra = {"ssl": self.ssl_context,
                      "ssl_handshake_timeout": self.guard.upgrade_timeout_s}
-        self.server = await loop.create_server(self._connection, host, port,
+        self.server = await loop.create_server(self._tls_connection if self.own_tls
+                                               else self._connection, host, port,
                                                reuse_address=True, **extra)
 
     @property
@@ -721,6 +755,17 @@ class LinkServer:
                             fallback=self._to_http if self.http is not None else None,
                             admit=g.admit, release=g.release, deadline_s=g.upgrade_timeout_s,
                             on_deadline=g.note_timed_out)
+
+    def _tls_connection(self) -> TlsProtocol:
+        """The link's own TLS layer under a link's protocol; the handshake has the
+        guard's deadline (and counts as timed out past it), as the preface has."""
+        assert self.ssl_context is not None
+        g = self.guard
+        return TlsProtocol(self._connection(), self.ssl_context, server_side=True,
+                           handshake_timeout_s=g.upgrade_timeout_s,
+                           max_message=self.max_message + HEADER.size,
+                           lowat=self.read_lowat, frames=self.frames,
+                           on_timeout=g.note_timed_out)
 
     def _to_http(self, proto: LinkProtocol, first: bytes) -> bool:
         """No TLS, and the first bytes are not a preface: serve them as HTTP (the API).

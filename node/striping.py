@@ -286,7 +286,7 @@ class StripedLinks:
                               ssl_context=self.tls.client if self.tls is not None else None,
                               max_message=MAX_LINK_MESSAGE, timeout=CONNECT_TIMEOUT_S + 5.0,
                               read_coalesce_s=self.read_coalesce_s,
-                              read_lowat=self.read_lowat, lane=True)
+                              read_lowat=self.read_lowat, lane=True, frames=self.frames)
         except (TimeoutError, OSError, ValueError) as exc:
             log.warning("peer %s: lane %d not opened: %s", c.addr, n, exc)
             return

@@ -1,5 +1,6 @@
-"""The kernel's wake-up mark inside a large message (``node.link.LinkProtocol._gather``,
-``SO_RCVLOWAT``), on real mutual-TLS links over loopback, through a proxy that holds back
+"""The kernel's wake-up mark inside a large message (``node.link.LinkProtocol._gather``
+under TLS records, ``node.tls_layer`` in frames; ``SO_RCVLOWAT``), on real mutual-TLS
+links over loopback, through a proxy that holds back
 the tail of the dialer's stream: the mark is set while a message streams in and dropped
 after it; a message whose last TLS record came in part is never stranded waiting for bytes
 that are not coming; a message stopped at any byte completes once its rest arrives; and a
@@ -10,8 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import os
 import socket
+import struct
+import termios
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -114,8 +118,11 @@ async def _wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> None:
 
 
 async def _linked(tmp: Path, lowat: int, body: Callable[[Link, Link, HoldBack],
-                                                         Awaitable[None]]) -> None:
-    """A server link and a dialer's link to it through a ``HoldBack``; runs ``body``."""
+                                                         Awaitable[None]],
+                  layer: str = "own", frames: bool = True) -> None:
+    """A server link and a dialer's link to it through a ``HoldBack``; runs ``body``.
+    ``layer``: the TLS layer both ends use (``node.link.dial``'s ``tls_layer``);
+    ``frames``: whether they offer the data plane's frames (the own layer's)."""
     server_ctx, client_ctx = _contexts(tmp)
     links: list[Link] = []
 
@@ -125,13 +132,14 @@ async def _linked(tmp: Path, lowat: int, body: Callable[[Link, Link, HoldBack],
 
     server = LinkServer(keep, ssl_context=server_ctx, max_message=MAX,
                         guard=ConnectionGuard(max_total=8, max_per_ip=8, upgrade_timeout_s=5),
-                        read_coalesce_s=0.002, read_lowat=lowat)
+                        read_coalesce_s=0.002, read_lowat=lowat, tls_layer=layer,
+                        frames=frames)
     await server.start("127.0.0.1", 0)
     proxy = HoldBack(server.sockets[0].getsockname()[1])
     try:
         port = await proxy.start()
         near = await dial("127.0.0.1", port, ssl_context=client_ctx, max_message=MAX,
-                          timeout=5, read_lowat=lowat)
+                          timeout=5, read_lowat=lowat, tls_layer=layer, frames=frames)
         await _wait_for(lambda: bool(links))
         await body(near, links[0], proxy)
         await near.close("done")
@@ -153,6 +161,7 @@ def _run(factory: Callable[[], asyncio.AbstractEventLoop] | None, coro: Awaitabl
 
 LOOPS = pytest.mark.parametrize("factory", [None, uvloop.new_event_loop],
                                 ids=["asyncio", "uvloop"])
+LAYERS = pytest.mark.parametrize("layer", ["own", "loop"])
 
 
 @LOOPS
@@ -176,7 +185,7 @@ def test_a_block_streaming_in_sets_the_mark_and_its_end_clears_it(tmp_path: Path
         assert got is not None and bytes(got) == block
         assert _mark(far)[0] == 1
 
-    _run(factory, _linked(tmp_path, READ_LOWAT, body))
+    _run(factory, _linked(tmp_path, READ_LOWAT, body, frames=False))
 
 
 @NO_GUARD
@@ -197,9 +206,13 @@ def test_with_the_mark_off_a_link_never_sets_it(tmp_path: Path) -> None:
 
 
 @LOOPS
+@LAYERS
+@pytest.mark.parametrize("frames", [True, False], ids=["frames", "records"])
 @NO_GUARD
 def test_a_message_whose_last_record_came_in_part_is_not_stranded(tmp_path: Path,
-                                                                  factory: Any) -> None:
+                                                                  factory: Any,
+                                                                  layer: str,
+                                                                  frames: bool) -> None:
     """Four full TLS records of message; all but the last 50 bytes of the stream come in,
     then the sender falls silent. A full record's plaintext (16 KiB) is still to come, yet
     only 50 bytes are on their way: a mark set to the plaintext still missing would never
@@ -217,7 +230,45 @@ def test_a_message_whose_last_record_came_in_part_is_not_stranded(tmp_path: Path
         got = await asyncio.wait_for(far.recv(), 3)
         assert got is not None and bytes(got) == msg
 
-    _run(factory, _linked(tmp_path, READ_LOWAT, body))
+    _run(factory, _linked(tmp_path, READ_LOWAT, body, layer, frames))
+
+
+@LOOPS
+@pytest.mark.parametrize("frames", [True, False], ids=["frames", "records"])
+@NO_GUARD
+def test_under_the_links_own_tls_a_mark_asks_for_all_that_is_coming(
+        tmp_path: Path, factory: Any, frames: bool) -> None:
+    """With 30,000 bytes of the stream held back, the bytes still coming are those and
+    what waits unread in the socket. In frames (``node.frames``) the mark is exactly that:
+    the frame's length is known. Under plain TLS records it is that less at most the
+    overhead of the records they carry (22 bytes each under TLS 1.3's AES-GCM): the own
+    layer knows how much of a record it holds (``node.tls_layer``). The loop's layer had
+    to leave a whole record of slack (``TLS_RECORD_SLACK``)."""
+    block = os.urandom(256 * 1024 + 24)
+    held = 30_000
+
+    async def body(near: Link, far: Link, proxy: HoldBack) -> None:
+        assert far.get_extra_info("frames") is frames
+        proxy.hold = held
+        await near.send(block)
+        await _wait_for(lambda: proxy.held == held)
+        await asyncio.sleep(0.2)  # the server read all it was woken for
+        mark, rcvbuf = _mark(far)
+        sock = far.get_extra_info("socket")
+        unread = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD,
+                                                b"\0\0\0\0"))[0]
+        coming = held + unread
+        assert coming < rcvbuf // 4  # the buffer's cap is not what sets it here
+        if frames:
+            assert mark == coming, (mark, coming)
+        else:
+            assert coming - 3 * 22 <= mark <= coming, (mark, coming)
+        proxy.hold = 0
+        got = await asyncio.wait_for(far.recv(), 5)
+        assert got is not None and bytes(got) == block
+        assert _mark(far)[0] == 1
+
+    _run(factory, _linked(tmp_path, READ_LOWAT, body, frames=frames))
 
 
 SIZES = st.one_of(
@@ -230,9 +281,10 @@ SIZES = st.one_of(
 @settings(max_examples=10, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(steps=st.lists(st.tuples(SIZES, st.integers(0, 800 * 1024)), min_size=1, max_size=6),
-       uv=st.booleans())
+       uv=st.booleans(), layer=st.sampled_from(["own", "loop"]), frames=st.booleans())
 def test_a_message_stopped_at_any_byte_completes_once_the_rest_arrives(
-        tmp_path: Path, steps: list[tuple[int, int]], uv: bool) -> None:
+        tmp_path: Path, steps: list[tuple[int, int]], uv: bool, layer: str,
+        frames: bool) -> None:
     """Each message is sent with the proxy holding back some tail of the stream (any
     count of bytes: mid-record, mid-header, whole messages); once the proxy lets the rest
     through, the message arrives whole, in order, without any later bytes to wake it."""
@@ -251,7 +303,7 @@ def test_a_message_stopped_at_any_byte_completes_once_the_rest_arrives(
             got = await asyncio.wait_for(far.recv(), 5)
             assert got is not None and bytes(got) == msg
 
-    _run(uvloop.new_event_loop if uv else None, _linked(tmp, READ_LOWAT, body))
+    _run(uvloop.new_event_loop if uv else None, _linked(tmp, READ_LOWAT, body, layer, frames))
 
 
 def test_a_mark_not_reached_in_time_is_dropped(tmp_path: Path) -> None:
@@ -272,4 +324,4 @@ def test_a_mark_not_reached_in_time_is_dropped(tmp_path: Path) -> None:
         got = await asyncio.wait_for(far.recv(), 5)
         assert got is not None and bytes(got) == block
 
-    _run(None, _linked(tmp_path, READ_LOWAT, body))
+    _run(None, _linked(tmp_path, READ_LOWAT, body, frames=False))

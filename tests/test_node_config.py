@@ -46,6 +46,8 @@ def test_valid_config_resolves_paths_and_core_knobs(tmp_path: Path) -> None:
     assert parse_config(_doc(network={"read_coalesce_ms": 0}), tmp_path).read_coalesce_ms == 0
     assert cfg.read_lowat_kib == 256
     assert parse_config(_doc(network={"read_lowat_kib": 0}), tmp_path).read_lowat_kib == 0
+    assert cfg.frames is True
+    assert parse_config(_doc(network={"frames": False}), tmp_path).frames is False
     assert cfg.congestion_restart_s == 1.0
     assert parse_config(_doc(network={"congestion_restart_s": 0}),
                         tmp_path).congestion_restart_s == 0
@@ -70,6 +72,7 @@ def test_valid_config_resolves_paths_and_core_knobs(tmp_path: Path) -> None:
     ({"network": {"congestion_restart_idle_s": 0.001}}, "network.congestion_restart_idle_s"),
     ({"network": {"warm_up_kib": "lots"}}, "network.warm_up_kib"),
     ({"network": {"read_lowat_kib": 4097}}, "network.read_lowat_kib"),
+    ({"network": {"frames": "yes"}}, "network.frames"),
     ({"network": {"read_lowat_kib": -1}}, "network.read_lowat_kib"),
     ({"network": {"warm_up_min_rtt_ms": -1}}, "network.warm_up_min_rtt_ms"),
     ({"network": {"warm_up_min_rtt_ms": True}}, "network.warm_up_min_rtt_ms"),

@@ -1,0 +1,185 @@
+"""The data plane's frames: AES-256-GCM over whole link messages, keys from an X25519
+exchange inside the mutual-TLS handshake's channel (round 51).
+
+TLS 1.3 carries at most 16 KiB of plaintext a record; Python's ``ssl`` costs a call, a
+BIO copy and an exception at the end of each wake-up for them, 1.8 CPU-s per GB on this
+project's VM at 100 Mbit/s, where the kernel's whole receive path costs 0.9 and AES-GCM
+on 256 KiB frames 0.7 (``benchmarks/bench_link_rx.py``, docs/benchmarks.md round 51).
+So once TLS has authenticated both ends, a link whose peers both speak it (ALPN
+``patchswarm-frames/1``) moves its bytes in frames of one link message each:
+
+- **Key exchange.** Each side sends, as its last TLS record, ``HELLO_MAGIC`` and a fresh
+  X25519 public key. The hellos travel inside the authenticated TLS channel, so only
+  the two certified ends know them. Each direction's key is HKDF-SHA256 of the shared
+  secret, salted with both public keys (the dialer's first), 32 bytes each
+  (``derive_keys``). After its hello a side sends nothing more in TLS; the peer reads
+  exactly that one record and takes every later byte of that direction as frames.
+- **A frame** is a big-endian u32, the ciphertext's length, and the ciphertext: the
+  message under AES-256-GCM, nonce = 4 zero bytes and the frame's 8-byte count in
+  this direction (keys differ per direction, so no nonce repeats). A length past the
+  link's largest message (plus the tag) closes the link before anything is
+  allocated; a frame that does not authenticate closes it too.
+- **Key use.** A direction stops at ``KEY_LIMIT`` bytes (64 GiB; AES-GCM's bound on
+  data under one key is far above): the link closes with that reason and the driver
+  dials a fresh one with fresh keys.
+
+``FrameReader`` and ``FrameWriter`` are sans-I/O (bytes in, plaintext out), used by
+``node.tls_layer``; the receiver knows each frame's length from its header, so it can
+ask the kernel to wake it once the frame's rest is there (``wants``).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Callable
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from swarm.errors import ProtocolError
+
+ALPN = "patchswarm-frames/1"
+HELLO_MAGIC = b"PSF1"
+HELLO_BYTES = len(HELLO_MAGIC) + 32
+HEADER = struct.Struct(">I")
+TAG = 16
+KEY_LIMIT = 64 << 30  # bytes of plaintext one direction's key seals at most
+_INFO = b"patchswarm frames v1"
+
+
+class KeyShare:
+    """One side's ephemeral X25519 key for one connection."""
+
+    def __init__(self) -> None:
+        self._key = X25519PrivateKey.generate()
+        self.public = self._key.public_key().public_bytes_raw()
+
+    def hello(self) -> bytes:
+        return HELLO_MAGIC + self.public
+
+    def keys(self, peer_hello: bytes, *, dialer: bool) -> tuple[bytes, bytes]:
+        """(key to send with, key to receive with) from the peer's hello."""
+        if len(peer_hello) != HELLO_BYTES or not peer_hello.startswith(HELLO_MAGIC):
+            raise ProtocolError("frames: the peer's key hello is malformed")
+        peer = peer_hello[len(HELLO_MAGIC):]
+        try:
+            shared = self._key.exchange(X25519PublicKey.from_public_bytes(peer))
+        except ValueError as exc:  # an all-zero result: a low-order point
+            raise ProtocolError(f"frames: the peer's key is unusable ({exc})") from None
+        dialer_pub, server_pub = (self.public, peer) if dialer else (peer, self.public)
+        to_server, to_dialer = derive_keys(shared, dialer_pub, server_pub)
+        return (to_server, to_dialer) if dialer else (to_dialer, to_server)
+
+
+def derive_keys(shared: bytes, dialer_pub: bytes, server_pub: bytes) -> tuple[bytes, bytes]:
+    """(dialer-to-server key, server-to-dialer key)."""
+    okm = HKDF(algorithm=hashes.SHA256(), length=64, salt=dialer_pub + server_pub,
+               info=_INFO).derive(shared)
+    return okm[:32], okm[32:]
+
+
+def _nonce(n: int) -> bytes:
+    return b"\0\0\0\0" + n.to_bytes(8, "big")
+
+
+class FrameWriter:
+    """Seals messages into frames."""
+
+    def __init__(self, key: bytes) -> None:
+        self._aead = AESGCM(key)
+        self.count = 0
+        self.sealed = 0  # plaintext bytes under this key
+
+    def seal(self, data: bytes | bytearray | memoryview) -> list[bytes]:
+        """The frame for ``data``: its header and its ciphertext (write them in order)."""
+        self.sealed += len(data)
+        if self.sealed > KEY_LIMIT:
+            raise ProtocolError(f"frames: this key sealed {KEY_LIMIT >> 30} GiB; "
+                                "a new link gets fresh keys")
+        ct = self._aead.encrypt(_nonce(self.count), bytes(data) if isinstance(data, memoryview)
+                                else data, None)
+        self.count += 1
+        return [HEADER.pack(len(ct)), ct]
+
+
+class FrameReader:
+    """Opens frames from a byte stream fed in pieces of any size, the way a buffered
+    protocol is fed: ``get_buffer()`` says where the next bytes go, ``took(n)`` that
+    ``n`` came. Each whole frame's plaintext goes to ``deliver`` (a view, valid only
+    during the call). ``ProtocolError`` on a frame too large (before any allocation),
+    one that does not authenticate, or a key used up."""
+
+    def __init__(self, key: bytes, max_plain: int,
+                 deliver: Callable[[memoryview], None]) -> None:
+        self._aead = AESGCM(key)
+        self.max_cipher = max_plain + TAG
+        self.deliver = deliver
+        self.count = 0
+        self.opened = 0
+        self._head = bytearray(HEADER.size)
+        self._hview = memoryview(self._head)
+        self._hgot = 0
+        self._frame: bytearray | None = None
+        self._fview = memoryview(b"")
+        self._fgot = 0
+        self._plain = bytearray(0)
+
+    def get_buffer(self) -> memoryview:
+        if self._frame is not None:
+            return self._fview[self._fgot:]
+        return self._hview[self._hgot:]
+
+    def wants(self) -> int:
+        """Bytes still to come for the frame being received (0 at a header)."""
+        return len(self._frame) - self._fgot if self._frame is not None else 0
+
+    def took(self, n: int) -> None:
+        if self._frame is None:
+            self._hgot += n
+            if self._hgot < HEADER.size:
+                return
+            (size,) = HEADER.unpack(self._head)
+            self._hgot = 0
+            if size < TAG or size > self.max_cipher:
+                raise ProtocolError(f"frames: a frame of {size} bytes, outside 16.."
+                                    f"{self.max_cipher}")
+            self._frame = bytearray(size)
+            self._fview = memoryview(self._frame)
+            self._fgot = 0
+            return
+        self._fgot += n
+        if self._fgot < len(self._frame):
+            return
+        frame, self._frame = self._frame, None
+        plain = len(frame) - TAG
+        self.opened += plain
+        if self.opened > KEY_LIMIT:
+            raise ProtocolError(f"frames: the peer's key sealed over {KEY_LIMIT >> 30} GiB")
+        if len(self._plain) < plain:
+            self._plain = bytearray(plain)
+        out = memoryview(self._plain)[:plain]
+        try:
+            self._aead.decrypt_into(_nonce(self.count), frame, None, out)
+        except InvalidTag:
+            raise ProtocolError("frames: a frame failed authentication") from None
+        self.count += 1
+        self.deliver(out)
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        """Take ``data`` as if it had been read into the buffers in turn."""
+        view, i = memoryview(data), 0
+        while i < len(view):
+            buf = self.get_buffer()
+            k = min(len(buf), len(view) - i)
+            buf[:k] = view[i:i + k]
+            i += k
+            self.took(k)
+
+
+def random_key() -> bytes:
+    """A key for tests and benchmarks."""
+    return os.urandom(32)

@@ -1,0 +1,118 @@
+"""The data plane's frames (``node.frames``), sans-I/O: messages come out as they went in
+under any split of the stream; any changed, dropped, repeated or reordered byte or frame
+fails authentication (or leaves the reader waiting), never a wrong message; a length past
+the limit fails before anything is allocated; both ends of a key exchange agree, and a
+malformed or low-order key is refused."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from node.frames import HEADER, HELLO_BYTES, HELLO_MAGIC, TAG, FrameReader, FrameWriter, KeyShare
+from swarm.errors import ProtocolError
+
+MAX = 300_000
+
+
+def _pair() -> tuple[FrameWriter, FrameReader, list[bytes]]:
+    key = os.urandom(32)
+    got: list[bytes] = []
+    return FrameWriter(key), FrameReader(key, MAX, lambda v: got.append(bytes(v))), got
+
+
+def _stream(w: FrameWriter, msgs: list[bytes]) -> bytes:
+    return b"".join(b"".join(w.seal(m)) for m in msgs)
+
+
+MESSAGES = st.lists(st.one_of(st.binary(max_size=64), st.integers(0, MAX).map(os.urandom)),
+                    min_size=1, max_size=5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(msgs=MESSAGES, cuts=st.lists(st.integers(1, 70_000), max_size=20))
+def test_messages_come_out_as_they_went_in_however_the_stream_is_split(
+        msgs: list[bytes], cuts: list[int]) -> None:
+    w, r, got = _pair()
+    data, pos = _stream(w, msgs), 0
+    for c in [*cuts, len(data)]:
+        r.feed(data[pos:pos + c])
+        pos += c
+        if pos >= len(data):
+            break
+    r.feed(data[pos:])
+    assert got == msgs and r.wants() == 0
+
+
+@settings(max_examples=120, deadline=None)
+@given(msgs=MESSAGES, data=st.data())
+def test_a_changed_byte_never_yields_a_wrong_message(msgs: list[bytes], data: st.DataObject) -> None:
+    w, r, got = _pair()
+    stream = bytearray(_stream(w, msgs))
+    i = data.draw(st.integers(0, len(stream) - 1))
+    stream[i] ^= data.draw(st.integers(1, 255))
+    try:
+        r.feed(stream)
+    except ProtocolError as exc:
+        assert "authentication" in str(exc) or "outside" in str(exc)
+    # whatever came out before the change is a prefix of what was sent, nothing else
+    assert got == msgs[:len(got)]
+    assert len(got) < len(msgs)
+
+
+def test_a_dropped_repeated_or_reordered_frame_fails_authentication() -> None:
+    key = os.urandom(32)
+    w = FrameWriter(key)
+    frames = [b"".join(w.seal(m)) for m in (b"one", b"two", b"three")]
+    for order in ([frames[0], frames[2]], [frames[0], frames[0]], [frames[1], frames[0]]):
+        got: list[bytes] = []
+        r = FrameReader(key, MAX, lambda v, got=got: got.append(bytes(v)))
+        with pytest.raises(ProtocolError, match="authentication"):
+            for f in order:
+                r.feed(f)
+        assert got in ([], [b"one"])
+
+
+def test_a_length_past_the_limit_fails_before_anything_is_allocated() -> None:
+    r = FrameReader(os.urandom(32), MAX, lambda v: None)
+    with pytest.raises(ProtocolError, match="outside"):
+        r.feed(HEADER.pack(0xFFFF_FFFF))
+    r = FrameReader(os.urandom(32), MAX, lambda v: None)
+    with pytest.raises(ProtocolError, match="outside"):
+        r.feed(HEADER.pack(MAX + TAG + 1))
+    r = FrameReader(os.urandom(32), MAX, lambda v: None)
+    with pytest.raises(ProtocolError, match="outside"):
+        r.feed(HEADER.pack(TAG - 1))  # shorter than its tag
+
+
+def test_the_reader_says_how_much_of_the_frame_is_still_coming() -> None:
+    w, r, got = _pair()
+    frame = b"".join(w.seal(os.urandom(1000)))
+    r.feed(frame[:2])
+    assert r.wants() == 0  # a header in part: the length is not known yet
+    r.feed(frame[2:10])
+    assert r.wants() == len(frame) - 10
+    r.feed(frame[10:])
+    assert r.wants() == 0 and len(got) == 1
+
+
+def test_both_ends_of_a_key_exchange_agree_and_each_direction_has_its_own_key() -> None:
+    dialer, server = KeyShare(), KeyShare()
+    d_tx, d_rx = dialer.keys(server.hello(), dialer=True)
+    s_tx, s_rx = server.keys(dialer.hello(), dialer=False)
+    assert d_tx == s_rx and d_rx == s_tx and d_tx != d_rx
+    assert len(d_tx) == 32 and len(dialer.hello()) == HELLO_BYTES
+    other = KeyShare()  # a third party's hello gives other keys
+    assert dialer.keys(other.hello(), dialer=True) != (d_tx, d_rx)
+
+
+@pytest.mark.parametrize("hello", [b"", HELLO_MAGIC, b"XXXX" + bytes(32),
+                                   HELLO_MAGIC + bytes(31), HELLO_MAGIC + bytes(33),
+                                   HELLO_MAGIC + bytes(32)],  # the last: a low-order point
+                         ids=["empty", "magic only", "wrong magic", "short", "long", "zero"])
+def test_a_malformed_or_unusable_hello_is_refused(hello: bytes) -> None:
+    with pytest.raises(ProtocolError, match="frames"):
+        KeyShare().keys(hello, dialer=True)

@@ -1,0 +1,256 @@
+"""The link's own TLS layer (``node.tls_layer``): the record tracker under any split of
+the stream (Hypothesis), and real mutual-TLS links on loopback: it speaks the same TLS as
+the loop's layer both ways and frames with itself, a reader that falls behind holds the
+sender back through it and loses nothing, a byte changed on the wire closes the link as a
+frame that failed authentication, a failed handshake surfaces as the TLS error, and a
+connection that never finishes its handshake is cut at the guard's deadline and counted."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import ssl
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from node.guard import ConnectionGuard
+from node.link import Link, LinkServer, dial
+from node.tls_layer import RecordTracker
+from tests.test_link import _tls
+
+MAX = 5 * 1024 * 1024
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(0, 17_000), max_size=8),
+       cuts=st.lists(st.integers(1, 40_000), max_size=12), data=st.data())
+def test_the_record_tracker_knows_the_trailing_records_part_however_the_stream_is_split(
+        lengths: list[int], cuts: list[int], data: Any) -> None:
+    stream, ends = bytearray(), []
+    for n in lengths:
+        kind = data.draw(st.sampled_from([20, 21, 22, 23]))
+        stream += bytes([kind, 3, 3]) + n.to_bytes(2, "big") + os.urandom(n)
+        ends.append(len(stream))
+    tail = data.draw(st.integers(0, 4))  # a header cut short at the very end
+    stream += bytes([23, 3, 3, 0x40, 0x00])[:tail]
+    t, pos = RecordTracker(), 0
+    for c in [*cuts, len(stream)]:
+        piece = stream[pos:pos + c]
+        t.feed(memoryview(piece))
+        pos += len(piece)
+        last_end = max([0, *[e for e in ends if e <= pos]])
+        assert t.partial == pos - last_end  # bytes since the last whole record
+        if pos >= len(stream):
+            break
+
+
+async def _server(on_link: Any, ctx: ssl.SSLContext, layer: str = "own",
+                  guard: ConnectionGuard | None = None) -> tuple[LinkServer, int]:
+    server = LinkServer(on_link, ssl_context=ctx, max_message=MAX, tls_layer=layer,
+                        guard=guard or ConnectionGuard(max_total=16, max_per_ip=16,
+                                                       upgrade_timeout_s=5))
+    await server.start("127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+@pytest.mark.parametrize(("server_layer", "dial_layer"), [("own", "loop"), ("loop", "own"),
+                                                          ("own", "own")])
+def test_both_layers_speak_the_same_tls(tmp_path: Path, server_layer: str,
+                                        dial_layer: str) -> None:
+    ctx = _tls(tmp_path)
+    msgs = [b"", b"x", os.urandom(16 * 1024 + 3), os.urandom(256 * 1024 + 24),
+            os.urandom(3 * 1024 * 1024)]
+
+    async def run() -> None:
+        async def echo(link: Link) -> None:
+            assert link.get_extra_info("ssl_object").getpeercert(binary_form=True)
+            while (m := await link.recv()) is not None:
+                await link.send(b"re:", m)
+
+        server, port = await _server(echo, ctx["server"], server_layer)
+        try:
+            link = await dial("127.0.0.1", port, ssl_context=ctx["client"], max_message=MAX,
+                              timeout=5, tls_layer=dial_layer)
+            # frames where both ends offer them (ALPN), plain TLS records with the loop's
+            assert bool(link.get_extra_info("frames")) is (server_layer == dial_layer == "own")
+            assert link.get_extra_info("peercert") is not None
+            assert link.get_extra_info("socket") is not None
+            for m in msgs:
+                await link.send(m)
+            for m in msgs:
+                got = await asyncio.wait_for(link.recv(), 10)
+                assert got is not None and bytes(got) == b"re:" + m
+            await link.close("done")
+        finally:
+            await server.close()
+
+    asyncio.run(run())
+
+
+def test_a_reader_that_falls_behind_holds_the_sender_back_through_tls_and_loses_nothing(
+        tmp_path: Path) -> None:
+    ctx = _tls(tmp_path)
+
+    async def run() -> None:
+        links: list[Link] = []
+        arrived = asyncio.Event()
+
+        async def keep(link: Link) -> None:
+            links.append(link)
+            arrived.set()
+            await asyncio.sleep(3600)
+
+        server, port = await _server(keep, ctx["server"])
+        try:
+            link = await dial("127.0.0.1", port, ssl_context=ctx["client"], max_message=MAX,
+                              timeout=5)
+            await asyncio.wait_for(arrived.wait(), 5)
+            block = os.urandom(256 * 1024)
+            sent, count = 0, 160  # 40 MiB: more than the reader's queue and both kernels'
+
+            async def flood() -> None:
+                nonlocal sent
+                for i in range(count):
+                    await link.send(i.to_bytes(4, "big"), block)
+                    sent += 1
+
+            task = asyncio.create_task(flood())
+            await asyncio.sleep(1.0)
+            assert not task.done() and sent < count  # held back: the reader paused
+            far = links[0]
+            for i in range(count):
+                m = await asyncio.wait_for(far.recv(), 10)
+                assert m is not None and int.from_bytes(m[:4], "big") == i and m[4:] == block
+            await asyncio.wait_for(task, 10)
+            await link.close("bye")
+            assert await asyncio.wait_for(far.recv(), 5) is None
+            assert far.reason == "closed by peer: bye"
+        finally:
+            await server.close()
+
+    asyncio.run(run())
+
+
+def test_a_failed_handshake_is_the_dialers_tls_error(tmp_path: Path) -> None:
+    ctx = _tls(tmp_path)
+
+    async def run() -> None:
+        async def never(link: Link) -> None:
+            raise AssertionError("an outsider got a link")
+
+        server, port = await _server(never, ctx["server"])
+        try:
+            with pytest.raises(ssl.SSLError):  # a foreign CA: the TLS error, not a timeout
+                await dial("127.0.0.1", port, ssl_context=ctx["rogue"], max_message=MAX,
+                           timeout=5)
+        finally:
+            await server.close()
+
+    asyncio.run(run())
+
+
+def test_a_connection_that_never_finishes_its_handshake_is_cut_at_the_deadline(
+        tmp_path: Path) -> None:
+    ctx = _tls(tmp_path)
+
+    async def run() -> None:
+        guard = ConnectionGuard(max_total=16, max_per_ip=16, upgrade_timeout_s=0.3)
+
+        async def never(link: Link) -> None:
+            raise AssertionError("a silent peer got a link")
+
+        server, port = await _server(never, ctx["server"], guard=guard)
+        try:
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            silent = await asyncio.open_connection("127.0.0.1", port)
+            garbage = await asyncio.open_connection("127.0.0.1", port)
+            garbage[1].write(b"GET / HTTP/1.1\r\n\r\n" * 4)  # not TLS: cut at once
+            try:
+                left = await asyncio.wait_for(garbage[0].read(), 0.2)
+            except ConnectionResetError:
+                left = b""
+            assert left == b""
+            assert await asyncio.wait_for(silent[0].read(), 3) == b""
+            assert 0.2 < loop.time() - t0 < 2.0
+            assert guard.stats.timed_out == 1 and guard.stats.open == 0
+            for _, w in (silent, garbage):
+                w.close()
+        finally:
+            await server.close()
+
+    asyncio.run(run())
+
+
+class _Flip:
+    """A loopback TCP proxy that changes one byte of the dialer's stream, at ``at``."""
+
+    def __init__(self, target_port: int, at: int) -> None:
+        self.target_port, self.at, self.seen = target_port, at, 0
+        self.tasks: set[asyncio.Task] = set()
+        self.server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._conn, "127.0.0.1", 0)
+        return self.server.sockets[0].getsockname()[1]
+
+    async def _conn(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        tr, tw = await asyncio.open_connection("127.0.0.1", self.target_port)
+        for t in (self._pipe(r, tw, True), self._pipe(tr, w, False)):
+            self.tasks.add(asyncio.ensure_future(t))
+
+    async def _pipe(self, r: asyncio.StreamReader, w: asyncio.StreamWriter, up: bool) -> None:
+        with contextlib.suppress(ConnectionError):
+            while data := await r.read(65536):
+                if up and self.seen <= self.at < self.seen + len(data):
+                    b = bytearray(data)
+                    b[self.at - self.seen] ^= 0x40
+                    data = bytes(b)
+                if up:
+                    self.seen += len(data)
+                w.write(data)
+                await w.drain()
+        w.close()
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+def test_a_byte_changed_on_the_wire_closes_the_link_as_a_failed_frame(tmp_path: Path) -> None:
+    ctx = _tls(tmp_path)
+
+    async def run() -> None:
+        links: list[Link] = []
+
+        async def keep(link: Link) -> None:
+            links.append(link)
+            await asyncio.sleep(3600)
+
+        server, port = await _server(keep, ctx["server"])
+        proxy = _Flip(port, at=200_000)  # well past the handshake: inside the block below
+        try:
+            link = await dial("127.0.0.1", await proxy.start(), ssl_context=ctx["client"],
+                              max_message=MAX, timeout=5)
+            assert link.get_extra_info("frames")
+            await link.send(os.urandom(256 * 1024))
+            for _ in range(100):
+                if links and links[0].closed:
+                    break
+                await asyncio.sleep(0.05)
+            far = links[0]
+            assert await asyncio.wait_for(far.recv(), 5) is None  # nothing of it came out
+            assert "failed authentication" in far.reason
+        finally:
+            await proxy.close()
+            await server.close()
+
+    asyncio.run(run())
