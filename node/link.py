@@ -53,7 +53,7 @@ import struct
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from node.tls_layer import TlsProtocol
+from node.tls_layer import MARKS, TlsProtocol
 from swarm.errors import ProtocolError
 
 PREFACE = b"PSL1"
@@ -79,8 +79,6 @@ TLS_RECORD_SLACK = 16384 + 256 + 512
 # a mark not reached this long is dropped to 1: whatever the kernel or a TLS layer does,
 # a link never sits on bytes it has (at 100 Mbit/s, 256 KiB take 21 ms)
 LOWAT_GUARD_S = 0.1
-# process-wide: marks set, and marks the guard dropped (/status transport.read_marks)
-MARKS = {"set": 0, "expired": 0}
 SCRATCH_BYTES = 64 * 1024
 RECV_QUEUE_BYTES = 8 * 1024 * 1024  # received, not yet taken: reading pauses beyond it
 CLOSE_WAIT_S = 2.0

@@ -45,6 +45,9 @@ from swarm.errors import ProtocolError
 CIPHER_BUFFER = 256 * 1024
 RECORD_MAX = 16384 + 256 + 5  # a TLS 1.3 record's ciphertext at most (RFC 8446 5.2)
 LOWAT_MIN = 16 * 1024  # a smaller mark is not worth its system calls (as node.link's)
+# process-wide: wake-up marks set (by node.link under TLS records, here in frames), and
+# marks node.link's guard dropped (/status transport.read_marks)
+MARKS = {"set": 0, "expired": 0}
 _SSL_INFO = ("ssl_object", "peercert", "cipher", "compression", "sslcontext")
 
 
@@ -440,6 +443,8 @@ class TlsProtocol(asyncio.BufferedProtocol):
             if want != self.mark:
                 self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
                 self.mark = want
+                if want > 1:
+                    MARKS["set"] += 1
         except OSError:
             self.sock = None  # not this platform's: a wake-up per read
 
