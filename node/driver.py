@@ -532,7 +532,7 @@ class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
                               ssl_context=self.tls.client if self.tls is not None else None,
                               max_message=MAX_LINK_MESSAGE, timeout=CONNECT_TIMEOUT_S + 5.0,
                               read_coalesce_s=self.read_coalesce_s, read_lowat=self.read_lowat,
-            frames=self.frames)
+                              frames=self.frames)
         except (TimeoutError, OSError, ValueError) as exc:
             if not self.draining:
                 self.feed(ev.ConnectFailed(self.now(), addr, f"{type(exc).__name__}: {exc}"[:200]))

@@ -31,13 +31,17 @@ keeps aiohttp). Two reasons, both measured (docs/benchmarks.md, "round 12"):
   is decrypted straight into its own buffer, a chunk block into its chunk's buffer
   (``Link.place_with``).
 
-Per connection: the event loop's TLS transport (TLS 1.3, mutual; uvloop's where it is
-installed) under ``LinkProtocol``, a buffered protocol. Without TLS (tests, demos on
+Per connection: the link's own TLS layer (``node.tls_layer``, round 51: TLS 1.3, mutual,
+over memory BIOs, then, where both ends offer it, each message one AES-256-GCM frame,
+``node.frames``) under ``LinkProtocol``, a buffered protocol; ``tls_layer = "loop"``
+puts the event loop's TLS transport there instead (uvloop's where it is installed; the
+layer before round 51, kept to measure against). In frames the TLS layer sets the wake-up
+marks itself and the link neither marks nor holds. Without TLS (tests, demos on
 loopback) a server hands a connection that starts with anything but the preface to
 its HTTP protocol (the API may share the swarm port then; with TLS it has its own,
 node.config).
 
-Wire, after TLS: the dialer sends ``PREFACE``, the server answers with it; then
+Wire, after TLS (or inside the frames): the dialer sends ``PREFACE``, the server answers with it; then
 messages, each a big-endian u32 and that many bytes. A u32 with the top bit set is the
 last message: the low bits give the length of a UTF-8 reason for closing.
 """
