@@ -57,7 +57,8 @@ import struct
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from node.tls_layer import MARKS, TlsProtocol
+from node.tls_layer import LOWAT_MIN as LOWAT_MIN  # a smaller mark is not worth its calls
+from node.tls_layer import MARKS, TlsProtocol, set_mark, wake_mark
 from swarm.errors import ProtocolError
 
 PREFACE = b"PSL1"
@@ -73,7 +74,6 @@ FIRST_HOLD_S = 0.002  # a hold before the rate is measured (and at most at 1 Gbi
 STREAM_GAP_S = 0.2  # holds further apart than this: a new stream, its rate unknown
 LARGE_READ = 64 * 1024  # a read this large found a backlog: read again at once
 SMALL_MESSAGE = 16 * 1024  # assembled in the scratch buffer; larger ones get their own
-LOWAT_MIN = 16 * 1024  # a smaller mark is not worth its system calls: 1 (wake at once)
 READ_LOWAT = 256 * 1024  # shipped default of [network] read_lowat_kib: bytes the kernel gathers
 # before it wakes a link that is inside a large message (SO_RCVLOWAT; 0: off)
 # TLS bytes a link may hold undecrypted (a record's ciphertext read in part: 16 KiB of
@@ -272,15 +272,9 @@ class LinkProtocol(asyncio.BufferedProtocol):
             if self.body is not None and not self.closed and self.reading:
                 if self.rcvbuf == 0:  # once a message (the kernel grows it as it goes)
                     self.rcvbuf = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
-                want = min(self.lowat_max, self.rcvbuf // 4,
-                           len(self.body) - self.bpos - self._tls_held())
-                if want < LOWAT_MIN:
-                    want = 1
-            if want != self.lowat:
-                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
-                self.lowat = want
-                if want > 1:
-                    MARKS["set"] += 1
+                want = wake_mark(len(self.body) - self.bpos - self._tls_held(),
+                                 self.lowat_max, self.rcvbuf)
+            self.lowat = set_mark(self.sock, want, self.lowat)
         except (OSError, AttributeError):
             self.lowat_max, self.lowat = 0, 1  # not this platform's: timed holds only
             return False

@@ -44,11 +44,29 @@ from swarm.errors import ProtocolError
 # ciphertext read from the socket at once: a wake-up's worth at 1 Gbit/s and more
 CIPHER_BUFFER = 256 * 1024
 RECORD_MAX = 16384 + 256 + 5  # a TLS 1.3 record's ciphertext at most (RFC 8446 5.2)
-LOWAT_MIN = 16 * 1024  # a smaller mark is not worth its system calls (as node.link's)
+LOWAT_MIN = 16 * 1024  # a smaller mark is not worth its system calls: 1 (wake at once)
 # process-wide: wake-up marks set (by node.link under TLS records, here in frames), and
 # marks node.link's guard dropped (/status transport.read_marks)
 MARKS = {"set": 0, "expired": 0}
 _SSL_INFO = ("ssl_object", "peercert", "cipher", "compression", "sslcontext")
+
+
+def wake_mark(rest: int, most: int, rcvbuf: int) -> int:
+    """The receive low-water mark for ``rest`` bytes still coming: at most ``most`` and a
+    quarter of the receive buffer (Linux may clamp TCP's window to a larger mark); 1 (wake
+    at once) where that is under ``LOWAT_MIN``."""
+    want = min(rest, most, rcvbuf // 4)
+    return want if want >= LOWAT_MIN else 1
+
+
+def set_mark(sock: Any, want: int, now: int) -> int:
+    """Set the socket's ``SO_RCVLOWAT`` to ``want`` unless it is ``now`` already (counted
+    in ``MARKS``); returns ``want``. ``OSError`` where the platform has none."""
+    if want != now:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+        if want > 1:
+            MARKS["set"] += 1
+    return want
 
 
 class RecordTracker:
@@ -432,19 +450,11 @@ class TlsProtocol(asyncio.BufferedProtocol):
         if self.sock is None or self.reader is None or self.closing:
             return
         rest = self.reader.wants()
-        want = 1
         try:
-            if rest:
-                if self.rcvbuf == 0 or rest > self.rcvbuf // 4:
-                    self.rcvbuf = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
-                want = min(rest, self.lowat_max, self.rcvbuf // 4)
-                if want < LOWAT_MIN:
-                    want = 1
-            if want != self.mark:
-                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
-                self.mark = want
-                if want > 1:
-                    MARKS["set"] += 1
+            if rest and (self.rcvbuf == 0 or rest > self.rcvbuf // 4):
+                self.rcvbuf = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+            self.mark = set_mark(self.sock, wake_mark(rest, self.lowat_max, self.rcvbuf),
+                                 self.mark)
         except OSError:
             self.sock = None  # not this platform's: a wake-up per read
 

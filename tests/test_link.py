@@ -303,7 +303,11 @@ def test_messages_cross_mutual_tls_both_ways_and_an_outsider_gets_no_link(tmp_pa
     asyncio.run(run())
 
 
-def test_a_reader_that_falls_behind_holds_the_sender_back_and_loses_nothing() -> None:
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls-frames"])
+def test_a_reader_that_falls_behind_holds_the_sender_back_and_loses_nothing(
+        tmp_path: Path, tls: bool) -> None:
+    ctx = _tls(tmp_path) if tls else {"server": None, "client": None}
+
     async def run() -> None:
         links: list[Link] = []
         arrived = asyncio.Event()
@@ -313,9 +317,11 @@ def test_a_reader_that_falls_behind_holds_the_sender_back_and_loses_nothing() ->
             arrived.set()
             await asyncio.sleep(3600)
 
-        server, port = await _server(keep, None)
+        server, port = await _server(keep, ctx["server"])
         try:
-            link = await dial("127.0.0.1", port, ssl_context=None, max_message=MAX, timeout=5)
+            link = await dial("127.0.0.1", port, ssl_context=ctx["client"], max_message=MAX,
+                              timeout=5)
+            assert bool(link.get_extra_info("frames")) is tls
             await asyncio.wait_for(arrived.wait(), 5)
             block = os.urandom(256 * 1024)
             sent = 0

@@ -58,12 +58,15 @@ def _contexts(tmp: Path) -> tuple[Any, Any]:
 class HoldBack:
     """A loopback TCP proxy. Bytes from the dialer pass to the server except the last
     ``hold`` it has taken in, which wait until ``hold`` is lowered; bytes back pass at
-    once. ``held`` is what it keeps now."""
+    once. ``held`` is what it keeps now. ``flip_at``: the offset in the dialer's stream of
+    a byte it changes on the way (a tampered wire)."""
 
-    def __init__(self, target_port: int) -> None:
+    def __init__(self, target_port: int, flip_at: int | None = None) -> None:
         self.target_port = target_port
         self.hold = 0
         self.held = 0
+        self.flip_at = flip_at
+        self.passed = 0  # bytes of the dialer's stream let through
         self.server: asyncio.AbstractServer | None = None
         self.tasks: set[asyncio.Task] = set()
 
@@ -91,8 +94,11 @@ class HoldBack:
                 buf += data
             n = max(0, len(buf) - self.hold)
             if n:
+                if self.flip_at is not None and self.passed <= self.flip_at < self.passed + n:
+                    buf[self.flip_at - self.passed] ^= 0x40
                 w.write(bytes(buf[:n]))
                 del buf[:n]
+                self.passed += n
                 await w.drain()
             self.held = len(buf)
 

@@ -1,14 +1,13 @@
 """The link's own TLS layer (``node.tls_layer``): the record tracker under any split of
 the stream (Hypothesis), and real mutual-TLS links on loopback: it speaks the same TLS as
-the loop's layer both ways and frames with itself, a reader that falls behind holds the
-sender back through it and loses nothing, a byte changed on the wire closes the link as a
-frame that failed authentication, a failed handshake surfaces as the TLS error, and a
+the loop's layer both ways and frames with itself (back-pressure through it:
+``test_link.py``), a byte changed on the wire closes the link as a frame that failed
+authentication, a failed handshake surfaces as the TLS error, and a
 connection that never finishes its handshake is cut at the guard's deadline and counted."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import ssl
 from pathlib import Path
@@ -22,6 +21,7 @@ from node.guard import ConnectionGuard
 from node.link import Link, LinkServer, dial
 from node.tls_layer import RecordTracker
 from tests.test_link import _tls
+from tests.test_link_lowat import HoldBack
 
 MAX = 5 * 1024 * 1024
 
@@ -92,50 +92,6 @@ def test_both_layers_speak_the_same_tls(tmp_path: Path, server_layer: str,
     asyncio.run(run())
 
 
-def test_a_reader_that_falls_behind_holds_the_sender_back_through_tls_and_loses_nothing(
-        tmp_path: Path) -> None:
-    ctx = _tls(tmp_path)
-
-    async def run() -> None:
-        links: list[Link] = []
-        arrived = asyncio.Event()
-
-        async def keep(link: Link) -> None:
-            links.append(link)
-            arrived.set()
-            await asyncio.sleep(3600)
-
-        server, port = await _server(keep, ctx["server"])
-        try:
-            link = await dial("127.0.0.1", port, ssl_context=ctx["client"], max_message=MAX,
-                              timeout=5)
-            await asyncio.wait_for(arrived.wait(), 5)
-            block = os.urandom(256 * 1024)
-            sent, count = 0, 160  # 40 MiB: more than the reader's queue and both kernels'
-
-            async def flood() -> None:
-                nonlocal sent
-                for i in range(count):
-                    await link.send(i.to_bytes(4, "big"), block)
-                    sent += 1
-
-            task = asyncio.create_task(flood())
-            await asyncio.sleep(1.0)
-            assert not task.done() and sent < count  # held back: the reader paused
-            far = links[0]
-            for i in range(count):
-                m = await asyncio.wait_for(far.recv(), 10)
-                assert m is not None and int.from_bytes(m[:4], "big") == i and m[4:] == block
-            await asyncio.wait_for(task, 10)
-            await link.close("bye")
-            assert await asyncio.wait_for(far.recv(), 5) is None
-            assert far.reason == "closed by peer: bye"
-        finally:
-            await server.close()
-
-    asyncio.run(run())
-
-
 def test_a_failed_handshake_is_the_dialers_tls_error(tmp_path: Path) -> None:
     ctx = _tls(tmp_path)
 
@@ -187,44 +143,6 @@ def test_a_connection_that_never_finishes_its_handshake_is_cut_at_the_deadline(
     asyncio.run(run())
 
 
-class _Flip:
-    """A loopback TCP proxy that changes one byte of the dialer's stream, at ``at``."""
-
-    def __init__(self, target_port: int, at: int) -> None:
-        self.target_port, self.at, self.seen = target_port, at, 0
-        self.tasks: set[asyncio.Task] = set()
-        self.server: asyncio.AbstractServer | None = None
-
-    async def start(self) -> int:
-        self.server = await asyncio.start_server(self._conn, "127.0.0.1", 0)
-        return self.server.sockets[0].getsockname()[1]
-
-    async def _conn(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        tr, tw = await asyncio.open_connection("127.0.0.1", self.target_port)
-        for t in (self._pipe(r, tw, True), self._pipe(tr, w, False)):
-            self.tasks.add(asyncio.ensure_future(t))
-
-    async def _pipe(self, r: asyncio.StreamReader, w: asyncio.StreamWriter, up: bool) -> None:
-        with contextlib.suppress(ConnectionError):
-            while data := await r.read(65536):
-                if up and self.seen <= self.at < self.seen + len(data):
-                    b = bytearray(data)
-                    b[self.at - self.seen] ^= 0x40
-                    data = bytes(b)
-                if up:
-                    self.seen += len(data)
-                w.write(data)
-                await w.drain()
-        w.close()
-
-    async def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
-        for t in self.tasks:
-            t.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-
-
 def test_a_byte_changed_on_the_wire_closes_the_link_as_a_failed_frame(tmp_path: Path) -> None:
     ctx = _tls(tmp_path)
 
@@ -236,7 +154,7 @@ def test_a_byte_changed_on_the_wire_closes_the_link_as_a_failed_frame(tmp_path: 
             await asyncio.sleep(3600)
 
         server, port = await _server(keep, ctx["server"])
-        proxy = _Flip(port, at=200_000)  # well past the handshake: inside the block below
+        proxy = HoldBack(port, flip_at=200_000)  # past the handshake: inside the block below
         try:
             link = await dial("127.0.0.1", await proxy.start(), ssl_context=ctx["client"],
                               max_message=MAX, timeout=5)
