@@ -92,14 +92,15 @@ def test_both_layers_speak_the_same_tls(tmp_path: Path, server_layer: str,
     asyncio.run(run())
 
 
+async def _no_link(link: Link) -> None:
+    raise AssertionError("a peer that should have been refused got a link")
+
+
 def test_a_failed_handshake_is_the_dialers_tls_error(tmp_path: Path) -> None:
     ctx = _tls(tmp_path)
 
     async def run() -> None:
-        async def never(link: Link) -> None:
-            raise AssertionError("an outsider got a link")
-
-        server, port = await _server(never, ctx["server"])
+        server, port = await _server(_no_link, ctx["server"])
         try:
             with pytest.raises(ssl.SSLError):  # a foreign CA: the TLS error, not a timeout
                 await dial("127.0.0.1", port, ssl_context=ctx["rogue"], max_message=MAX,
@@ -116,11 +117,7 @@ def test_a_connection_that_never_finishes_its_handshake_is_cut_at_the_deadline(
 
     async def run() -> None:
         guard = ConnectionGuard(max_total=16, max_per_ip=16, upgrade_timeout_s=0.3)
-
-        async def never(link: Link) -> None:
-            raise AssertionError("a silent peer got a link")
-
-        server, port = await _server(never, ctx["server"], guard=guard)
+        server, port = await _server(_no_link, ctx["server"], guard=guard)
         try:
             loop = asyncio.get_running_loop()
             t0 = loop.time()
