@@ -16,6 +16,10 @@ a sender process in the other, over TLS 1.3, with uvloop, for each arm:
 - ``link-lowat``: ``node.link`` as shipped: since round 51 its own TLS layer, which after
   the handshake carries each message as one AES-256-GCM frame (``node.frames``) and
   wakes the link once a frame is all there;
+- ``link-placed``: ``link-lowat`` with each message sent as a node sends a chunk block,
+  a small header and the block as a view of the chunk, and the receiver placing the
+  block in a chunk buffer (``Link.place_with``): since round 52 the header and the block
+  go as two frames and the block's is opened straight into its place;
 - ``link-records``: the link's own TLS layer with frames off (TLS records, marks that
   count exactly the ciphertext it holds);
 - ``link-loop-tls``: the link on the event loop's TLS transport (rounds 47-50): the 2 ms
@@ -78,10 +82,11 @@ ARMS = {"ws": None, "link": (0.0, 0), "link-batched": (0.002, 0), "link-cap16": 
         "aead-floor": None,
         "loop-tcp-floor": None, "loop-tls-floor": None,
         "link-lowat-tight": (0.002, 256 * 1024), "link-loop-tls": (0.002, 256 * 1024),
-        "link-records": (0.002, 256 * 1024)}
+        "link-records": (0.002, 256 * 1024), "link-placed": (0.002, 256 * 1024)}
 LOOP_TLS = ("link-lowat-tight", "link-loop-tls")  # link arms on the loop's TLS transport
 FLOORS = ("tcp-floor", "tls-floor", "aead-floor")
 LOOP_FLOORS = ("loop-tcp-floor", "loop-tls-floor")
+BLOCK_HEAD = b"PSB1" + bytes(20)  # link-placed: a block message's header, as long as a node's
 AEAD_KEY = bytes(range(16))  # aead-floor measures the cipher's cost, not trust
 TAG = 16
 
@@ -150,6 +155,10 @@ async def _receive(arm: str, n: int, tls: ssl.SSLContext) -> dict:
             node.link.TLS_RECORD_SLACK, node.link.LOWAT_MIN = 0, 1
 
         async def on_link(link: Link) -> None:
+            if arm == "link-placed":
+                chunk = memoryview(bytearray(BLOCK))
+                link.place_with(lambda header, k: chunk[:k], len(BLOCK_HEAD),
+                                filled=lambda placed: True)
             for i in range(n):
                 await link.recv()
                 if i == 0:
@@ -186,8 +195,9 @@ async def _send(arm: str, n: int, host: str, tls: ssl.SSLContext) -> None:
 
     link = await dial(host, PORT, ssl_context=tls, max_message=1 << 23, timeout=10,
                       tls_layer="loop" if arm in LOOP_TLS else "own", frames=arm != "link-records")
+    parts = (BLOCK_HEAD, memoryview(payload)) if arm == "link-placed" else (payload,)
     for _ in range(n):
-        await link.send(payload)
+        await link.send(*parts)
     await asyncio.sleep(1.0)
     await link.close()
 

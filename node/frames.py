@@ -14,8 +14,9 @@ So once TLS has authenticated both ends, a link whose peers both speak it (ALPN
   secret, salted with both public keys (the dialer's first), 32 bytes each
   (``derive_keys``). After its hello a side sends nothing more in TLS; the peer reads
   exactly that one record and takes every later byte of that direction as frames.
-- **A frame** is a big-endian u32, the ciphertext's length, and the ciphertext: the
-  message under AES-256-GCM, nonce = 4 zero bytes and the frame's 8-byte count in
+- **A frame** is a big-endian u32, the ciphertext's length, and the ciphertext: a
+  piece of the link's byte stream (a whole message, or a block's header or body)
+  under AES-256-GCM, nonce = 4 zero bytes and the frame's 8-byte count in
   this direction (keys differ per direction, so no nonce repeats). A length past the
   link's largest message (plus the tag) closes the link before anything is
   allocated; a frame that does not authenticate closes it too.
@@ -26,6 +27,16 @@ So once TLS has authenticated both ends, a link whose peers both speak it (ALPN
 ``FrameReader`` and ``FrameWriter`` are sans-I/O (bytes in, plaintext out), used by
 ``node.tls_layer``; the receiver knows each frame's length from its header, so it can
 ask the kernel to wake it once the frame's rest is there (``wants``).
+
+**No copies a frame does not need** (round 52). The frames are a byte stream to the link,
+so a message may go in several frames: the link writes a chunk block's small header and
+its body as two, and the receiver, once the header's frame is open and the link has
+placed the body, opens the body's frame straight into the chunk's slice (``into``): no
+join of header and body before sealing, no copy of the plaintext after opening. A frame
+that fails authentication may leave unverified bytes in that slice; the link closes at
+once, and a slice whose message never completed is never taken (as when a link dies
+mid-message). Each frame's ciphertext goes into one buffer a reader keeps (up to
+``REUSE_BYTES``), not a fresh, zeroed one per frame.
 """
 
 from __future__ import annotations
@@ -48,6 +59,7 @@ HELLO_BYTES = len(HELLO_MAGIC) + 32
 HEADER = struct.Struct(">I")
 TAG = 16
 KEY_LIMIT = 64 << 30  # bytes of plaintext one direction's key seals at most
+REUSE_BYTES = (1 << 20) + TAG  # a reader keeps buffers up to this size; larger: one per frame
 _INFO = b"patchswarm frames v1"
 
 
@@ -100,45 +112,61 @@ class FrameWriter:
         if self.sealed > KEY_LIMIT:
             raise ProtocolError(f"frames: this key sealed {KEY_LIMIT >> 30} GiB; "
                                 "a new link gets fresh keys")
-        ct = self._aead.encrypt(_nonce(self.count), bytes(data) if isinstance(data, memoryview)
-                                else data, None)
+        ct = self._aead.encrypt(_nonce(self.count), data, None)
         self.count += 1
         return [HEADER.pack(len(ct)), ct]
+
+    def seal_parts(self, parts: list) -> list[bytes]:
+        """Each non-empty part in a frame of its own (a link message's header and body:
+        no join of the two; the receiver sees one stream)."""
+        out: list[bytes] = []
+        for part in parts:
+            if len(part):
+                out += self.seal(part)
+        return out
 
 
 class FrameReader:
     """Opens frames from a byte stream fed in pieces of any size, the way a buffered
     protocol is fed: ``get_buffer()`` says where the next bytes go, ``took(n)`` that
-    ``n`` came. Each whole frame's plaintext goes to ``deliver`` (a view, valid only
-    during the call). ``ProtocolError`` on a frame too large (before any allocation),
-    one that does not authenticate, or a key used up."""
+    ``n`` came. Each whole frame's plaintext goes where ``into(n)`` says, when it offers a
+    buffer of at least the frame's ``n`` plaintext bytes (opened straight into its first
+    ``n``, then ``wrote(n)``), else to ``deliver`` (a view, valid only during the call).
+    ``ProtocolError`` on a frame too large (before any allocation), one that does not
+    authenticate (nothing is said written or delivered then), or a key used up."""
 
     def __init__(self, key: bytes, max_plain: int,
-                 deliver: Callable[[memoryview], None]) -> None:
+                 deliver: Callable[[memoryview], None], *,
+                 into: Callable[[int], memoryview | None] | None = None,
+                 wrote: Callable[[int], None] | None = None) -> None:
+        if (into is None) is not (wrote is None):
+            raise ValueError("into and wrote come together")
         self._aead = AESGCM(key)
         self.max_cipher = max_plain + TAG
-        self.deliver = deliver
+        self.deliver, self.into, self.wrote = deliver, into, wrote
         self.count = 0
         self.opened = 0
+        self.direct = 0  # frames opened straight into ``into``'s buffer
         self._head = bytearray(HEADER.size)
         self._hview = memoryview(self._head)
         self._hgot = 0
-        self._frame: bytearray | None = None
+        self._size = 0  # the frame being received (0: a header is)
         self._fview = memoryview(b"")
         self._fgot = 0
-        self._plain = bytearray(0)
+        self._cipher = _Kept()
+        self._plain = _Kept()
 
     def get_buffer(self) -> memoryview:
-        if self._frame is not None:
+        if self._size:
             return self._fview[self._fgot:]
         return self._hview[self._hgot:]
 
     def wants(self) -> int:
         """Bytes still to come for the frame being received (0 at a header)."""
-        return len(self._frame) - self._fgot if self._frame is not None else 0
+        return self._size - self._fgot
 
     def took(self, n: int) -> None:
-        if self._frame is None:
+        if not self._size:
             self._hgot += n
             if self._hgot < HEADER.size:
                 return
@@ -147,27 +175,30 @@ class FrameReader:
             if size < TAG or size > self.max_cipher:
                 raise ProtocolError(f"frames: a frame of {size} bytes, outside 16.."
                                     f"{self.max_cipher}")
-            self._frame = bytearray(size)
-            self._fview = memoryview(self._frame)
-            self._fgot = 0
+            self._size, self._fgot = size, 0
+            self._fview = self._cipher.view(size)
             return
         self._fgot += n
-        if self._fgot < len(self._frame):
+        if self._fgot < self._size:
             return
-        frame, self._frame = self._frame, None
-        plain = len(frame) - TAG
+        frame, plain = self._fview, self._size - TAG
+        self._size = self._fgot = 0
         self.opened += plain
         if self.opened > KEY_LIMIT:
             raise ProtocolError(f"frames: the peer's key sealed over {KEY_LIMIT >> 30} GiB")
-        if len(self._plain) < plain:
-            self._plain = bytearray(plain)
-        out = memoryview(self._plain)[:plain]
+        dest = self.into(plain) if self.into is not None and plain else None
+        direct = dest is not None and len(dest) >= plain
+        out = dest[:plain] if direct else self._plain.view(plain)  # type: ignore[index]
         try:
             self._aead.decrypt_into(_nonce(self.count), frame, None, out)
         except InvalidTag:
             raise ProtocolError("frames: a frame failed authentication") from None
         self.count += 1
-        self.deliver(out)
+        if direct:
+            self.direct += 1
+            self.wrote(plain)  # type: ignore[misc]
+        else:
+            self.deliver(out)
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         """Take ``data`` as if it had been read into the buffers in turn."""
@@ -178,6 +209,23 @@ class FrameReader:
             buf[:k] = view[i:i + k]
             i += k
             self.took(k)
+
+
+class _Kept:
+    """A buffer a reader keeps for frames: grown to fit, up to ``REUSE_BYTES``; a larger
+    frame gets one of its own."""
+
+    __slots__ = ("buf",)
+
+    def __init__(self) -> None:
+        self.buf = bytearray(0)
+
+    def view(self, n: int) -> memoryview:
+        if n > REUSE_BYTES:
+            return memoryview(bytearray(n))
+        if len(self.buf) < n:
+            self.buf = bytearray(n)
+        return memoryview(self.buf)[:n]
 
 
 def random_key() -> bytes:

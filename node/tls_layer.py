@@ -14,10 +14,12 @@ TCP transport:
   peer before it succeeds, and a handshake that fails or runs late aborts the
   connection without the link's protocol ever seeing it;
 - where both ends offer ALPN ``patchswarm-frames/1``, it exchanges keys inside the TLS
-  channel and from then on carries each link message as one AES-256-GCM frame
-  (``node.frames``): one decrypt per message, and the kernel asked to wake the link once
-  the frame's rest is there (``SO_RCVLOWAT``), exactly, since the frame's length is
-  known. A peer of an older release offers no ALPN and gets plain TLS;
+  channel and from then on carries the link's messages in AES-256-GCM frames
+  (``node.frames``): a message in one, a chunk block's header and body in two (round
+  52), the body's opened straight into the slice the link placed it in; the kernel is
+  asked to wake the link once the frame's rest is there (``SO_RCVLOWAT``), exactly,
+  since the frame's length is known. A peer of an older release offers no ALPN and gets
+  plain TLS;
 - under plain TLS it decrypts records straight into the link's buffers and follows the
   stream's record headers (``RecordTracker``), so the link's marks count exactly the
   ciphertext it holds (OpenSSL pulls a record's first bytes out of the BIO, so the
@@ -352,7 +354,8 @@ class TlsProtocol(asyncio.BufferedProtocol):
             return
         self.share = None
         self.writer = FrameWriter(tx)
-        reader = FrameReader(rx, self.max_message, self._to_app)
+        reader = FrameReader(rx, self.max_message, self._to_app, into=self._app_room,
+                             wrote=self._app_wrote)
         after = self.incoming.read()
         self._ready("frames")
         self.reader = reader
@@ -431,6 +434,17 @@ class TlsProtocol(asyncio.BufferedProtocol):
             if self.settled or got < size:
                 return
 
+    def _app_room(self, n: int) -> memoryview | None:
+        """Frames: the link protocol's buffer, where it has room for a frame's ``n``
+        plaintext bytes whole (a placed block's body: its slice of the chunk)."""
+        if self.closing:
+            return None
+        buf = self.app.get_buffer(-1)
+        return buf if len(buf) >= n else None
+
+    def _app_wrote(self, n: int) -> None:
+        self.app.buffer_updated(n)
+
     def _to_app(self, data: memoryview) -> None:
         """Frames: a frame's plaintext into the link protocol's buffers."""
         app, i, n = self.app, 0, len(data)
@@ -488,14 +502,12 @@ class TlsProtocol(asyncio.BufferedProtocol):
         if self.closing or not self.handshaken:
             return
         if self.writer is not None:
-            parts = list(parts)
-            data = parts[0] if len(parts) == 1 else b"".join(parts)
-            try:
-                frame = self.writer.seal(data)
+            try:  # a block's header and body each in a frame: not joined first
+                frames = self.writer.seal_parts(parts)
             except ProtocolError as exc:  # this key is used up: a new link gets new keys
                 self._fail(exc)
                 return
-            self.raw.writelines(frame)
+            self.raw.writelines(frames)
             return
         obj = self.sslobj
         try:

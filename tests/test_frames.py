@@ -1,11 +1,14 @@
 """The data plane's frames (``node.frames``), sans-I/O: messages come out as they went in
 under any split of the stream; any changed, dropped, repeated or reordered byte or frame
-fails authentication (or leaves the reader waiting), never a wrong message; a length past
-the limit fails before anything is allocated; both ends of a key exchange agree, and a
+fails authentication (or leaves the reader waiting), never a wrong message; a message
+sealed in parts and opened in place or delivered makes the same stream, and a frame opened
+in place that fails is never said written; a length past the limit fails before anything
+is allocated; both ends of a key exchange agree, and a
 malformed or low-order key is refused."""
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -45,6 +48,66 @@ def test_messages_come_out_as_they_went_in_however_the_stream_is_split(
             break
     r.feed(data[pos:])
     assert got == msgs and r.wants() == 0
+
+
+class _Sink:
+    """A consumer like the link: ``into`` offers room of a drawn size where the stream
+    goes on (or nothing), ``wrote`` / ``deliver`` take what came."""
+
+    def __init__(self, rooms: list[int | None]) -> None:
+        self.out = bytearray()
+        self.rooms, self.asked, self.fits = rooms, 0, 0
+        self.area = memoryview(bytearray(MAX + 64))
+
+    def into(self, n: int) -> memoryview | None:
+        room = self.rooms[self.asked % len(self.rooms)]
+        self.asked += 1
+        if room is None:
+            return None
+        self.fits += room >= n
+        return self.area[:room]
+
+    def wrote(self, n: int) -> None:
+        self.out += self.area[:n]
+
+    def deliver(self, view: memoryview) -> None:
+        self.out += view
+
+
+@settings(max_examples=60, deadline=None)
+@given(msgs=MESSAGES, data=st.data(),
+       rooms=st.lists(st.one_of(st.none(), st.integers(0, MAX + 64)), min_size=1, max_size=6))
+def test_frames_opened_in_place_or_delivered_make_the_stream_that_was_sent(
+        msgs: list[bytes], data: st.DataObject, rooms: list[int | None]) -> None:
+    """Messages sealed in parts of any split (``seal_parts``, as a block's header and
+    body), each frame opened into the room the consumer offers when it fits, else
+    delivered: the consumer's stream is the sender's, whatever the rooms and reads."""
+    key = os.urandom(32)
+    w, sink = FrameWriter(key), _Sink(rooms)
+    r = FrameReader(key, MAX, sink.deliver, into=sink.into, wrote=sink.wrote)
+    stream = bytearray()
+    for m in msgs:
+        cuts = sorted(data.draw(st.lists(st.integers(0, len(m)), max_size=3)))
+        ends = [0, *cuts, len(m)]
+        stream += b"".join(w.seal_parts([m[a:b] for a, b in itertools.pairwise(ends)]))
+    step = data.draw(st.integers(1, 100_000))
+    for i in range(0, len(stream), step):
+        r.feed(stream[i:i + step])
+    assert bytes(sink.out) == b"".join(msgs)
+    assert r.direct == sink.fits and r.wants() == 0
+
+
+def test_a_frame_opened_in_place_that_fails_authentication_is_never_said_written() -> None:
+    key = os.urandom(32)
+    sink = _Sink([MAX])
+    r = FrameReader(key, MAX, sink.deliver, into=sink.into, wrote=sink.wrote)
+    frame = bytearray(b"".join(FrameWriter(key).seal(os.urandom(5000))))
+    frame[-1] ^= 1
+    with pytest.raises(ProtocolError, match="authentication"):
+        r.feed(frame)
+    assert sink.out == b"" and r.direct == 0
+    with pytest.raises(ValueError, match="together"):
+        FrameReader(key, MAX, sink.deliver, into=sink.into)
 
 
 @settings(max_examples=120, deadline=None)

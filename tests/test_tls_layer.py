@@ -169,3 +169,63 @@ def test_a_byte_changed_on_the_wire_closes_the_link_as_a_failed_frame(tmp_path: 
             await server.close()
 
     asyncio.run(run())
+
+
+def _layer(link: Link) -> Any:
+    return link._p.transport._layer  # the TlsProtocol under a link (frames: its reader)
+
+
+@pytest.mark.parametrize("flip", [False, True])
+def test_a_placed_blocks_body_is_opened_straight_into_its_slice(tmp_path: Path,
+                                                                  flip: bool) -> None:
+    """A block message goes as two frames, its header and its body, and the body's frame
+    is opened straight into the slice the link's placer named: every frame opened in
+    place, none copied. A byte changed inside the body closes the link and the block
+    never counts as written (the placer's ``filled`` is not called)."""
+    ctx = _tls(tmp_path)
+    block = 256 * 1024
+    bodies = [os.urandom(block) for _ in range(4)]
+    target = bytearray(len(bodies) * block)
+
+    def placer(header: bytes, n: int) -> memoryview | None:
+        i = header[3]
+        return memoryview(target)[i * n:(i + 1) * n] if header[:3] == b"BLK" else None
+
+    async def run() -> None:
+        got: list[Any] = []
+        filled: list[bytes] = []
+        links: list[Link] = []
+
+        async def take(link: Link) -> None:
+            links.append(link)
+            link.place_with(placer, 4, filled=lambda p: filled.append(p.header) or True)
+            while (m := await link.recv()) is not None:
+                got.append(m)
+
+        server, port = await _server(take, ctx["server"])
+        proxy = HoldBack(port, flip_at=300_000 if flip else None)  # inside the second body
+        try:
+            link = await dial("127.0.0.1", await proxy.start(), ssl_context=ctx["client"],
+                              max_message=MAX, timeout=5)
+            for i, body in enumerate(bodies):
+                await link.send(b"BLK" + bytes([i]), memoryview(body))
+            await link.send(b"the end")
+            for _ in range(200):
+                if len(got) == len(bodies) + 1 or (links and links[0].closed):
+                    break
+                await asyncio.sleep(0.025)
+            reader = _layer(links[0]).reader
+            if flip:
+                assert "failed authentication" in links[0].reason
+                assert len(got) <= 1 and filled == [b"BLK\0"] * len(got)
+            else:
+                assert [bytes(m.header) for m in got[:-1]] == [b"BLK" + bytes([i])
+                                                                for i in range(4)]
+                assert bytes(got[-1]) == b"the end" and bytes(target) == b"".join(bodies)
+                assert reader.direct == reader.count > 2 * len(bodies)
+            await link.close("done")
+        finally:
+            await proxy.close()
+            await server.close()
+
+    asyncio.run(run())
