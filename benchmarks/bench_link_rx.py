@@ -51,7 +51,9 @@ Every process tunes its allocator as a node does (``node.daemon.tune_malloc``; b
 round 51 the link arms' receivers did not, and a 256 KiB message's buffer could come
 back as fresh pages). The table gives the receiver process's CPU seconds per GB (utime + stime,
 ``getrusage``; the system part on its own), its voluntary context switches per message (how often its loop
-slept and woke), and the rate. Needs root (namespaces, tc); everything it makes is
+slept and woke), the rate, and (since round 52) the sender process's CPU seconds per GB
+sent, from its first message to a second after its last (a border node sends two to
+three times what it receives). Needs root (namespaces, tc); everything it makes is
 removed at the end. Usage: ``python benchmarks/bench_link_rx.py [--mbit 100,1000]
 [--mib 12] [--runs 2] [--arms link-batched,link-lowat] [--out F.json]``.
 """
@@ -187,18 +189,22 @@ async def _send(arm: str, n: int, host: str, tls: ssl.SSLContext) -> None:
 
         async with aiohttp.ClientSession() as s:
             ws = await s.ws_connect(f"https://{host}:{PORT}/", ssl=tls, max_msg_size=1 << 24)
+            u0 = _usage()
             for _ in range(n):
                 await ws.send_bytes(payload)
             await asyncio.sleep(1.0)
+            _print_send_usage(u0, n)
         return
     from node.link import dial
 
     link = await dial(host, PORT, ssl_context=tls, max_message=1 << 23, timeout=10,
                       tls_layer="loop" if arm in LOOP_TLS else "own", frames=arm != "link-records")
     parts = (BLOCK_HEAD, memoryview(payload)) if arm == "link-placed" else (payload,)
+    u0 = _usage()
     for _ in range(n):
         await link.send(*parts)
     await asyncio.sleep(1.0)
+    _print_send_usage(u0, n)
     await link.close()
 
 
@@ -343,6 +349,7 @@ def _send_floor(arm: str, n: int, host: str, tls: ssl.SSLContext) -> None:
     payload = os.urandom(BLOCK)
     conn = socket.create_connection((host, PORT), timeout=60)
     sock = tls.wrap_socket(conn) if arm == "tls-floor" else conn
+    u0 = _usage()
     if arm == "aead-floor":
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
@@ -352,7 +359,16 @@ def _send_floor(arm: str, n: int, host: str, tls: ssl.SSLContext) -> None:
     for _ in range(n if arm != "aead-floor" else 0):
         sock.sendall(payload)
     time.sleep(1.0)
+    _print_send_usage(u0, n)
     sock.close()
+
+
+def _print_send_usage(u0: tuple[float, int, float], n: int) -> None:
+    """The sender's CPU per GB, from before its first message to after its last one
+    left (a second's idle wait after it costs next to nothing)."""
+    u1, gb = _usage(), n * BLOCK / 1e9
+    print(json.dumps({"send_cpu_s_per_gb": round((u1[0] - u0[0]) / gb, 2),
+                      "send_system_s_per_gb": round((u1[2] - u0[2]) / gb, 2)}), flush=True)
 
 
 def _inner(args: argparse.Namespace) -> int:
@@ -395,10 +411,12 @@ def _one(ns: tuple[str, str], arm: str, n: int, certs: Path,
         if rx.stdout.readline().strip() != "listening":
             raise RuntimeError("the receiver did not start")
         prof = perfstat.record("perf", rx.pid, perf_out, freq=9999) if perf_out is not None else None
-        subprocess.run(["ip", "netns", "exec", ns[0], py, me, "--inner", "send", *common,
-                        "--host", "10.231.0.2"], check=True, env=env, timeout=600)
+        tx = subprocess.run(["ip", "netns", "exec", ns[0], py, me, "--inner", "send", *common,
+                             "--host", "10.231.0.2"], check=True, env=env, timeout=600,
+                            stdout=subprocess.PIPE, text=True)
         out, _ = rx.communicate(timeout=60)
         res = json.loads(out.strip().splitlines()[-1])
+        res.update(json.loads(tx.stdout.strip().splitlines()[-1]))
         if prof is not None and perf_out is not None:
             perfstat.interrupt(prof)
             res["perf"] = perfstat.read_perf("perf", perf_out)
@@ -464,11 +482,12 @@ def main(argv: list[str] | None = None) -> int:
             for name in ns:
                 subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
     print(f"\n{'Mbit':>5} {'arm':16} {'run':>3} {'CPU-s/GB':>9} {'system':>7} "
-          f"{'wake-ups/msg':>13} {'MB/s':>7}")
+          f"{'wake-ups/msg':>13} {'MB/s':>7} {'sender CPU-s/GB':>16} {'system':>7}")
     for r in rows:
         print(f"{r['mbit']:>5} {r['arm']:16} {r['run']:>3} {r['cpu_s_per_gb']:>9.2f} "
               f"{r.get('system_s_per_gb', float('nan')):>7.2f} "
-              f"{r['wakeups_per_message']:>13.1f} {r['mb_per_s']:>7.1f}")
+              f"{r['wakeups_per_message']:>13.1f} {r['mb_per_s']:>7.1f} "
+              f"{r['send_cpu_s_per_gb']:>16.2f} {r['send_system_s_per_gb']:>7.2f}")
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_transport import write_results
 

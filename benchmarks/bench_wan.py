@@ -848,6 +848,7 @@ def inner(args: argparse.Namespace) -> int:
         "lt_cross_peers": args.lt_cross_peers, "lt_pex": not args.lt_no_pex,
         "uplink_burst_kib": args.uplink_burst_kib, "flow_bound_s": round(bound, 3),
         "swarm_knobs": args.swarm or [], "host_sysctls": dict(args.sysctl),
+        "host_route": dict(args.route),
         "warm_memory_mib": args.warm_mib, "origin_warm_memory_mib": args.origin_warm_mib,
         "loss": args.loss, "versions": args.versions,
         "congestion_control": args.congestion if args.congestion is not None else "bbr",
@@ -1001,7 +1002,7 @@ def outer(args: argparse.Namespace, argv: list[str]) -> int:
                  host_mbit=args.host_mbit, trainer_in_region=0, delay_ms=args.delay_ms,
                  intra_delay_ms=args.intra_delay_ms, loss=args.loss,
                  uplink_burst_bytes=int(args.uplink_burst_kib * 1024),
-                 host_sysctls=dict(args.sysctl))
+                 host_sysctls=dict(args.sysctl), host_route=dict(args.route))
     desc_file = None
     try:
         lab.build()
@@ -1045,6 +1046,17 @@ def _sysctl(text: str) -> tuple[str, str]:
         raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE, e.g. "
                                          "net.ipv4.tcp_slow_start_after_idle=0")
     return key.strip(), value.strip()
+
+
+def _route(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or key not in ROUTE_ATTRS or not value.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected ATTR=N, ATTR one of "
+                                         f"{', '.join(ROUTE_ATTRS)}")
+    return key, value
+
+
+ROUTE_ATTRS = ("initcwnd", "initrwnd")
 
 
 def _on_sigterm(*_: object) -> None:
@@ -1110,6 +1122,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="set in every host's namespace (repeatable), to measure a deployment "
                          "setting: e.g. net.ipv4.tcp_slow_start_after_idle=0 (Linux restarts "
                          "an idle connection's congestion window from its initial one)")
+    ap.add_argument("--route", type=_route, action="append", default=[], metavar="ATTR=VALUE",
+                    help="an attribute of every host's route to the other regions (repeatable), "
+                         "to measure a deployment setting: e.g. initcwnd=64 and initrwnd=64 "
+                         "(TCP's first congestion and receive windows on the long paths)")
     ap.add_argument("--loss", type=float, default=0.0, metavar="P",
                     help="drop each TCP segment between regions with probability P (the core's "
                          "delay holder; default 0): a long lossy path caps a loss-based TCP flow "

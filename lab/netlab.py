@@ -115,6 +115,9 @@ class NetLab:
     uplink_burst_bytes: int | None = None  # None: ~4 ms of data, >= 32 KiB
     # sysctls set in every host's namespace, e.g. {"net.ipv4.tcp_slow_start_after_idle": "0"}
     host_sysctls: dict[str, str] = field(default_factory=dict)
+    # attributes of every host's default route (the one to other regions), e.g.
+    # {"initcwnd": "64", "initrwnd": "64"}: TCP's first windows on the long paths
+    host_route: dict[str, str] = field(default_factory=dict)
     holders: list[dict[str, Any]] = field(default_factory=list)
     tables: list[tuple[str, str]] = field(default_factory=list)  # (ns, "family name")
 
@@ -237,7 +240,8 @@ class NetLab:
                 self._run("ip", "link", "set", "dev", f"h{h}", "up", ns=g)
                 self._run("ip", "addr", "add", f"{self.ip_host(r, h)}/24", "dev", "eth0", ns=ns)
                 self._run("ip", "link", "set", "dev", "eth0", "up", ns=ns)
-                self._run("ip", "route", "add", "default", "via", f"10.213.{r}.254", ns=ns)
+                self._run("ip", "route", "add", "default", "via", f"10.213.{r}.254",
+                          *(x for kv in self.host_route.items() for x in kv), ns=ns)
                 for key, value in self.host_sysctls.items():
                     self._run("sysctl", "-qw", f"{key}={value}", ns=ns)
                 self._shape(ns, "eth0", self.host_mbit)
