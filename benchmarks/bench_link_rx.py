@@ -435,6 +435,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arms", default=",".join(ARMS), help="arms to run, comma separated")
     ap.add_argument("--runs", type=int, default=2, help="runs per arm and rate (interleaved)")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
+    ap.add_argument("--burst-kib", type=float, default=None, metavar="KIB",
+                    help="tbf burst (default 32 KiB, as the WAN lab's uplinks; its host links "
+                         "take ~4 ms of data: 488 KiB at 1 Gbit/s). A burst under a GSO "
+                         "packet makes tbf cut every one of them up")
     ap.add_argument("--perf", type=Path, metavar="DIR",
                     help="sample each receiver with Linux perf into DIR/<mbit>-<arm>-<run>.data "
                          "and report its shares by stage (benchmarks/perfstat.py)")
@@ -469,8 +473,9 @@ def main(argv: list[str] | None = None) -> int:
             for mbit in [int(x) for x in args.mbit.split(",")]:
                 subprocess.run(["ip", "netns", "exec", ns[0], "tc", "qdisc", "del", "dev", "va",
                                 "root"], capture_output=True, check=False)
+                burst = int(args.burst_kib * 1024) if args.burst_kib else 32768
                 _sh("ip", "netns", "exec", ns[0], "tc", "qdisc", "add", "dev", "va", "root", "tbf",
-                    "rate", f"{mbit}mbit", "burst", "32768", "latency", "100ms")
+                    "rate", f"{mbit}mbit", "burst", str(burst), "latency", "100ms")
                 for run in range(args.runs):
                     for arm in args.arms.split(","):
                         perf_out = (args.perf / f"{mbit}-{arm}-{run + 1}.data"
@@ -491,7 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_transport import write_results
 
-    write_results(args.out, {"bench": "link_rx", "block_bytes": BLOCK, "mib": args.mib, "rows": rows})
+    write_results(args.out, {"bench": "link_rx", "block_bytes": BLOCK, "mib": args.mib,
+                             "burst_kib": args.burst_kib or 32, "rows": rows})
     return 0
 
 

@@ -62,6 +62,18 @@ def test_lab_routes_between_regions_shapes_uplinks_and_cleans_up():
     assert not any(n in listed for n in names)
 
 
+def test_host_route_attributes_go_on_every_hosts_route_to_other_regions():
+    with NetLab(2, 2, host_route={"initcwnd": "64", "initrwnd": "32"}) as lab:
+        for r in range(2):
+            for h in range(2):
+                routes = subprocess.run([*lab.exec_prefix(lab.ns_host(r, h)), "ip", "route"],
+                                        capture_output=True, text=True, check=True).stdout
+                default = next(x for x in routes.splitlines() if x.startswith("default"))
+                assert "initcwnd 64" in default and "initrwnd 32" in default
+                local = next(x for x in routes.splitlines() if x.startswith("10.213."))
+                assert "initcwnd" not in local  # inside the region: the kernel's default
+
+
 def test_fleet_converges_in_the_lab_with_one_copy_per_region(tmp_path):
     out = tmp_path / "netlab.json"
     res = subprocess.run(
