@@ -166,7 +166,8 @@ NETWORK_KNOBS = (
      "BBR starts over on a link whose chunk starts after S seconds without one (0: never; "
      "shipped 0.2)"),
     ("--warm-up-kib", "warm_up_kib", int, "KIB",
-     "padding that opens a long link's window before its first chunk (0: off, shipped)"),
+     "padding that opens a long link's window before its first chunk, for the trainer and "
+     "every node (0: off; shipped 512 on the origin, 0 on nodes)"),
     ("--read-coalesce-ms", "read_coalesce_ms", float, "MS",
      "the longest a peer link holds its socket to read a batch (2: round 12's fixed hold)"),
     ("--read-lowat-kib", "read_lowat_kib", int, "KIB",
@@ -939,7 +940,8 @@ def simulate(args: argparse.Namespace, result: dict[str, Any]) -> dict[str, Any]
         apply_cpu_s_per_gb=statistics.median(tails) / (size / 1e9),
         regions=result["regions"], hosts_per_region=result["hosts_per_region"],
         uplink_mbit=args.uplink_mbit, delay_ms=args.delay_ms, loss=args.loss,
-        lanes=args.lanes or 1, congestion=args.congestion or "bbr")
+        lanes=args.lanes or 1, congestion=args.congestion or "bbr",
+        warm_up_kib=args.warm_up_kib)
     if sc is None:
         print("simulator: no scenario file for this shape (configs/sim/wan-3x4.toml is 3x4, "
               "100 Mbit uplinks)")

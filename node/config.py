@@ -72,6 +72,11 @@ DEFAULT_WARM_MEMORY_MIB = 256
 # 64 MiB version's encode still faulted 12-16k fresh pages from the second version on
 # (docs/benchmarks.md round 36)
 DEFAULT_ORIGIN_WARM_MEMORY_MIB = 1024
+# [network] warm_up_kib by role (node.warm_up): the origin warms its links to the borders
+# it pushes to; a node's links between regions stay cold (docs/benchmarks.md rounds 42
+# and 53)
+DEFAULT_WARM_UP_KIB = 0
+DEFAULT_ORIGIN_WARM_UP_KIB = 512
 
 
 @dataclass(frozen=True)
@@ -146,9 +151,9 @@ class NodeConfig:
     # ... and on a link whose chunk starts after this long without one (0: never)
     congestion_restart_idle_s: float = 0.2
     # padding written on an idle link between regions, before any chunk went over it, to
-    # open TCP's window for the first version (0: never, the default: no gain measured on
-    # the emulated WAN; node.warm_up), on links whose round trip is this long or longer
-    warm_up_kib: int = 0
+    # open TCP's window for the first version (0: never; node.warm_up; by default 512 on
+    # the origin, 0 on a node), on links whose round trip is this long or longer
+    warm_up_kib: int = DEFAULT_WARM_UP_KIB
     warm_up_min_rtt_ms: float = 20.0
     # connections a link that carries chunks to another region stripes them over, the
     # dialer's choice (1: one; docs/striped-links.md); they count against the other
@@ -518,7 +523,11 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = Non
         "max_connections": _int_in(net, "max_connections", 1024, 1, 1_000_000),
         "max_connections_per_ip": _int_in(net, "max_connections_per_ip", 32, 1, 1_000_000),
         "unsent_limit_kib": _int_in(net, "unsent_limit_kib", 128, 0, 1 << 20),
-        "warm_up_kib": _int_in(net, "warm_up_kib", 0, 0, 32 * 1024),
+        # node.warm_up: on for the origin's pushes, off for nodes (docs/benchmarks.md
+        # rounds 42 and 53)
+        "warm_up_kib": _int_in(net, "warm_up_kib",
+                               DEFAULT_ORIGIN_WARM_UP_KIB if role == "origin" else DEFAULT_WARM_UP_KIB,
+                               0, 32 * 1024),
         "read_lowat_kib": _int_in(net, "read_lowat_kib", 256, 0, 4096),
         **_lanes(net),
     }

@@ -635,9 +635,10 @@ class Simulation:
         mine.fifo = theirs.fifo = now + lat
         if self.sc.slow_start:
             mine.cwnd = theirs.cwnd = self._initial_window(node, peer)
-            if self.sc.warm_up_kib > 0 and 2 * lat * 1000 >= self.sc.warm_up_min_rtt_ms:
+            if 2 * lat * 1000 >= self.sc.warm_up_min_rtt_ms:
                 for h in (mine, theirs):
-                    self.engine.schedule(now + WARM_UP_DELAY_S, self._warm_look, (h, h.inc, 0))
+                    if self._warm_kib(h.node) > 0:
+                        self.engine.schedule(now + WARM_UP_DELAY_S, self._warm_look, (h, h.inc, 0))
         # SYN-ACK reaches the dialler before any byte the listener sends: schedule it first
         self.engine.schedule(now + lat, self._connected, (mine, addr))
         self._deliver(peer, peer.inc, ev.PeerConnected(now, theirs.cid, False, node.addr))
@@ -649,6 +650,10 @@ class Simulation:
         iw = self.sc.initial_window * (self.sc.mss + self.sc.header_bytes)
         striped = a.ep.site != b.ep.site and not self.sc.lanes_auto
         return iw * self.sc.lanes if striped else iw
+
+    def _warm_kib(self, node: SimNode) -> int:
+        """``node``'s [network] warm_up_kib: the origin's and a node's ship apart."""
+        return self.sc.origin_warm_up_kib if node.origin else self.sc.warm_up_kib
 
     def _warm_look(self, item: tuple[Half, int, int]) -> None:
         """node.warm_up: a long link whose handshake is done and that carries chunks between
@@ -668,7 +673,7 @@ class Simulation:
         if not core.peer_border(half.cid):
             return
         iw = self.sc.initial_window * (self.sc.mss + self.sc.header_bytes)
-        budget, sent, rounds = self.sc.warm_up_kib * 1024, 0.0, 1  # + one for the acks
+        budget, sent, rounds = self._warm_kib(node) * 1024, 0.0, 1  # + one for the acks
         while sent < budget:
             sent += iw * BBR_STARTUP_GAIN ** (rounds - 1)
             rounds += 1
@@ -808,7 +813,7 @@ class Simulation:
         if half.warm_at <= half.node.chunk_at and half.cwnd != INF:
             # warmed before the node's first chunk (node.warm_up): the window it opened
             iw = self.sc.initial_window * (self.sc.mss + self.sc.header_bytes)
-            half.cwnd = max(half.cwnd, iw + self.sc.warm_up_kib * 1024)
+            half.cwnd = max(half.cwnd, iw + self._warm_kib(half.node) * 1024)
         half.warm_at = INF
         src, dst = half.node.ep, peer.node.ep
         res = self.topo.flow_resources(src, dst)

@@ -40,10 +40,12 @@ def emulated_wan(*, size_bytes: int, chunk_bytes: int, handoff_s: float,
                  node_cpu_s_per_gb: float, apply_cpu_s_per_gb: float, regions: int = 3, hosts_per_region: int = 4,
                  uplink_mbit: float = 100.0, delay_ms: float = 40.0, loss: float = 0.0,
                  lanes: int | str = 1, congestion: str = "bbr",
+                 warm_up_kib: int | None = None,
                  path: Path = SCENARIO) -> Scenario | None:
     """``path``'s scenario with the run's measured CPU, hand-off and payload, and the
-    bench's inter-region delay, loss, lanes and congestion control on its links; None
-    if the bench's shape is not the file's."""
+    bench's inter-region delay, loss, lanes and congestion control on its links, and its
+    ``warm_up_kib`` for the origin and every node where it set one (None: as shipped, the
+    origin's on and a node's off); None if the bench's shape is not the file's."""
     sc = load_scenario(path)
     hosts = {r.name: r.nodes for r in sc.regions}
     want = {r.name: hosts_per_region - (r.name == sc.trainer_region) for r in sc.regions}
@@ -67,7 +69,9 @@ def emulated_wan(*, size_bytes: int, chunk_bytes: int, handoff_s: float,
                                chunk_bytes=chunk_bytes, encode_s=handoff_s,
                                lanes=AUTO_LANES if lanes == "auto" else int(lanes),
                                lanes_auto=lanes == "auto",
-                               congestion=congestion if congestion in CONGESTION else "bbr")
+                               congestion=congestion if congestion in CONGESTION else "bbr",
+                               **({} if warm_up_kib is None else
+                                  {"warm_up_kib": warm_up_kib, "origin_warm_up_kib": warm_up_kib}))
 
 
 def predict(sc: Scenario) -> dict[str, Any]:

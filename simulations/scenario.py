@@ -211,7 +211,8 @@ class Scenario:
     # uploads on it, one link at a time per node (its start-up's rounds to hand the padding
     # over, and one more for its acknowledgements), and its first chunk starts from a window
     # of initial_window + the padding. The padding's own bytes are not modelled.
-    warm_up_kib: int = 0  # off, as shipped
+    warm_up_kib: int = 0  # a node's, off as shipped
+    origin_warm_up_kib: int = 512  # the origin's [network] warm_up_kib, on as shipped (round 53)
     warm_up_min_rtt_ms: float = 20.0
     encode_s: float = 0.0  # trainer: time from the publish call to the hand-off to its core
     host_cores: int = 0  # > 0: every node shares one CPU of this many cores (one emulation box)
@@ -477,6 +478,7 @@ def parse_scenario(data: dict[str, Any], default_name: str = "scenario") -> Scen
     lanes_auto = net.raw("lanes", "auto") == "auto"  # the node's default
     lanes = AUTO_LANES if lanes_auto else net.int("lanes", 1, lo=1, hi=64)
     warm_kib = net.int("warm_up_kib", 0, lo=0, hi=32 * 1024)
+    origin_warm_kib = net.int("origin_warm_up_kib", 512, lo=0, hi=32 * 1024)
     warm_rtt = net.num("warm_up_min_rtt_ms", 20.0, lo=0)
     net.done()
 
@@ -646,6 +648,7 @@ def parse_scenario(data: dict[str, Any], default_name: str = "scenario") -> Scen
         lanes=lanes,
         lanes_auto=lanes_auto,
         warm_up_kib=warm_kib,
+        origin_warm_up_kib=origin_warm_kib,
         warm_up_min_rtt_ms=warm_rtt,
         encode_s=encode_s,
         host_cores=host_cores,

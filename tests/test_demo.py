@@ -105,7 +105,8 @@ def test_fleet_converges_bitwise_with_one_copy_per_region() -> None:
             tr = st["transport"]
             if tr["congestion_control"] != "bbr":
                 assert tr["congestion_restarts"] == 0, tr
-        # link warm-ups are off unless [network] warm_up_kib is set (node.warm_up)
+        # a node's link warm-ups are off unless [network] warm_up_kib is set, and the
+        # origin's (on) look only at links of 20 ms or longer: none on loopback
         assert all(st["transport"]["warm_up"]["links"] == 0 for st in statuses.values())
         if all(st["transport"]["congestion_control"] == "bbr" for st in statuses.values()):
             assert sum(st["transport"]["congestion_restarts"] for st in statuses.values()) > 0

@@ -56,7 +56,7 @@ def test_valid_config_resolves_paths_and_core_knobs(tmp_path: Path) -> None:
     auto = parse_config(_doc(network={"lanes": "auto"}), tmp_path)
     assert (auto.lanes, auto.lanes_auto) == (4, True)
     assert parse_config(_doc(network={"lanes": 4}), tmp_path).lanes_auto is False
-    assert (cfg.warm_up_kib, cfg.warm_up_min_rtt_ms) == (0, 20.0)  # node.warm_up: off
+    assert (cfg.warm_up_kib, cfg.warm_up_min_rtt_ms) == (0, 20.0)  # node.warm_up: a node's off
     assert cfg.congestion_restart_idle_s == 0.2
     assert parse_config(_doc(network={"congestion_restart_idle_s": 0}),
                         tmp_path).congestion_restart_idle_s == 0
@@ -169,6 +169,16 @@ def test_plaintext_on_a_public_address_needs_to_be_asked_for(tmp_path: Path) -> 
 def test_origin_needs_a_signing_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"publish\.signing_key"):
         parse_config(_doc(node={"role": "origin"}), tmp_path)
+
+
+def test_an_origin_warms_its_long_links_by_default(tmp_path: Path) -> None:
+    """node.warm_up ships on for the origin (its pushes start from an open window) and off
+    for a node; set, either is as given."""
+    origin = {"node": {"role": "origin"}, "publish": {"signing_key": "trainer.key"}}
+    assert parse_config(_doc(**origin), tmp_path).warm_up_kib == 512
+    assert parse_config(_doc(**origin, network={"warm_up_kib": 0}), tmp_path).warm_up_kib == 0
+    assert parse_config(_doc(), tmp_path).warm_up_kib == 0
+    assert parse_config(_doc(network={"warm_up_kib": 64}), tmp_path).warm_up_kib == 64
 
 
 def test_an_origin_warms_more_heap_by_default(tmp_path: Path) -> None:
