@@ -21,10 +21,10 @@ of 30 warmed at once on a shared uplink with a thirtieth of it. 512 KiB opens a 
 ~0.5 MB, enough that the start-over of BBR on the first chunk (from that window, at 2.9x
 it per round trip) paces a 100 Mbit/s path at 81 ms full from its first round trip.
 
-It ships on for the origin only (``ORIGIN_WARM_UP_KIB``): the origin's links to the
-borders it pushes to, at most ``border_nodes`` per remote region, once each. On the
-emulated WAN its first pushes then fill the trainer's uplink from the first quarter
-second, as a later version's do (docs/benchmarks.md round 53). A node's links ship cold
+It ships on for the origin only (``node.config.DEFAULT_ORIGIN_WARM_UP_KIB``): the origin's
+links to the borders it pushes to, at most ``border_nodes`` per remote region, once each.
+On the emulated WAN its first pushes then fill the trainer's uplink from their start, as a
+later version's do (docs/benchmarks.md round 53). A node's links ship cold
 (``WARM_UP_KIB``): warm relays between borders burst into inlets the origin's pushes had
 filled, collapsed into loss recovery, and a first version took as long as a cold one
 (round 42). Links whose round trip is under
@@ -44,7 +44,7 @@ import struct
 from collections import deque
 from typing import Any
 
-from node.config import DEFAULT_ORIGIN_WARM_UP_KIB, DEFAULT_WARM_UP_KIB
+from node.config import DEFAULT_WARM_UP_KIB
 from node.conn import Conn
 from node.tcp import TAIL_MIN_BYTES, _tcp_info, bbr_info, unacked_bytes
 from swarm.protocol import wire
@@ -52,7 +52,6 @@ from swarm.protocol import wire
 log = logging.getLogger("patchswarm.node")
 
 WARM_UP_KIB = DEFAULT_WARM_UP_KIB  # a node's shipped [network] warm_up_kib (0: never)
-ORIGIN_WARM_UP_KIB = DEFAULT_ORIGIN_WARM_UP_KIB  # the origin's (node.role = "origin")
 WARM_UP_MIN_RTT_MS = 20.0  # shipped [network] warm_up_min_rtt_ms
 WARM_UP_MAX_S = 5.0  # a warm-up ends this long after it began, whatever it sent
 WARM_UP_DELAY_S = 0.25  # after a link comes up, its first look (the handshake is under way)
