@@ -232,11 +232,13 @@ def test_arbitrary_documents_never_crash(doc: dict) -> None:
 
 
 def test_a_one_shot_publish_warms_only_what_one_version_needs(tmp_path: Path) -> None:
-    """``patchswarm publish`` publishes one version: the origin's larger default heap is
-    for a long-running one's later versions, so it warms a node's default at most."""
-    from trainer.cli_publish import one_version_memory
+    """``patchswarm publish`` publishes one version: the origin's larger default heap and
+    its link warm-ups are for a long-running one's later versions, so it takes a node's
+    defaults at most (no heap past 256 MiB, no padding)."""
+    from trainer.cli_publish import one_version
 
     origin = {"node": {"role": "origin"}, "publish": {"signing_key": "trainer.key"}}
-    assert one_version_memory(parse_config(_doc(**origin), tmp_path)).warm_memory_mib == 256
+    cut = one_version(parse_config(_doc(**origin), tmp_path))
+    assert (cut.warm_memory_mib, cut.warm_up_kib) == (256, 0)
     origin["node"]["warm_memory_mib"] = 64
-    assert one_version_memory(parse_config(_doc(**origin), tmp_path)).warm_memory_mib == 64
+    assert one_version(parse_config(_doc(**origin), tmp_path)).warm_memory_mib == 64

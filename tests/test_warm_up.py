@@ -99,6 +99,28 @@ async def _pad_past_the_limit(addr: str, secret: bytes) -> str:
         await link.close()
 
 
+def test_as_shipped_only_the_origin_warms_its_links() -> None:
+    """[network] warm_up_kib by role, through the real configs (node.config): the origin's
+    default (512) warms its links to the borders, a node's (0) warms none. The round-trip
+    floor is lowered so that loopback links count as long ones."""
+    with LoopbackFleet(2, 2, chunk_size=32 * 1024, network={"warm_up_min_rtt_ms": 0}) as fleet:
+        fleet.start(timeout=120)
+        deadline = time.monotonic() + 30
+        while True:
+            warm = {n.name: _warm(fleet.status(n)) for n in fleet.nodes}
+            origin = _warm(fleet.trainer_status())
+            if origin.get("links") == 4 and not origin.get("warming"):
+                break
+            assert time.monotonic() < deadline, (origin, warm)
+            time.sleep(0.2)
+        assert 0 < origin["pad_sent"] <= 4 * 512 * 1024 and origin["pad_received"] == 0
+        assert all(w["links"] == 0 and w["pad_sent"] == 0 for w in warm.values()), warm
+        assert sum(w["pad_received"] for w in warm.values()) == origin["pad_sent"]
+        pub = fleet.publish()
+        statuses = fleet.wait_version(pub["version"], timeout=60)
+        assert {s["active_digest"] for s in statuses.values()} == {pub["digest"]}
+
+
 def test_links_between_regions_are_warmed_before_the_first_version() -> None:
     with LoopbackFleet(2, 2, chunk_size=32 * 1024,
                        network={"warm_up_min_rtt_ms": 0, "warm_up_kib": 512}) as fleet:

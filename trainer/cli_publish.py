@@ -88,17 +88,23 @@ def redial_bound(cfg: Any) -> float:
     return 1.5 * core.redial_s + core.heartbeat_s + 1.0
 
 
-def one_version_memory(cfg: Any) -> Any:
-    """``cfg`` with the origin's warm heap cut to a node's default: this process publishes
-    one version, and the origin's larger default (``DEFAULT_ORIGIN_WARM_MEMORY_MIB``) is for
-    the later versions of a long-running one; touching it would only delay the origin's
-    start (~0.35 s per 256 MiB on the VM of docs/benchmarks.md)."""
+def one_version(cfg: Any) -> Any:
+    """``cfg`` with what a long-running origin sets up for later versions cut to a node's
+    defaults, as this process publishes one version:
+
+    - the warm heap (``DEFAULT_ORIGIN_WARM_MEMORY_MIB``): touching it would only delay the
+      origin's start (~0.35 s per 256 MiB on the VM of docs/benchmarks.md);
+    - the warm-up of its links to other regions' borders (``[network] warm_up_kib``,
+      ``DEFAULT_ORIGIN_WARM_UP_KIB``): each call would pay its padding again (3.5-4 MiB
+      across the emulated WAN's uplinks, 0.03 copies into each region of a 64 MiB patch),
+      and the version leaves before most of it is sent."""
     import dataclasses
 
-    from node.config import DEFAULT_WARM_MEMORY_MIB
+    from node.config import DEFAULT_WARM_MEMORY_MIB, DEFAULT_WARM_UP_KIB
 
     return dataclasses.replace(cfg, warm_memory_mib=min(cfg.warm_memory_mib,
-                                                        DEFAULT_WARM_MEMORY_MIB))
+                                                        DEFAULT_WARM_MEMORY_MIB),
+                               warm_up_kib=min(cfg.warm_up_kib, DEFAULT_WARM_UP_KIB))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -116,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         if n is not None and n < 0:
             raise ConfigError(f"--{name}: must be >= 0")
     wait_peers = args.wait_peers if args.wait_peers is not None else redial_bound(cfg)
-    pub = Publisher(one_version_memory(cfg))
+    pub = Publisher(one_version(cfg))
     pub.start()
     log.info("origin up at %s after %.2f s", cfg.advertise, clock.mark("origin_up_s"))
     try:
