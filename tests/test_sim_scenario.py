@@ -94,6 +94,8 @@ def test_link_pairs_are_symmetric_by_default():
         ({"network": {"interleave_block_bytes": "big"}}, "network.interleave_block_bytes: not a size"),
         ({"network": {"slow_start": "yes"}}, "network.slow_start: must be true or false"),
         ({"network": {"initial_window": 0}}, "network.initial_window: must be in"),
+        ({"network": {"origin_warm_up_kib": -1}}, "network.origin_warm_up_kib: must be in"),
+        ({"network": {"warm_up_kib": "lots"}}, "network.warm_up_kib"),
         ({"network": {"congestion": "vegas"}}, "network.congestion: must be one of"),
         ({"cpu": {"hash_mb_s": 0}}, "cpu.hash_mb_s: must be > 0"),
         ({"cpu": {"cores": 0}}, "cpu.cores: must be in"),
