@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 import ssl
 from collections.abc import Callable
@@ -47,6 +48,7 @@ from swarm.errors import ProtocolError
 CIPHER_BUFFER = 256 * 1024
 RECORD_MAX = 16384 + 256 + 5  # a TLS 1.3 record's ciphertext at most (RFC 8446 5.2)
 LOWAT_MIN = 16 * 1024  # a smaller mark is not worth its system calls: 1 (wake at once)
+RCVBUF_TTL_S = 0.25  # SO_RCVBUF is read again at most this often (TlsProtocol._frame_mark)
 # process-wide: wake-up marks set (by node.link under TLS records, here in frames), and
 # marks node.link's guard dropped (/status transport.read_marks)
 MARKS = {"set": 0, "expired": 0}
@@ -59,6 +61,28 @@ def wake_mark(rest: int, most: int, rcvbuf: int) -> int:
     at once) where that is under ``LOWAT_MIN``."""
     want = min(rest, most, rcvbuf // 4)
     return want if want >= LOWAT_MIN else 1
+
+
+def mark_socket(transport: Any) -> socket.socket | None:
+    """A socket object of our own on a duplicate of ``transport``'s descriptor, to set its
+    options with: uvloop's pseudo socket builds a new socket object for every option it
+    sets or reads, ~4x the system call itself (1.5 against 0.35 us here, more with the
+    caches cold), and a frame takes one to three. Options belong to the socket, so the
+    duplicate's are the connection's. The owner closes it with the connection (it holds
+    no more than a descriptor: the connection's FIN waits only for the transport's
+    close). None where the transport has no socket or the descriptor cannot be copied."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return None
+    try:
+        fd = os.dup(sock.fileno())
+    except (OSError, AttributeError, ValueError):
+        return None
+    try:
+        return socket.socket(fileno=fd)
+    except OSError:
+        os.close(fd)
+        return None
 
 
 def set_mark(sock: Any, want: int, now: int) -> int:
@@ -219,7 +243,7 @@ class TlsProtocol(asyncio.BufferedProtocol):
         self.handshake_timeout_s = handshake_timeout_s
         self.loop = asyncio.get_running_loop()
         self.raw: Any = None
-        self.sock: Any = None
+        self.sock: socket.socket | None = None  # ``mark_socket``'s, while frames are on
         self.transport = TlsTransport(self)
         self.cipher = bytearray(CIPHER_BUFFER)
         self.cview = memoryview(self.cipher)
@@ -230,6 +254,7 @@ class TlsProtocol(asyncio.BufferedProtocol):
         self.reader: FrameReader | None = None
         self.mark = 1  # the socket's SO_RCVLOWAT now (frames)
         self.rcvbuf = 0
+        self.rcvbuf_at = -RCVBUF_TTL_S  # loop time SO_RCVBUF was read (rcvbuf)
         self.app_reading = True  # the link's protocol takes plaintext
         self.closing = False
         self.eof = False  # the peer's close_notify came
@@ -290,6 +315,7 @@ class TlsProtocol(asyncio.BufferedProtocol):
                 h.cancel()
         self.deadline = self.resume_handle = None
         self.closing = True
+        self._drop_sock()
         if self.handshaken:
             self.app.connection_lost(exc if exc is not None else self.error)
         elif not self.handshake_done.done():
@@ -360,7 +386,7 @@ class TlsProtocol(asyncio.BufferedProtocol):
         self._ready("frames")
         self.reader = reader
         if self.lowat_max > 1:
-            self.sock = self.raw.get_extra_info("socket")
+            self.sock = mark_socket(self.raw)
         if after:
             try:
                 reader.feed(after)
@@ -466,11 +492,21 @@ class TlsProtocol(asyncio.BufferedProtocol):
         rest = self.reader.wants()
         try:
             if rest and (self.rcvbuf == 0 or rest > self.rcvbuf // 4):
-                self.rcvbuf = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+                # the kernel grows the buffer as the connection goes: read it again, at
+                # most every RCVBUF_TTL_S (an old, smaller figure only lowers the mark)
+                now = self.loop.time()
+                if now >= self.rcvbuf_at + RCVBUF_TTL_S:
+                    self.rcvbuf = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+                    self.rcvbuf_at = now
             self.mark = set_mark(self.sock, wake_mark(rest, self.lowat_max, self.rcvbuf),
                                  self.mark)
         except OSError:
-            self.sock = None  # not this platform's: a wake-up per read
+            self._drop_sock()  # not this platform's: a wake-up per read
+
+    def _drop_sock(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
 
     def pause_app_reading(self) -> None:
         if self.app_reading:
@@ -530,6 +566,7 @@ class TlsProtocol(asyncio.BufferedProtocol):
         if self.closing:
             return
         self.closing = True
+        self._drop_sock()
         if self.state == "tls":
             # our close_notify goes into the BIO; the peer's is not waited for
             with contextlib.suppress(ssl.SSLError):
@@ -540,5 +577,6 @@ class TlsProtocol(asyncio.BufferedProtocol):
 
     def abort(self) -> None:
         self.closing = True
+        self._drop_sock()
         if self.raw is not None:
             self.raw.abort()

@@ -11,11 +11,22 @@ from __future__ import annotations
 import itertools
 import os
 
+import numpy as np
 import pytest
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from node.frames import HEADER, HELLO_BYTES, HELLO_MAGIC, TAG, FrameReader, FrameWriter, KeyShare
+from node.frames import (
+    HEADER,
+    HELLO_BYTES,
+    HELLO_MAGIC,
+    SEAL_INTO,
+    TAG,
+    FrameReader,
+    FrameWriter,
+    KeyShare,
+)
 from swarm.errors import ProtocolError
 
 MAX = 300_000
@@ -179,3 +190,20 @@ def test_both_ends_of_a_key_exchange_agree_and_each_direction_has_its_own_key() 
 def test_a_malformed_or_unusable_hello_is_refused(hello: bytes) -> None:
     with pytest.raises(ProtocolError, match="frames"):
         KeyShare().keys(hello, dialer=True)
+
+
+@pytest.mark.parametrize("size", [0, 1, SEAL_INTO - 1, SEAL_INTO, 256 * 1024 + 3])
+def test_a_large_part_is_sealed_into_a_buffer_of_its_own_with_the_same_bytes(size: int) -> None:
+    """Parts from ``SEAL_INTO`` up are sealed with ``encrypt_into`` into a fresh, unzeroed
+    buffer: the same frame as AES-GCM's ``encrypt`` gives, and no two frames share one
+    (the transport may still hold the last when the next is sealed)."""
+    key = os.urandom(32)
+    w = FrameWriter(key)
+    data = os.urandom(size)
+    first, second = w.seal(data), w.seal(data)
+    want = [AESGCM(key).encrypt(b"\0" * 4 + n.to_bytes(8, "big"), data, None) for n in (0, 1)]
+    for (head, ct), expected in zip((first, second), want, strict=True):
+        assert bytes(head) == HEADER.pack(len(expected)) and bytes(ct) == expected
+    if size >= SEAL_INTO:
+        assert isinstance(first[1], np.ndarray)
+        assert not np.shares_memory(first[1], second[1])

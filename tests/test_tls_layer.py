@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import ssl
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,7 @@ from hypothesis import strategies as st
 
 from node.guard import ConnectionGuard
 from node.link import Link, LinkServer, dial
-from node.tls_layer import RecordTracker
+from node.tls_layer import MARKS, RecordTracker
 from tests.test_link import _tls
 from tests.test_link_lowat import HoldBack
 
@@ -224,6 +226,100 @@ def test_a_placed_blocks_body_is_opened_straight_into_its_slice(tmp_path: Path,
                 assert bytes(got[-1]) == b"the end" and bytes(target) == b"".join(bodies)
                 assert reader.direct == reader.count > 2 * len(bodies)
             await link.close("done")
+        finally:
+            await proxy.close()
+            await server.close()
+
+    asyncio.run(run())
+
+
+class _CountingSock:
+    """Stands in for a layer's mark socket: counts what it is asked, then asks the real one."""
+
+    def __init__(self, sock: Any) -> None:
+        self.sock, self.gets, self.sets = sock, 0, 0
+
+    def getsockopt(self, *a: Any) -> Any:
+        self.gets += 1
+        return self.sock.getsockopt(*a)
+
+    def setsockopt(self, *a: Any) -> Any:
+        self.sets += 1
+        return self.sock.setsockopt(*a)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.parametrize("who_closes", ["dialer", "server", "failed frame"])
+def test_the_mark_socket_is_the_connections_and_goes_with_it(tmp_path: Path,
+                                                              who_closes: str) -> None:
+    """Frames set the wake-up mark through a socket of the layer's own on a duplicate of
+    the connection's descriptor (not uvloop's pseudo socket, ~4x the system call): its
+    options are the connection's, SO_RCVBUF is read again at most every RCVBUF_TTL_S, and
+    the duplicate is closed with the link whoever ends it (a close, the peer's close, a
+    frame that fails authentication), without holding the connection open: the other
+    side sees the end at once."""
+    ctx = _tls(tmp_path)
+    block = 256 * 1024
+
+    async def run() -> None:
+        links: list[Link] = []
+        got: list[Any] = []
+
+        async def take(link: Link) -> None:
+            links.append(link)
+            while (m := await link.recv()) is not None:
+                got.append(m)
+
+        server, port = await _server(take, ctx["server"])
+        proxy = HoldBack(port, flip_at=6 * block if who_closes == "failed frame" else None)
+        try:
+            link = await dial("127.0.0.1", await proxy.start(), ssl_context=ctx["client"],
+                              max_message=MAX, timeout=5)
+            for _ in range(100):
+                if links:
+                    break
+                await asyncio.sleep(0.01)
+            mine, theirs = _layer(link), _layer(links[0])
+            for layer in (mine, theirs):
+                raw = layer.raw.get_extra_info("socket")
+                assert isinstance(layer.sock, socket.socket)
+                assert layer.sock.fileno() not in (-1, raw.fileno())
+            fds = [layer.sock.fileno() for layer in (mine, theirs)]
+            counting = theirs.sock = _CountingSock(theirs.sock)
+            set_before = MARKS["set"]
+            for _ in range(4):
+                await link.send(b"B", memoryview(os.urandom(block)))
+            for _ in range(200):
+                if len(got) == 4:
+                    break
+                await asyncio.sleep(0.01)
+            assert len(got) == 4 and MARKS["set"] > set_before and counting.sets > 0
+            assert counting.gets <= 2  # ~0.1 s of frames: SO_RCVBUF read once or twice
+            assert theirs.mark == counting.sock.getsockopt(socket.SOL_SOCKET,
+                                                           socket.SO_RCVLOWAT)
+            t0 = time.monotonic()
+            if who_closes == "dialer":
+                await link.close("done")
+            elif who_closes == "server":
+                await links[0].close("done")
+            else:
+                for _ in range(4):
+                    await link.send(b"B", memoryview(os.urandom(block)))
+            for _ in range(200):
+                if link.closed and links[0].closed:
+                    break
+                if who_closes == "failed frame" and links[0].closed:
+                    # the test's proxy drops a reset without passing it on: close ours
+                    assert "failed authentication" in links[0].reason
+                    await link.close("done")
+                await asyncio.sleep(0.01)
+            assert link.closed and links[0].closed and time.monotonic() - t0 < 1.5
+            assert mine.sock is None and theirs.sock is None
+            for fd in fds:
+                with pytest.raises(OSError):
+                    os.fstat(fd)
         finally:
             await proxy.close()
             await server.close()

@@ -498,19 +498,14 @@ def _dense_ahead(entry: TableEntry, what: str, digest: bytes, t: torch.Tensor,
     u = u.view(np.dtype(f"u{u.dtype.itemsize}"))
     n = u.size
     xor = np.empty(n, dtype=u.dtype)
-    itemsize = planes.shape[0]
     hasher = xxhash.xxh3_64()
     changed = 0
     scratch = np.empty(min(n, records.BLOCK), dtype=u.dtype)
     for s in range(0, n, records.BLOCK):
         e = min(n, s + records.BLOCK)
-        xb = xor[s:e]
-        if itemsize == 1:
-            xb[:] = planes[0, s:e]
-        else:
-            records._unshuffle_block(planes, s, e, xb)
-        changed += int(np.count_nonzero(xb))
-        hasher.update(np.bitwise_xor(u[s:e], xb, out=scratch[:e - s]))
+        new = scratch[:e - s]
+        changed += records.unshuffle_count(planes, s, e, xor[s:e], u[s:e], new)
+        hasher.update(new)
     xor.flags.writeable = False  # hashed through: nothing may change it before the commit
     return _Edit(entry, what, digest, "xorflat", xor, ahead=hasher.digest(), changed=changed,
                  base=(t, t._version, t.data_ptr()))

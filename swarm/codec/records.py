@@ -31,6 +31,11 @@ from swarm.codec.format import BodyReader, put_varint
 from swarm.codec.zstd_bounded import decompress_bounded
 from swarm.errors import PatchFormatError
 
+try:  # the fused loops (swarm/codec/_dense.c), built by the install where a C compiler is
+    from swarm.codec import _dense as fused
+except ImportError:  # numpy's loops below: the same bits, about half as fast
+    fused = None
+
 ZSTD_DENSE_LEVEL = 1  # on shuffled XOR planes level 3 is 2-3x slower for <1% smaller (docs/benchmarks.md)
 ESCAPE_SLACK_BITS = 2  # escape when Exp-Golomb is this much longer than a raw value
 
@@ -217,6 +222,29 @@ def _unsigned(dt: DType) -> np.dtype:
 BLOCK = 1 << 16
 
 
+def fusable(*arrays: np.ndarray) -> bool:
+    """The fused loops (``fused``) can take these arrays: the module is built and each
+    array is C-contiguous (a strided view, e.g. of a non-contiguous tensor, goes to numpy)."""
+    return fused is not None and all(a.flags.c_contiguous for a in arrays)
+
+
+def unshuffle_count(planes: np.ndarray, s: int, e: int, out: np.ndarray,
+                    base: np.ndarray | None = None, new: np.ndarray | None = None) -> int:
+    """Elements s..e of the (itemsize, n) ``planes`` into the unsigned array ``out``;
+    returns how many are not 0. With ``base`` (elements s..e of the old bit patterns),
+    ``new`` gets ``base ^ out``. One pass where the fused loops are built, else numpy's."""
+    itemsize, n = planes.shape
+    if fusable(planes, out) and (base is None or fusable(base, new)):
+        return fused.unshuffle(planes, itemsize, n, s, e, out, base, new)
+    if itemsize == 1:
+        out[:] = planes[0, s:e]
+    else:
+        _unshuffle_block(planes, s, e, out)
+    if base is not None:
+        np.bitwise_xor(base, out, out=new)
+    return int(np.count_nonzero(out))
+
+
 def _uview(bits: np.ndarray) -> np.ndarray:
     return bits.view(np.dtype(f"u{bits.dtype.itemsize}"))
 
@@ -289,6 +317,9 @@ def unshuffle_bytes(raw: bytes | memoryview | np.ndarray, count: int, dt: DType)
     """Inverse of ``shuffle_bytes``: a new, writable array of ``count`` bit patterns."""
     planes = np.frombuffer(raw, dtype=np.uint8).reshape(dt.itemsize, count)
     out = np.empty(count, dtype=np.dtype(f"u{dt.itemsize}"))
+    if fusable(planes):
+        fused.unshuffle(planes, dt.itemsize, count, 0, count, out)
+        return out.view(dt.np_view)
     if dt.itemsize == 1:
         out[:] = planes[0]
         return out.view(dt.np_view)
@@ -307,6 +338,13 @@ def xor_planes_into(flat: np.ndarray, planes: np.ndarray, hasher=None) -> int:
     n = u.size
     itemsize = planes.shape[0]
     changed = 0
+    if fusable(planes, u):
+        for s in range(0, n, BLOCK):
+            e = min(n, s + BLOCK)
+            changed += fused.xor_into(planes, itemsize, n, s, e, u[s:e])
+            if hasher is not None:
+                hasher.update(u[s:e])
+        return changed
     scratch = np.empty(min(n, BLOCK), dtype=u.dtype)
     for s in range(0, n, BLOCK):
         e = min(n, s + BLOCK)

@@ -1,0 +1,220 @@
+/* Fused loops of the dense (XOR, byte-shuffled) record path: swarm.codec._dense.
+ *
+ * A dense record's body is the XOR of the old and new bit patterns, split into byte
+ * planes (plane j holds byte j, counted from the least significant, of every element).
+ * numpy rebuilds the elements with a widening shift and an OR per plane, then counts
+ * and XORs in more passes; each pass reads and writes the whole block again. These
+ * loops do it in one pass per block, with the GIL released:
+ *
+ *   unshuffle(planes, itemsize, n, start, stop, out[, base, new]) -> changed
+ *       out[k] = element k (start <= k < stop) of the planes; with ``base`` and ``new``
+ *       also new[k] = base[k] ^ out[k]. Returns how many of the elements are not 0.
+ *   xor_into(planes, itemsize, n, start, stop, target) -> changed
+ *       target[k] ^= element k of the planes, in place; returns how many are not 0.
+ *
+ * ``planes`` is any C-contiguous buffer of itemsize * n bytes; ``out``, ``base``,
+ * ``new`` and ``target`` hold (stop - start) elements of ``itemsize`` bytes each, in
+ * the machine's byte order (as numpy's unsigned views of a tensor do). Sizes are
+ * checked before anything is read or written: a mismatch is a ValueError.
+ * swarm.codec.records falls back to numpy where this module is not built.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+/* Element k of the planes: plane j holds byte j from the least significant. The plane
+ * pointers are restrict-qualified and the width a constant, so each loop below is a
+ * straight byte interleave the compiler vectorizes. */
+#define ELEMENT(T, P, k)                                                                   \
+    ({                                                                                     \
+        T x_ = 0;                                                                          \
+        for (int j_ = (int)sizeof(T) - 1; j_ >= 0; j_--)                                   \
+            x_ = (T)((x_ << 4 << 4) | P[j_][k]);                                           \
+        x_;                                                                                \
+    })
+
+/* AVX2 where the CPU has it (GCC's function multiversioning, chosen once at load), else
+ * the baseline build. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define CLONES
+#endif
+
+/* One loop per width, so the compiler vectorizes each (no per-element width test). */
+#define DEFINE_LOOPS(T, W)                                                                 \
+    CLONES static Py_ssize_t unshuffle_##W(const uint8_t *p, Py_ssize_t n, Py_ssize_t s,          \
+                                    Py_ssize_t e, uint8_t *restrict out,                   \
+                                    const uint8_t *restrict base, uint8_t *restrict new_)  \
+    {                                                                                      \
+        const uint8_t *restrict P[W];                                                      \
+        for (int j = 0; j < W; j++)                                                        \
+            P[j] = p + (Py_ssize_t)j * n + s;                                              \
+        Py_ssize_t changed = 0, m = e - s;                                                 \
+        T *restrict o = (T *)out;                                                          \
+        if (base == NULL) {                                                                \
+            for (Py_ssize_t k = 0; k < m; k++) {                                           \
+                T x = ELEMENT(T, P, k);                                                    \
+                changed += x != 0;                                                         \
+                o[k] = x;                                                                  \
+            }                                                                              \
+            return changed;                                                                \
+        }                                                                                  \
+        const T *restrict b = (const T *)base;                                             \
+        T *restrict nw = (T *)new_;                                                        \
+        for (Py_ssize_t k = 0; k < m; k++) {                                               \
+            T x = ELEMENT(T, P, k);                                                        \
+            changed += x != 0;                                                             \
+            o[k] = x;                                                                      \
+            nw[k] = b[k] ^ x;                                                              \
+        }                                                                                  \
+        return changed;                                                                    \
+    }                                                                                      \
+    CLONES static Py_ssize_t xor_into_##W(const uint8_t *p, Py_ssize_t n, Py_ssize_t s,           \
+                                   Py_ssize_t e, uint8_t *restrict target)                 \
+    {                                                                                      \
+        const uint8_t *restrict P[W];                                                      \
+        for (int j = 0; j < W; j++)                                                        \
+            P[j] = p + (Py_ssize_t)j * n + s;                                              \
+        Py_ssize_t changed = 0, m = e - s;                                                 \
+        T *restrict t = (T *)target;                                                       \
+        for (Py_ssize_t k = 0; k < m; k++) {                                               \
+            T x = ELEMENT(T, P, k);                                                        \
+            changed += x != 0;                                                             \
+            t[k] ^= x;                                                                     \
+        }                                                                                  \
+        return changed;                                                                    \
+    }
+
+DEFINE_LOOPS(uint8_t, 1)
+DEFINE_LOOPS(uint16_t, 2)
+DEFINE_LOOPS(uint32_t, 4)
+DEFINE_LOOPS(uint64_t, 8)
+
+static int check_geometry(const Py_buffer *planes, int itemsize, Py_ssize_t n,
+                          Py_ssize_t start, Py_ssize_t stop)
+{
+    if (itemsize != 1 && itemsize != 2 && itemsize != 4 && itemsize != 8) {
+        PyErr_Format(PyExc_ValueError, "itemsize must be 1, 2, 4 or 8, not %d", itemsize);
+        return -1;
+    }
+    if (n < 0 || planes->len != (Py_ssize_t)itemsize * n) {
+        PyErr_Format(PyExc_ValueError, "planes hold %zd bytes, not %d x %zd", planes->len,
+                     itemsize, n);
+        return -1;
+    }
+    if (start < 0 || start > stop || stop > n) {
+        PyErr_Format(PyExc_ValueError, "elements %zd..%zd are not within 0..%zd", start, stop, n);
+        return -1;
+    }
+    return 0;
+}
+
+static int check_room(const Py_buffer *b, const char *what, int itemsize, Py_ssize_t count)
+{
+    if (b->len != (Py_ssize_t)itemsize * count) {
+        PyErr_Format(PyExc_ValueError, "%s holds %zd bytes, not %zd elements of %d", what,
+                     b->len, count, itemsize);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *dense_unshuffle(PyObject *self, PyObject *args)
+{
+    Py_buffer planes = {0}, out = {0}, base = {0}, new_ = {0};
+    int itemsize;
+    Py_ssize_t n, start, stop, changed = 0;
+    PyObject *base_obj = Py_None, *new_obj = Py_None, *result = NULL;
+    if (!PyArg_ParseTuple(args, "y*innnw*|OO:unshuffle", &planes, &itemsize, &n, &start, &stop,
+                          &out, &base_obj, &new_obj))
+        return NULL;
+    if ((base_obj == Py_None) != (new_obj == Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "base and new go together");
+        goto done;
+    }
+    if (base_obj != Py_None) {
+        if (PyObject_GetBuffer(base_obj, &base, PyBUF_C_CONTIGUOUS) < 0)
+            goto done;
+        if (PyObject_GetBuffer(new_obj, &new_, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+            goto done;
+    }
+    if (check_geometry(&planes, itemsize, n, start, stop) < 0 ||
+        check_room(&out, "out", itemsize, stop - start) < 0)
+        goto done;
+    if (base.obj != NULL && (check_room(&base, "base", itemsize, stop - start) < 0 ||
+                             check_room(&new_, "new", itemsize, stop - start) < 0))
+        goto done;
+    {
+        const uint8_t *p = planes.buf;
+        uint8_t *o = out.buf, *nw = new_.buf;
+        const uint8_t *b = base.buf;
+        Py_BEGIN_ALLOW_THREADS
+        switch (itemsize) {
+        case 1: changed = unshuffle_1(p, n, start, stop, o, b, nw); break;
+        case 2: changed = unshuffle_2(p, n, start, stop, o, b, nw); break;
+        case 4: changed = unshuffle_4(p, n, start, stop, o, b, nw); break;
+        default: changed = unshuffle_8(p, n, start, stop, o, b, nw); break;
+        }
+        Py_END_ALLOW_THREADS
+    }
+    result = PyLong_FromSsize_t(changed);
+done:
+    PyBuffer_Release(&planes);
+    PyBuffer_Release(&out);
+    if (base.obj != NULL)
+        PyBuffer_Release(&base);
+    if (new_.obj != NULL)
+        PyBuffer_Release(&new_);
+    return result;
+}
+
+static PyObject *dense_xor_into(PyObject *self, PyObject *args)
+{
+    Py_buffer planes = {0}, target = {0};
+    int itemsize;
+    Py_ssize_t n, start, stop, changed = 0;
+    PyObject *result = NULL;
+    if (!PyArg_ParseTuple(args, "y*innnw*:xor_into", &planes, &itemsize, &n, &start, &stop,
+                          &target))
+        return NULL;
+    if (check_geometry(&planes, itemsize, n, start, stop) < 0 ||
+        check_room(&target, "target", itemsize, stop - start) < 0)
+        goto done;
+    {
+        const uint8_t *p = planes.buf;
+        uint8_t *t = target.buf;
+        Py_BEGIN_ALLOW_THREADS
+        switch (itemsize) {
+        case 1: changed = xor_into_1(p, n, start, stop, t); break;
+        case 2: changed = xor_into_2(p, n, start, stop, t); break;
+        case 4: changed = xor_into_4(p, n, start, stop, t); break;
+        default: changed = xor_into_8(p, n, start, stop, t); break;
+        }
+        Py_END_ALLOW_THREADS
+    }
+    result = PyLong_FromSsize_t(changed);
+done:
+    PyBuffer_Release(&planes);
+    PyBuffer_Release(&target);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"unshuffle", dense_unshuffle, METH_VARARGS,
+     "unshuffle(planes, itemsize, n, start, stop, out[, base, new]) -> elements not 0"},
+    {"xor_into", dense_xor_into, METH_VARARGS,
+     "xor_into(planes, itemsize, n, start, stop, target) -> elements not 0"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_dense",
+    "Fused one-pass loops of the dense record path (see swarm.codec.records).", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__dense(void)
+{
+    return PyModule_Create(&module);
+}
