@@ -58,6 +58,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from node import cpu_account  # noqa: E402
 from node.config import DEFAULT_ORIGIN_WARM_MEMORY_MIB, DEFAULT_WARM_MEMORY_MIB  # noqa: E402
 from node.logs import TextFormatter  # noqa: E402
 
@@ -453,6 +454,9 @@ def run_patchswarm(lab: Any, args: argparse.Namespace, meter: Meter, oneshot: bo
     torch.set_num_threads(1)
     base, new = dense_pair(args.size_mib << 20, seed)
     workdir = Path(tempfile.mkdtemp(prefix="patchswarm-wan-"))
+    accounts = workdir / "cpu-account" if args.cpu_account else None
+    if accounts is not None:  # the node processes inherit it (node.cpu_account)
+        os.environ[cpu_account.ENV] = str(accounts)
     fleet = _fleet(lab, args, workdir)
     pub = None
     origin_log: logging.Handler | None = None
@@ -586,10 +590,26 @@ def run_patchswarm(lab: Any, args: argparse.Namespace, meter: Meter, oneshot: bo
             dest.mkdir(parents=True, exist_ok=True)
             for f in [*workdir.glob("*.log"), *workdir.glob("tcp-trace.txt")]:
                 shutil.copy(f, dest / f.name)
+        if accounts is not None:  # the nodes wrote theirs at exit, when the fleet stopped
+            os.environ.pop(cpu_account.ENV, None)
+            acct = cpu_account.summed(sorted(accounts.glob("*.json")))
         shutil.rmtree(workdir, ignore_errors=True)
     if perf_shares is not None:
         out["perf"] = perf_shares
+    if accounts is not None:
+        out["cpu_account"] = acct
+        _print_accounts(acct)
     return out
+
+
+def _print_accounts(acct: dict[str, Any]) -> None:
+    """The stages of ``--cpu-account``, summed over the nodes and the run's versions."""
+    total = acct["process_cpu_s"]
+    print(f"  CPU by stage, {acct['nodes']} nodes, every version of the run (stages nest; "
+          f"the nodes' whole CPU from start to exit: {total:.2f} s):")
+    for name, (calls, cpu_s) in list(acct["stages"].items())[:16]:
+        print(f"    {name:36s} {cpu_s:7.3f} s {calls:8d} calls "
+              f"{1e6 * cpu_s / max(1, calls):9.1f} us/call")
 
 
 def _figures(fleet: Any, meter: Meter, sts: dict[str, dict[str, Any]],
@@ -1113,6 +1133,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--swarm", action="append", metavar="KNOB=VALUE",
                     help="a protocol knob for the trainer and every node ([swarm] of their "
                          "configs; VALUE in JSON), e.g. --swarm uplink_window=3; repeatable")
+    ap.add_argument("--cpu-account", action="store_true",
+                    help="patchswarm nodes count the CPU of each stage of their data path "
+                         "(node.cpu_account; a few percent slower): summed per run into "
+                         "its \"cpu_account\" and printed")
     ap.add_argument("--perf", nargs="?", const="perf", default=None, metavar="PATH",
                     help="profile one remote border node (n1-0) during each patchswarm transfer "
                          "with Linux perf (optionally its path); shares per stage go in the run's "

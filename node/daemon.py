@@ -18,6 +18,7 @@ import signal
 import time
 from dataclasses import dataclass
 
+from node import cpu_account
 from node.api import add_routes
 from node.config import NodeConfig
 from node.driver import Driver, Faults, TlsContexts
@@ -318,6 +319,9 @@ def warm_heap(nbytes: int) -> int:
 def run_node(cfg: NodeConfig) -> int:
     """Blocking entry point of ``patchswarm node``."""
     setup_logging(cfg.node_id, cfg.log_level, cfg.log_format)
+    if cpu_account.install_from_env(cfg.node_id) is not None:
+        log.warning("CPU accounting on (%s): a diagnostic that slows the node a little",
+                    cpu_account.ENV)
     import torch
 
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
