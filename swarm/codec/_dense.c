@@ -34,6 +34,8 @@
         x_;                                                                                \
     })
 
+#define SUB ((Py_ssize_t)1 << 20) /* elements per narrow count (far below 2^32) */
+
 /* AVX2 where the CPU has it (GCC's function multiversioning, chosen once at load), else
  * the baseline build. */
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
@@ -53,21 +55,26 @@
             P[j] = p + (Py_ssize_t)j * n + s;                                              \
         Py_ssize_t changed = 0, m = e - s;                                                 \
         T *restrict o = (T *)out;                                                          \
-        if (base == NULL) {                                                                \
-            for (Py_ssize_t k = 0; k < m; k++) {                                           \
-                T x = ELEMENT(T, P, k);                                                    \
-                changed += x != 0;                                                         \
-                o[k] = x;                                                                  \
-            }                                                                              \
-            return changed;                                                                \
-        }                                                                                  \
         const T *restrict b = (const T *)base;                                             \
         T *restrict nw = (T *)new_;                                                        \
-        for (Py_ssize_t k = 0; k < m; k++) {                                               \
-            T x = ELEMENT(T, P, k);                                                        \
-            changed += x != 0;                                                             \
-            o[k] = x;                                                                      \
-            nw[k] = b[k] ^ x;                                                              \
+        for (Py_ssize_t k0 = 0; k0 < m; k0 += SUB) {                                       \
+            Py_ssize_t k1 = k0 + SUB < m ? k0 + SUB : m;                                   \
+            uint32_t c = 0; /* a narrow counter: the count vectorizes with the loop */     \
+            if (base == NULL) {                                                            \
+                for (Py_ssize_t k = k0; k < k1; k++) {                                     \
+                    T x = ELEMENT(T, P, k);                                                \
+                    c += x != 0;                                                           \
+                    o[k] = x;                                                              \
+                }                                                                          \
+            } else {                                                                       \
+                for (Py_ssize_t k = k0; k < k1; k++) {                                     \
+                    T x = ELEMENT(T, P, k);                                                \
+                    c += x != 0;                                                           \
+                    o[k] = x;                                                              \
+                    nw[k] = b[k] ^ x;                                                      \
+                }                                                                          \
+            }                                                                              \
+            changed += c;                                                                  \
         }                                                                                  \
         return changed;                                                                    \
     }                                                                                      \
@@ -79,10 +86,15 @@
             P[j] = p + (Py_ssize_t)j * n + s;                                              \
         Py_ssize_t changed = 0, m = e - s;                                                 \
         T *restrict t = (T *)target;                                                       \
-        for (Py_ssize_t k = 0; k < m; k++) {                                               \
-            T x = ELEMENT(T, P, k);                                                        \
-            changed += x != 0;                                                             \
-            t[k] ^= x;                                                                     \
+        for (Py_ssize_t k0 = 0; k0 < m; k0 += SUB) {                                       \
+            Py_ssize_t k1 = k0 + SUB < m ? k0 + SUB : m;                                   \
+            uint32_t c = 0;                                                                \
+            for (Py_ssize_t k = k0; k < k1; k++) {                                         \
+                T x = ELEMENT(T, P, k);                                                    \
+                c += x != 0;                                                               \
+                t[k] ^= x;                                                                 \
+            }                                                                              \
+            changed += c;                                                                  \
         }                                                                                  \
         return changed;                                                                    \
     }
