@@ -128,7 +128,7 @@ class FrameWriter:
     def seal_parts(self, parts: list) -> list:
         """Each non-empty part in a frame of its own (a link message's header and body:
         no join of the two; the receiver sees one stream)."""
-        out: list[bytes] = []
+        out: list = []
         for part in parts:
             if len(part):
                 out += self.seal(part)
