@@ -207,3 +207,60 @@ def test_a_large_part_is_sealed_into_a_buffer_of_its_own_with_the_same_bytes(siz
     if size >= SEAL_INTO:
         assert isinstance(first[1], np.ndarray)
         assert not np.shares_memory(first[1], second[1])
+
+
+class _Socket:
+    """A socket's receive queue as a buffered protocol sees it: each read takes all that
+    is queued, up to the room the reader offers."""
+
+    def __init__(self, r: FrameReader) -> None:
+        self.r, self.queued, self.reads = r, bytearray(), 0
+
+    def arrive(self, data: bytes) -> None:
+        self.queued += data
+        while self.queued:
+            buf = self.r.get_buffer()
+            k = min(len(buf), len(self.queued))
+            buf[:k] = self.queued[:k]
+            del self.queued[:k]
+            self.reads += 1
+            self.r.took(k)
+
+
+def test_a_read_takes_the_next_frames_header_and_small_frames_with_the_rest() -> None:
+    """A block's header message and its 256 KiB body, then three small messages, all
+    queued at once: read as offered, that is one read of the first header (and what
+    fits behind it), one of the body's rest with the small frames after it. Read
+    exactly, it took two reads a frame (a header's 4 bytes, then the ciphertext)."""
+    key = os.urandom(32)
+    w, got = FrameWriter(key), []
+    sink = _Sink([None, MAX, None, None, None])
+    r = FrameReader(key, MAX, lambda v: got.append(bytes(v)), into=sink.into, wrote=sink.wrote)
+    body, small = os.urandom(256 * 1024), [os.urandom(40) for _ in range(3)]
+    stream = b"".join(w.seal_parts([b"h" * 30, body]) + [b"".join(w.seal(m)) for m in small])
+    sock = _Socket(r)
+    sock.arrive(stream)
+    assert got == [b"h" * 30, *small] and bytes(sink.out) == body and r.direct == 1
+    assert sock.reads == 2 and r.wants() == 0
+
+
+@settings(max_examples=80, deadline=None)
+@given(msgs=st.lists(st.one_of(st.binary(max_size=64), st.integers(0, 9000).map(os.urandom)),
+                     min_size=1, max_size=12),
+       cuts=st.lists(st.integers(1, 20_000), max_size=12))
+def test_frames_read_past_their_end_come_out_whole_and_in_order(
+        msgs: list[bytes], cuts: list[int]) -> None:
+    """Bytes arriving in bursts of any size, each read taking all it is offered: every
+    message comes out once, in order, and the reader never asks for a read it does not
+    need (it wants nothing once the stream is through)."""
+    w, r, got = _pair()
+    stream, pos = _stream(w, msgs), 0
+    sock = _Socket(r)
+    for c in [*cuts, len(stream)]:
+        sock.arrive(stream[pos:pos + c])
+        pos += c
+        if pos >= len(stream):
+            break
+    assert got == msgs and r.wants() == 0 and r.get_buffer().nbytes >= HEADER.size
+    # a socket read never got more than one frame's rest and the look-ahead
+    assert sock.reads <= len(msgs) + len(cuts) + 1
