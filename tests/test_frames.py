@@ -2,9 +2,10 @@
 under any split of the stream; any changed, dropped, repeated or reordered byte or frame
 fails authentication (or leaves the reader waiting), never a wrong message; a message
 sealed in parts and opened in place or delivered makes the same stream, and a frame opened
-in place that fails is never said written; a length past the limit fails before anything
-is allocated; both ends of a key exchange agree, and a
-malformed or low-order key is refused."""
+in place that fails is never said written; a read takes the next frame's header and small
+frames with a frame's rest (a frame in one read, not two); a length past the limit fails
+before anything is allocated; both ends of a key exchange agree, and a malformed or
+low-order key is refused."""
 
 from __future__ import annotations
 
@@ -262,5 +263,6 @@ def test_frames_read_past_their_end_come_out_whole_and_in_order(
         if pos >= len(stream):
             break
     assert got == msgs and r.wants() == 0 and r.get_buffer().nbytes >= HEADER.size
-    # a socket read never got more than one frame's rest and the look-ahead
+    # at most a read a frame, plus one for each burst that ended inside a frame: a reader
+    # that read each header apart (two reads a frame) fails this
     assert sock.reads <= len(msgs) + len(cuts) + 1
