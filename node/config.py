@@ -47,7 +47,7 @@ _SECTIONS = {
     "network": {"listen", "advertise", "bootstrap", "swarm_secret", "swarm_secret_file",
                 "max_connections", "max_connections_per_ip", "upgrade_timeout_s",
                 "allow_plaintext", "unsent_limit_kib", "read_coalesce_ms", "read_lowat_kib", "lanes",
-                "frames",
+                "frames", "max_block_kib",
                 "congestion_control", "congestion_restart_s", "congestion_restart_idle_s",
                 "warm_up_kib",
                 "warm_up_min_rtt_ms"},
@@ -140,6 +140,9 @@ class NodeConfig:
     # inside a large message (a chunk block), the bytes the kernel gathers before it wakes
     # a peer link, at most (SO_RCVLOWAT; 0: off, timed holds only; node.link._gather)
     read_lowat_kib: int = 256
+    # the largest block of a chunk a link sends, on a link fast enough to carry it in
+    # 10 ms (a multiple of 256 in 256..1024; 256: always 256 KiB; node.driver._block_size)
+    max_block_kib: int = 1024
     # after the mutual-TLS handshake, carry each link message as one AES-256-GCM frame under
     # keys exchanged in the TLS channel, where the peer offers it too (node.frames)
     frames: bool = True
@@ -262,6 +265,15 @@ def _int_in(net: dict, key: str, default: int, lo: int, hi: int) -> int:
     value = _get(net, "network", key, int, default)
     if not lo <= value <= hi:
         raise ConfigError(f"network.{key}: must be in {lo}..{hi}, got {value}")
+    return value
+
+
+def _max_block(net: dict) -> int:
+    """``[network] max_block_kib``: whole ``wire.BLOCK_BYTES`` blocks, up to
+    ``node.driver.MAX_BLOCK_BYTES``."""
+    value = _int_in(net, "max_block_kib", 1024, 256, 1024)
+    if value % 256:
+        raise ConfigError(f"network.max_block_kib: must be a multiple of 256, got {value}")
     return value
 
 
@@ -529,6 +541,7 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: Path | None = Non
                                DEFAULT_ORIGIN_WARM_UP_KIB if role == "origin" else DEFAULT_WARM_UP_KIB,
                                0, 32 * 1024),
         "read_lowat_kib": _int_in(net, "read_lowat_kib", 256, 0, 4096),
+        "max_block_kib": _max_block(net),
         **_lanes(net),
     }
     upgrade = _get(net, "network", "upgrade_timeout_s", (int, float), 10.0)

@@ -79,6 +79,7 @@ class Conn:
     restart: CongestionRestart = field(default_factory=CongestionRestart)
     restart_timer: asyncio.TimerHandle | None = None  # the next CongestionRestart.next_check
     handed: int = 0  # bytes of the chunk being sent handed to the link so far
+    block_bytes: int = wire.BLOCK_BYTES  # its blocks' size on this link (Driver._block_size)
     # striped links (docs/striped-links.md): the extra connections, the token they carry,
     # the receiving assembler, and the sender's seq counter and unfinished window
     identity: tuple[str, str, str] | None = None

@@ -80,6 +80,7 @@ from node.conn import (  # noqa: F401 (Arrival, Lane, MAX_LINK_MESSAGE re-export
 from node.engines.base import Engine
 from node.engines.config import EngineConfig
 from node.engines.inprocess import InProcessWeights
+from node.frames import REUSE_BYTES, TAG
 from node.guard import ConnectionGuard
 from node.link import READ_COALESCE_S, READ_LOWAT, Link, LinkServer, Placed, dial
 from node.ports import StorePort, TrustPort
@@ -93,6 +94,7 @@ from node.tcp import (
     congestion_of,
     keeps_window_across_idle,
     limit_unsent,
+    link_rate,
     set_congestion,
     slow_start_after_idle,
 )
@@ -111,6 +113,13 @@ _CHUNK_BYTES = (wire.BLOCK_MAGIC, wire.CHUNK_MAGIC, stripes.STRIPE_MAGIC)
 _STRIPED = (stripes.STRIPE_MAGIC, stripes.DONE_MAGIC, stripes.WITHDRAW_MAGIC, stripes.OFFER_MAGIC,
             stripes.ASK_MAGIC, stripes.WANT_MAGIC)
 SEND_QUEUE_LIMIT = 4096  # frames queued per peer before it is dropped as too slow
+# A chunk goes in blocks of ``wire.BLOCK_BYTES``, or of up to ``MAX_BLOCK_BYTES`` on a link
+# fast enough that one takes at most ``BLOCK_HOL_S`` there: a control frame waits behind
+# one block at most, and each block costs the writer and the reader a pass through
+# Python (a seal, a frame, a header, a placement) whatever its size (``_block_size``).
+BLOCK_HOL_S = 0.010
+MAX_BLOCK_BYTES = 4 * wire.BLOCK_BYTES
+assert MAX_BLOCK_BYTES + TAG <= REUSE_BYTES  # a reader keeps its frame buffer for these
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
            "error": logging.ERROR}
 
@@ -155,7 +164,7 @@ class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
                  guard: ConnectionGuard | None = None,
                  unsent_limit: int = UNSENT_LIMIT,
                  read_coalesce_s: float = READ_COALESCE_S, read_lowat: int = READ_LOWAT,
-                 frames: bool = True,
+                 frames: bool = True, max_block: int = MAX_BLOCK_BYTES,
                  congestion: str = CONGESTION_CONTROL,
                  congestion_restart_s: float = CONGESTION_RESTART_S,
                  congestion_restart_idle_s: float = RESTART_IDLE_S,
@@ -189,6 +198,8 @@ class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
         self.read_coalesce_s = read_coalesce_s
         self.read_lowat = read_lowat
         self.frames = frames  # offer the data plane's frames on TLS links (node.frames)
+        # the largest chunk block a fast link sends (``_block_size``; [network] max_block_kib)
+        self.max_block = max(wire.BLOCK_BYTES, min(MAX_BLOCK_BYTES, max_block))
         self.unsent_limit = unsent_limit
         self.congestion = congestion
         # BBR started over on a link whose chunk starts after idle or runs long (node.tcp)
@@ -674,6 +685,7 @@ class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
                     elif self.core.cfg.is_origin and self.core.cfg.clear_startup:
                         self._watch_path(c)  # a push: is there a queue on its path?
                     striped, seq = bool(c.lanes), None
+                    c.block_bytes = self._block_size(c)
                     if not c.laning:
                         self._chunks_flow(c)
                     if stream is not None:
@@ -712,7 +724,7 @@ class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
                     if seq is not None and (rec := c.out.get(seq)) is not None:
                         rec[2] = payload
                 n = len(payload)
-                end = min(n, offset + wire.BLOCK_BYTES)
+                end = min(n, offset + (wire.BLOCK_BYTES if striped else c.block_bytes))
                 if (not striped and c.lanes and n - offset >= RESTRIPE_MIN_LEFT
                         and offset <= n // 2 and (stream is None or stream.state == "stored"
                                                   or stream.got - offset >= RESTRIPE_MIN_LEFT)):
@@ -744,10 +756,16 @@ class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
                         self.feed(ev.ChunkSent(self.now(), c.id, v, i, withdrawn=True))
                         continue
                     # blocks as they come; the last only once the chunk is verified here
-                    if end > (n if stream.state == "stored" else min(stream.got, n - 1)):
-                        c.wake.clear()
-                        await c.wake.wait()
-                        continue
+                    ready = n if stream.state == "stored" else min(stream.got, n - 1)
+                    if end > ready:
+                        # a large block not all here yet: the whole small blocks that are
+                        # go now (a relay's pace is its source's, not its own block size's)
+                        whole = offset + (ready - offset) // wire.BLOCK_BYTES * wire.BLOCK_BYTES
+                        if whole <= offset:
+                            c.wake.clear()
+                            await c.wake.wait()
+                            continue
+                        end = whole
                 if striped and seq is None:
                     seq = self._take_seq(c)
                     if seq is None:  # the peer has a window of chunks unfinished: wait
@@ -796,6 +814,21 @@ class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
         finally:
             if stream is not None and c in stream.watchers:
                 stream.watchers.remove(c)
+
+    def _block_size(self, c: Conn) -> int:
+        """Bytes per block of the chunk ``c`` starts to send: ``wire.BLOCK_BYTES`` times as
+        many as the link's measured rate (``node.tcp.link_rate``) moves in ``BLOCK_HOL_S``,
+        at most ``max_block`` (``[network] max_block_kib``, 1 MiB). A striped link, a link with no rate measured yet and
+        a long-haul one (100 Mbit/s: 0.1 MB in 10 ms) keep ``wire.BLOCK_BYTES``; a host
+        link at 1 Gbit/s or loopback takes 1 MiB blocks, a quarter of the passes
+        through the writer and the reader per byte (docs/benchmarks.md, round 56)."""
+        if c.lanes or c.sock is None or self.max_block <= wire.BLOCK_BYTES:
+            return wire.BLOCK_BYTES
+        rate = link_rate(c.sock)
+        if rate is None:
+            return wire.BLOCK_BYTES
+        k = int(rate * BLOCK_HOL_S) // wire.BLOCK_BYTES
+        return wire.BLOCK_BYTES * max(1, min(k, self.max_block // wire.BLOCK_BYTES))
 
     async def _chunk_bytes(self, v: int, i: int) -> memoryview | None:
         try:

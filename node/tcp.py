@@ -331,6 +331,30 @@ def _tcp_info(sock: Any) -> bytes | None:
     return raw if len(raw) >= TCP_INFO_LEN else None
 
 
+TCP_INFO_RATE_LEN = 168  # ... up to tcpi_delivery_rate (Linux 4.9+)
+
+
+def link_rate(sock: Any) -> float | None:
+    """The rate ``sock`` delivers at, in bytes/s: BBR's bottleneck estimate
+    (``TCP_CC_INFO``), else the kernel's latest delivery-rate sample
+    (``tcpi_delivery_rate``); None where the platform cannot say or nothing was measured
+    yet."""
+    bw = bbr_bandwidth(sock)
+    if bw:
+        return bw
+    opt = getattr(socket, "TCP_INFO", None)
+    if sock is None or opt is None:
+        return None
+    try:
+        raw = sock.getsockopt(socket.IPPROTO_TCP, opt, TCP_INFO_RATE_LEN)
+    except (OSError, AttributeError):
+        return None
+    if len(raw) < TCP_INFO_RATE_LEN:
+        return None
+    (rate,) = struct.unpack_from("=Q", raw, 160)
+    return float(rate) or None
+
+
 def acked_bytes(sock: Any) -> int | None:
     """Bytes of ``sock`` the peer has acknowledged (``tcpi_bytes_acked``), or None where
     it cannot be read."""

@@ -47,6 +47,8 @@ def test_valid_config_resolves_paths_and_core_knobs(tmp_path: Path) -> None:
     assert cfg.read_lowat_kib == 256
     assert parse_config(_doc(network={"read_lowat_kib": 0}), tmp_path).read_lowat_kib == 0
     assert cfg.frames is True
+    assert cfg.max_block_kib == 1024
+    assert parse_config(_doc(network={"max_block_kib": 256}), tmp_path).max_block_kib == 256
     assert parse_config(_doc(network={"frames": False}), tmp_path).frames is False
     assert cfg.congestion_restart_s == 1.0
     assert parse_config(_doc(network={"congestion_restart_s": 0}),
@@ -73,6 +75,10 @@ def test_valid_config_resolves_paths_and_core_knobs(tmp_path: Path) -> None:
     ({"network": {"warm_up_kib": "lots"}}, "network.warm_up_kib"),
     ({"network": {"read_lowat_kib": 4097}}, "network.read_lowat_kib"),
     ({"network": {"frames": "yes"}}, "network.frames"),
+    ({"network": {"max_block_kib": 512 + 1}}, "network.max_block_kib"),
+    ({"network": {"max_block_kib": 128}}, "network.max_block_kib"),
+    ({"network": {"max_block_kib": 2048}}, "network.max_block_kib"),
+    ({"network": {"max_block_kib": "1MiB"}}, "network.max_block_kib"),
     ({"network": {"read_lowat_kib": -1}}, "network.read_lowat_kib"),
     ({"network": {"warm_up_min_rtt_ms": -1}}, "network.warm_up_min_rtt_ms"),
     ({"network": {"warm_up_min_rtt_ms": True}}, "network.warm_up_min_rtt_ms"),
