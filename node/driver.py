@@ -818,10 +818,11 @@ class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
     def _block_size(self, c: Conn) -> int:
         """Bytes per block of the chunk ``c`` starts to send: ``wire.BLOCK_BYTES`` times as
         many as the link's measured rate (``node.tcp.link_rate``) moves in ``BLOCK_HOL_S``,
-        at most ``max_block`` (``[network] max_block_kib``, 1 MiB). A striped link, a link with no rate measured yet and
-        a long-haul one (100 Mbit/s: 0.1 MB in 10 ms) keep ``wire.BLOCK_BYTES``; a host
-        link at 1 Gbit/s or loopback takes 1 MiB blocks, a quarter of the passes
-        through the writer and the reader per byte (docs/benchmarks.md, round 56)."""
+        at most ``max_block`` (``[network] max_block_kib``, 1 MiB). A striped link, a link
+        with no rate measured yet and a long-haul one (100 Mbit/s: 0.1 MB in 10 ms) keep
+        ``wire.BLOCK_BYTES``; a host link at 1 Gbit/s or loopback takes 1 MiB blocks, a
+        quarter of the passes through the writer and the reader per byte
+        (docs/benchmarks.md, round 56)."""
         if c.lanes or c.sock is None or self.max_block <= wire.BLOCK_BYTES:
             return wire.BLOCK_BYTES
         rate = link_rate(c.sock)
