@@ -117,8 +117,12 @@ SEND_QUEUE_LIMIT = 4096  # frames queued per peer before it is dropped as too sl
 # fast enough that one takes at most ``BLOCK_HOL_S`` there: a control frame waits behind
 # one block at most, and each block costs the writer and the reader a pass through
 # Python (a seal, a frame, a header, a placement) whatever its size (``_block_size``).
+# A block is at most a chunk's ``1 / MIN_BLOCKS`` (whole ``wire.BLOCK_BYTES``): a relay, a
+# cut-through and an answer served while it arrives go on in that many steps at least, and
+# a receiver places each block in the chunk's buffer (a chunk of one block it does not).
 BLOCK_HOL_S = 0.010
 MAX_BLOCK_BYTES = 4 * wire.BLOCK_BYTES
+MIN_BLOCKS = 4
 assert MAX_BLOCK_BYTES + TAG <= REUSE_BYTES  # a reader keeps its frame buffer for these
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
            "error": logging.ERROR}
@@ -150,6 +154,13 @@ class TlsContexts:
         from swarm.trust import ca as swarm_ca
 
         return cls(swarm_ca.server_context(ca, cert, key), swarm_ca.client_context(ca, cert, key))
+
+
+def _chunk_block(n: int, fast: int) -> int:
+    """Block bytes for a chunk of ``n`` bytes on a link that allows ``fast``
+    (``Driver._block_size``): at most ``n / MIN_BLOCKS`` in whole ``wire.BLOCK_BYTES``,
+    one of those at least."""
+    return max(wire.BLOCK_BYTES, min(fast, n // MIN_BLOCKS // wire.BLOCK_BYTES * wire.BLOCK_BYTES))
 
 
 class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
@@ -724,7 +735,7 @@ class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
                     if seq is not None and (rec := c.out.get(seq)) is not None:
                         rec[2] = payload
                 n = len(payload)
-                end = min(n, offset + (wire.BLOCK_BYTES if striped else c.block_bytes))
+                end = min(n, offset + (wire.BLOCK_BYTES if striped else _chunk_block(n, c.block_bytes)))
                 if (not striped and c.lanes and n - offset >= RESTRIPE_MIN_LEFT
                         and offset <= n // 2 and (stream is None or stream.state == "stored"
                                                   or stream.got - offset >= RESTRIPE_MIN_LEFT)):
@@ -818,7 +829,8 @@ class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
     def _block_size(self, c: Conn) -> int:
         """Bytes per block of the chunk ``c`` starts to send: ``wire.BLOCK_BYTES`` times as
         many as the link's measured rate (``node.tcp.link_rate``) moves in ``BLOCK_HOL_S``,
-        at most ``max_block`` (``[network] max_block_kib``, 1 MiB). A striped link, a link
+        at most ``max_block`` (``[network] max_block_kib``, 1 MiB) and a quarter of the
+        chunk (``_chunk_block``: a 4 MiB chunk, the default, in four). A striped link, a link
         with no rate measured yet and a long-haul one (100 Mbit/s: 0.1 MB in 10 ms) keep
         ``wire.BLOCK_BYTES``; a host link at 1 Gbit/s or loopback takes 1 MiB blocks, a
         quarter of the passes through the writer and the reader per byte

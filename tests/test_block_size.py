@@ -87,13 +87,21 @@ async def _fast() -> None:
     async with _warm_link() as (messages, drv, c):
         rate = link_rate(c.sock)
         assert rate is not None and rate * 0.010 >= MAX_BLOCK_BYTES  # loopback: GB/s
-        n = 3 * MAX_BLOCK_BYTES + 1000
+        n = 4 * MAX_BLOCK_BYTES + 1000
         payload = os.urandom(n)
         _send(drv, c, 1, _arrival(payload, stored=True))
         sizes, got = await _blocks(messages, n)
         assert got == payload
         assert c.block_bytes == MAX_BLOCK_BYTES
-        assert sizes == [MAX_BLOCK_BYTES] * 3 + [1000]
+        assert sizes == [MAX_BLOCK_BYTES] * 4 + [1000]
+        # a smaller chunk goes in four blocks at least (whole BLOCK_BYTES)
+        for n, block in ((2 * MAX_BLOCK_BYTES, MAX_BLOCK_BYTES // 2),
+                         (MAX_BLOCK_BYTES + 7, wire.BLOCK_BYTES)):
+            payload = os.urandom(n)
+            _send(drv, c, 2 + n % 2, _arrival(payload, stored=True))
+            sizes, got = await _blocks(messages, n)
+            assert got == payload
+            assert sizes == [block] * (n // block) + ([n % block] if n % block else [])
 
 
 def test_max_block_keeps_a_fast_link_at_small_blocks() -> None:

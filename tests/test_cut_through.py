@@ -175,13 +175,11 @@ async def _gone_before_its_turn() -> None:
 def test_a_fleet_relays_chunks_while_they_arrive_and_ends_bitwise_equal() -> None:
     """Real node processes, three regions, chunks of four blocks: the borders relay
     chunks on while they arrive (RELAY orders come ahead of their chunk), and every
-    node ends on the trainer's digest with one copy per region. (Loopback is fast enough
-    for 1 MiB blocks, a whole chunk here: ``max_block_kib`` keeps them at 256 KiB, as
-    between regions.)"""
+    node ends on the trainer's digest with one copy per region."""
     from lab.fleet import LoopbackFleet
 
-    with LoopbackFleet(3, 2, chunk_size=1 << 20, lr=1e-4, network={"max_block_kib": 256},
-                       swarm={"cut_through": True, "cut_through_after_s": 0}) as fleet:
+    with LoopbackFleet(3, 2, chunk_size=1 << 20, lr=1e-4, swarm={"cut_through": True,
+                                                                         "cut_through_after_s": 0}) as fleet:
         fleet.start(timeout=120)
         cut = 0
         for _ in range(2):
