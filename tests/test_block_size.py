@@ -19,7 +19,7 @@ from typing import Any
 from node.driver import MAX_BLOCK_BYTES, Arrival, Conn, Driver
 from node.tcp import link_rate, set_congestion
 from swarm.protocol import wire
-from tests.test_cut_through import _driver, _link, _quiet, _take
+from tests.test_cut_through import _driver, _link, _quiet, _running, _take
 
 WARM = 8 * MAX_BLOCK_BYTES  # a first chunk: the link's rate is measured while it goes
 
@@ -61,16 +61,10 @@ async def _warm_link(max_block: int | None = None
     drv.arrivals[(2, 0)] = _arrival(warm, stored=True)
     c.data.append((2, 0, True))
     c.wake.set()
-    writer = asyncio.create_task(drv._writer(c))
-    try:
+    async with _running(drv, c, server):
         _sizes, got = await _blocks(messages, WARM)
         assert got == warm
         yield messages, drv, c
-    finally:
-        c.closing = True
-        writer.cancel()
-        await link.close()
-        await server.close()
 
 
 def _send(drv: Driver, c: Conn, index: int, a: Arrival) -> None:

@@ -86,6 +86,20 @@ async def _take(messages: asyncio.Queue, asm: wire.BlockAssembler, upto: int) ->
 
 
 @contextlib.asynccontextmanager
+async def _running(drv: Driver, c: Conn, server: LinkServer) -> AsyncIterator[None]:
+    """``drv``'s writer sending on ``c`` while the block runs; then ``c``'s link and the far
+    end's server closed."""
+    writer = asyncio.create_task(drv._writer(c))
+    try:
+        yield
+    finally:
+        c.closing = True
+        writer.cancel()
+        await c.link.close()
+        await server.close()
+
+
+@contextlib.asynccontextmanager
 async def _relaying(arriving: bool = True) -> AsyncIterator[tuple[asyncio.Queue, Arrival | None, list]]:
     """A driver whose writer relays chunk 0 of version 2 over a real link: yields
     what the far end received (a queue), the chunk's arrival (None: not arriving any
@@ -99,14 +113,8 @@ async def _relaying(arriving: bool = True) -> AsyncIterator[tuple[asyncio.Queue,
         a = drv.arrivals[(2, 0)] = Arrival(conn=99, buf=memoryview(bytearray(PAYLOAD)), length=N)
     c = Conn(id=7, link=link, outbound=True, addr="peer")
     c.data.append((2, 0, True))
-    writer = asyncio.create_task(drv._writer(c))
-    try:
+    async with _running(drv, c, server):
         yield messages, a, sent
-    finally:
-        c.closing = True
-        writer.cancel()
-        await link.close()
-        await server.close()
 
 
 def test_blocks_go_on_as_they_arrive_and_the_last_once_the_chunk_is_stored() -> None:
