@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -117,6 +118,9 @@ def test_a_link_with_no_rate_or_with_lanes_keeps_small_blocks() -> None:
 
 
 async def _no_rate() -> None:
+    assert link_rate(None) is None
+    with socket.socket() as fresh:  # nothing sent on it: no rate
+        assert link_rate(fresh) is None
     drv = _driver([])
     c: Any = Conn(id=1, link=None, outbound=True, addr="peer")  # type: ignore[arg-type]
     assert c.sock is None and drv._block_size(c) == wire.BLOCK_BYTES
