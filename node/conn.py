@@ -14,6 +14,7 @@ from node.buffers import aligned_buffer
 from node.link import Link
 from node.tcp import CongestionRestart, RandomLoss
 from swarm.protocol import stripes, wire
+from swarm.trust.chunks import chunk_hasher
 
 MAX_LINK_MESSAGE = wire.CHUNK_HEADER_LEN + wire.MAX_CHUNK_BYTES  # a chunk block's message
 CONNECT_TIMEOUT_S = 5.0
@@ -70,8 +71,10 @@ class Conn:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     # Chunks are reassembled in aligned, not zero-filled buffers (the assembler writes
     # every byte it returns): the store writes them to disk with O_DIRECT, no page cache.
+    # Each block is hashed as it is taken, while in the cache: the store's check of the
+    # whole chunk compares that hash (``BlockAssembler.digest``), no second pass.
     blocks: wire.BlockAssembler = field(
-        default_factory=lambda: wire.BlockAssembler(alloc=aligned_buffer))
+        default_factory=lambda: wire.BlockAssembler(alloc=aligned_buffer, hasher=chunk_hasher))
     heard_at: float = 0.0  # last Progress fed to the core (rate-limited)
     writer: asyncio.Task | None = None
     closing: bool = False

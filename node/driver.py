@@ -156,6 +156,14 @@ class TlsContexts:
         return cls(swarm_ca.server_context(ca, cert, key), swarm_ca.client_context(ca, cert, key))
 
 
+def _hashed(blocks: wire.BlockAssembler, whole: tuple | None) -> tuple | None:
+    """``whole`` (a chunk ``blocks`` just returned) with the hash ``blocks`` took of it
+    as its blocks came (``BlockAssembler.digest``), for the store's check."""
+    if whole is None or blocks.digest is None:
+        return whole
+    return (*whole, blocks.digest)
+
+
 def _chunk_block(n: int, fast: int) -> int:
     """Block bytes for a chunk of ``n`` bytes on a link that allows ``fast``
     (``Driver._block_size``): at most ``n / MIN_BLOCKS`` in whole ``wire.BLOCK_BYTES``,
@@ -595,7 +603,7 @@ class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
                         await self._block_done(c, *data.info)
                     else:
                         self.blocks_placed += 1
-                        await self._block_done(c, c.blocks.placed())
+                        await self._block_done(c, _hashed(c.blocks, c.blocks.placed()))
                 elif wire.is_pad_message(data):
                     await self._on_pad(c, data)
                 elif wire.is_block_message(data):
@@ -871,7 +879,7 @@ class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
             await self._drop(c, "chunk before the handshake")
             return
         try:
-            whole = c.blocks.feed(data)
+            whole = _hashed(c.blocks, c.blocks.feed(data))
         except ProtocolError as exc:
             await self._drop(c, str(exc))
             return
@@ -897,12 +905,12 @@ class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
         striped block is left to the reader (``_stripe_block``)."""
         if stripes.magic_of(p.header) == stripes.STRIPE_MAGIC:
             return False
-        whole = c.blocks.placed()
+        whole = _hashed(c.blocks, c.blocks.placed())
         b = c.blocks
         p.info = (whole, None if whole is not None else (b.pending, b.buffer, b.length, b.received))
         return True
 
-    async def _block_done(self, c: Conn, whole: tuple[int, int, memoryview] | None,
+    async def _block_done(self, c: Conn, whole: tuple | None,
                           at: tuple | None = None) -> None:
         """A block of a chunk was taken: ``whole`` once it completed the chunk, else the
         chunk in progress, ``at`` (key, buffer, length, bytes received) as of this block
@@ -1000,9 +1008,15 @@ class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
         for key, a in [kv for kv in self.arrivals.items() if kv[1].conn == conn]:
             self._arrival_failed(key, a)
 
-    async def _on_chunk(self, c: Conn, data: bytes | tuple[int, int, memoryview]) -> None:
+    async def _on_chunk(self, c: Conn, data: bytes | tuple) -> None:
+        """A whole chunk: a chunk message, or ``(version, index, payload)`` put together
+        from blocks, with its hash as they arrived where the assembler took one
+        (``_hashed``)."""
+        digest = None
         if isinstance(data, tuple):
-            v, i, payload = data
+            v, i, payload = data[:3]
+            if len(data) > 3:
+                digest = data[3]
         else:
             try:
                 v, i, payload = wire.unpack_chunk(data)
@@ -1030,7 +1044,7 @@ class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
         key = (v, i)
         self.verifying[key] = self.verifying.get(key, 0) + 1
         try:
-            verdict = await asyncio.to_thread(self._check_and_store, v, i, payload)
+            verdict = await asyncio.to_thread(self._check_and_store, v, i, payload, digest)
         finally:
             if self.verifying[key] > 1:
                 self.verifying[key] -= 1
@@ -1068,7 +1082,8 @@ class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
         if valid:
             self._prestage_kick(v)
 
-    def _check_and_store(self, v: int, i: int, payload: memoryview) -> bool | str | None:
+    def _check_and_store(self, v: int, i: int, payload: memoryview,
+                         digest: bytes | None = None) -> bool | str | None:
         """Keep the chunk durably if it is the one its manifest names.
 
         ``None``: stored. ``False``: the *sender's* fault (the bytes are not the
@@ -1080,7 +1095,7 @@ class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
         try:
             # the payload is this chunk's own buffer (BlockAssembler, or the message):
             # nothing changes it, so the store may serve uploads of it from memory
-            self.store.put_chunk(v, i, payload, keep=True)
+            self.store.put_chunk(v, i, payload, keep=True, digest=digest)
             return None
         except ChunkError as exc:
             log.warning("chunk %d of version %d refused: %s", i, v, exc)

@@ -52,7 +52,8 @@ class StorePort(Protocol):
         ...
 
     def put_chunk(self, version: int, index: int, data: bytes | memoryview, *,
-                  keep: bool = False, hashed: bool = False) -> None:
+                  keep: bool = False, hashed: bool = False,
+                  digest: bytes | None = None) -> None:
         """Verify chunk ``index`` against the stored manifest and keep it durably.
 
         ``ChunkError`` if it is not that chunk: nothing is stored. This is the
@@ -60,7 +61,9 @@ class StorePort(Protocol):
         the caller hands the buffer over unchanged for good; the store may serve
         reads of the chunk from it. ``hashed``: the caller built the manifest's hash
         from these very bytes (the trainer's own payload), so only the length is
-        checked; never for bytes from a peer.
+        checked; never for bytes from a peer. ``digest``: the chunk's hash as the
+        caller computed it over exactly ``data`` as it arrived (compared with the
+        manifest's instead of hashing ``data`` again).
         """
         ...
 

@@ -400,13 +400,17 @@ class ChunkStore:
     # --------------------------------------------------------------- chunks
 
     def put_chunk(self, version: int, index: int, data: bytes | bytearray | memoryview, *,
-                  keep: bool = False, hashed: bool = False) -> None:
+                  keep: bool = False, hashed: bool = False,
+                  digest: bytes | None = None) -> None:
         """Keep chunk ``index`` of ``version``; re-checks its hash (``ChunkError``).
 
         ``keep``: the caller hands ``data`` over and never changes it: the store
         may keep it in memory (``recent_bytes``) and serve reads from it.
         ``hashed``: the caller built the manifest's hash of this chunk from these very
         bytes (the trainer storing its own payload): only the length is checked.
+        ``digest``: the chunk's hash as the caller computed it over exactly ``data``
+        while it arrived (``swarm.trust.chunks.chunk_hasher``): checked against the
+        manifest's like a hash of ``data``, without a second pass over the bytes.
         """
         m = self._manifest(version)
         try:
@@ -416,7 +420,7 @@ class ChunkStore:
                     raise ChunkError(f"chunk {index} ({n} bytes) is not one of the manifest's "
                                      f"{m.chunk_count} chunks")
             else:
-                verify_chunk(m, index, data)
+                verify_chunk(m, index, data, digest=digest)
         except ChunkError as exc:
             what = str(exc).replace(f"chunk {index}", f"chunk {index} of version {version}", 1)
             raise ChunkError(f"{what}; not stored") from None

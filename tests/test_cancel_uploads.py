@@ -314,7 +314,7 @@ def _twin_receiver(prefix_same: bool) -> None:
     twin = good if prefix_same else bytes([good[0] ^ 1]) + good[1:]
 
     async def go() -> None:
-        async with _twin_arriving(twin, lambda v, i, payload: None) as t:
+        async with _twin_arriving(twin, lambda v, i, payload, digest=None: None) as t:
             drv, c, events, arrival = t.drv, t.c, t.events, t.arrival
             verified = memoryview(bytearray(good))
             await drv._on_chunk(t.other, (2, 0, verified))
@@ -359,7 +359,7 @@ def test_a_relay_cutting_through_goes_at_its_own_pace_once_the_chunk_is_all_here
     seen: list[float | None] = []
     box: list[Any] = []
 
-    def check(v: int, i: int, payload: Any) -> None:  # (in a thread) what the hash sees
+    def check(v: int, i: int, payload: Any, digest: Any = None) -> None:  # what the hash sees
         seen.append(box[0].watcher.restart.free_from)
 
     async def go() -> None:
@@ -435,7 +435,7 @@ def _withdrawn_while_verifying(good_copy: bool) -> None:
     good = os.urandom(4 * BLOCK_BYTES)
     release = threading.Event()
 
-    def slow_check(v: int, i: int, payload: Any) -> bool | None:
+    def slow_check(v: int, i: int, payload: Any, digest: Any = None) -> bool | None:
         release.wait(5)
         return None if good_copy else False
 
@@ -485,7 +485,7 @@ def test_a_chunk_that_came_as_one_message_is_logged_as_received(
         drv.core.authenticated = lambda cid: True  # type: ignore[method-assign]
         drv._prestage_kick = lambda v: None  # type: ignore[method-assign]
         verdicts = {3: None, 4: False}  # 4: its hash does not match
-        drv._check_and_store = lambda v, i, payload: verdicts[i]  # type: ignore[method-assign]
+        drv._check_and_store = lambda v, i, payload, digest=None: verdicts[i]  # type: ignore[method-assign]
         c = Conn(id=5, link=None, outbound=True, addr="10.213.1.2:7400")
         drv.conns[5] = c
         await drv._on_chunk(c, (2, 3, memoryview(b"x" * 1800)))

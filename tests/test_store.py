@@ -114,6 +114,29 @@ def test_put_chunk_rechecks_the_hash(tmp_path):
         assert s.have(1) == set()
 
 
+def test_put_chunk_with_the_hash_taken_as_it_arrived(tmp_path):
+    """``digest=`` (the chunk's hash taken block by block as it arrived,
+    ``wire.BlockAssembler``) is checked against the manifest's in place of a second
+    hash: the chunk it names is stored; a digest of other bytes is refused and nothing
+    is stored; the length and index are still checked first."""
+    from swarm.trust.chunks import chunk_hash
+
+    payload, raw, m = version(1)
+    parts = split_payload(payload, CHUNK)
+    with ChunkStore(tmp_path) as s:
+        s.put_manifest(raw, m)
+        with pytest.raises(ChunkError, match="chunk 1 of version 1 hash mismatch; not stored"):
+            s.put_chunk(1, 1, parts[1], digest=chunk_hash(parts[0]))
+        with pytest.raises(ChunkError, match="length mismatch"):
+            s.put_chunk(1, 1, parts[1][:-1], digest=chunk_hash(parts[1]))
+        with pytest.raises(ChunkError, match="out of range"):
+            s.put_chunk(1, 6, parts[1], digest=chunk_hash(parts[1]))
+        assert s.have(1) == set()
+        for i, c in enumerate(parts):
+            s.put_chunk(1, i, c, digest=chunk_hash(c))
+        assert s.complete(1) and s.payload(1) == payload
+
+
 def test_put_chunk_hashed_checks_the_length_and_reading_back_the_hash(tmp_path):
     """``hashed=True`` (the trainer storing the payload it just hashed into the manifest)
     skips the second hash on the way in; a wrong length or index is still refused, and a

@@ -590,7 +590,7 @@ def test_a_receiver_takes_a_chunk_restarted_striped_without_losing_its_relays(or
         drv = _driver([])
         drv.core.authenticated = lambda cid: True  # type: ignore[method-assign]
         events = _spy(drv, ev.Event)
-        drv._check_and_store = lambda v, i, payload: None  # type: ignore[method-assign]  # verified
+        drv._check_and_store = lambda v, i, payload, digest=None: None  # type: ignore[method-assign]  # verified
         drv._prestage_kick = lambda v: None  # type: ignore[method-assign]
         whole: list[bytes] = []
         on_chunk = drv._on_chunk

@@ -201,3 +201,41 @@ def test_a_placed_block_is_checked_like_a_fed_one() -> None:
         asm.place(wire.pack_block_header(1, 1, 100, 50), 50)
     fresh = wire.BlockAssembler()  # a chunk that is one block has no buffer: it is fed
     assert fresh.place(wire.pack_block_header(1, 5, 10, 0), 10) is None and fresh.pending is None
+
+
+@given(payloads=st.lists(st.binary(max_size=3000), min_size=1, max_size=3),
+       cuts=st.lists(st.integers(0, 3000), max_size=6),
+       how=st.lists(st.booleans(), min_size=1, max_size=12),
+       withdraw_after=st.integers(0, 4), fill=st.integers(0, 255))
+def test_the_hash_taken_block_by_block_is_the_hash_of_the_chunk_returned(
+        payloads, cuts, how, withdraw_after, fill) -> None:
+    """With a ``hasher`` each block is hashed as the assembler takes it, fed or placed:
+    ``digest`` is then exactly ``chunk_hash`` of the chunk returned (the store compares
+    it instead of hashing again), whatever the buffer held before, also after a chunk
+    withdrawn part-way; without a hasher there is none."""
+    from swarm.trust.chunks import chunk_hash, chunk_hasher
+
+    asm = wire.BlockAssembler(alloc=lambda n: bytearray([fill]) * n, hasher=chunk_hasher)
+    plain = wire.BlockAssembler()
+    k = 0
+    for idx, payload in enumerate(payloads):
+        msgs = blocks(3, idx, payload, cuts)
+        if len(msgs) > 1 and withdraw_after:  # a first copy withdrawn part-way
+            for m in msgs[:min(withdraw_after, len(msgs) - 1)]:
+                assert asm.feed(bytes(m[:wire.BLOCK_HEADER_LEN]) + bytes([fill ^ 1]) * (
+                    len(m) - wire.BLOCK_HEADER_LEN)) is None  # other bytes: never hashed in
+            assert asm.withdraw(wire.pack_withdraw(3, idx)) == (3, idx)
+        got = None
+        for m in msgs:
+            header, body = m[:wire.BLOCK_HEADER_LEN], m[wire.BLOCK_HEADER_LEN:]
+            dest = asm.place(header, len(body)) if how[k % len(how)] else None
+            k += 1
+            if dest is None:
+                got = asm.feed(m)
+            else:
+                dest[:] = body
+                got = asm.placed()
+            plain.feed(m)
+        assert got is not None and bytes(got[2]) == payload
+        assert asm.digest == chunk_hash(payload) == chunk_hash(got[2])
+        assert plain.digest is None

@@ -582,17 +582,29 @@ class BlockAssembler:
     passes ``numpy.empty``, to skip zero-filling 4 MiB per chunk): a chunk is
     returned only once consecutive blocks covered every byte from 0 to its
     length, so no byte of the buffer's old contents is ever part of it.
+
+    ``hasher()`` (optional) makes an object with ``update(bytes)`` and ``digest()``:
+    each block is hashed as it is taken, while its bytes are still in the cache, and
+    ``digest`` is then the hash of the chunk the last ``feed``/``placed`` returned whole
+    (a driver hands it to the store's check instead of a second pass over the chunk).
+    Every byte is written once, in order, before it is taken, and never after: the
+    hash is of exactly the bytes returned.
     """
 
-    __slots__ = ("_alloc", "_buf", "_got", "_key", "_length", "_placing")
+    __slots__ = ("_alloc", "_buf", "_got", "_hash", "_hasher", "_key", "_length",
+                 "_placing", "digest")
 
-    def __init__(self, alloc: Callable[[int], Any] | None = None) -> None:
+    def __init__(self, alloc: Callable[[int], Any] | None = None,
+                 hasher: Callable[[], Any] | None = None) -> None:
         self._alloc = alloc or bytearray
+        self._hasher = hasher
+        self._hash: Any = None  # the chunk in progress's hasher (bytes taken so far)
         self._key: tuple[int, int] | None = None
         self._buf: Any = None  # a writable buffer of the chunk's length, from alloc
         self._length = 0
         self._got = 0
         self._placing = 0  # bytes of the block handed out by ``place``, not yet ``placed``
+        self.digest: bytes | None = None  # of the chunk last returned whole (``hasher``)
 
     @property
     def pending(self) -> tuple[int, int] | None:
@@ -628,7 +640,7 @@ class BlockAssembler:
             return key
         if key != self._key:
             raise ProtocolError(f"withdrawal of chunk {key[1]} v{key[0]}, not in progress")
-        self._key, self._buf, self._length, self._got = None, None, 0, 0
+        self._key, self._buf, self._length, self._got, self._hash = None, None, 0, 0, None
         return key
 
     def _begin(self, v: int, i: int, length: int, offset: int, n: int) -> None:
@@ -640,6 +652,7 @@ class BlockAssembler:
                 raise ProtocolError(f"chunk {i}: first block at offset {offset}")
             self._key, self._length, self._got = (v, i), length, 0
             self._buf = None
+            self._hash = self._hasher() if self._hasher is not None else None
             if n < length:
                 self._buf = memoryview(self._alloc(length)).cast("B")
                 if len(self._buf) != length:
@@ -649,11 +662,17 @@ class BlockAssembler:
                                 f"{self._key[1]} v{self._key[0]} at {self._got}")
 
     def _advance(self, n: int, whole: memoryview | None) -> tuple[int, int, memoryview] | None:
+        """Take the ``n`` bytes from ``received`` on (written, final): the chunk once whole
+        (``whole``: a chunk that is this one block, its own bytes)."""
+        h = self._hash
+        if h is not None:
+            h.update(whole if whole is not None else self._buf[self._got:self._got + n])
         self._got += n
         if self._got < self._length:
             return None
         key, out = self._key, whole if whole is not None else self._buf
-        self._key, self._buf = None, None
+        self._key, self._buf, self._hash = None, None, None
+        self.digest = h.digest() if h is not None else None
         return key[0], key[1], out  # type: ignore[index]
 
     def feed(self, data: bytes | memoryview) -> tuple[int, int, memoryview] | None:

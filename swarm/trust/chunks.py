@@ -30,6 +30,12 @@ def chunk_hash(data: Buffer) -> bytes:
     return blake3.blake3(data).digest()
 
 
+def chunk_hasher() -> blake3.blake3:
+    """An incremental ``chunk_hash``: ``update`` with a chunk's bytes in order, then
+    ``digest()`` (a receiver hashes each block as it arrives, ``wire.BlockAssembler``)."""
+    return blake3.blake3()
+
+
 def chunk_count(payload_length: int, chunk_size: int) -> int:
     """How many chunks a payload of ``payload_length`` bytes is cut into."""
     if chunk_size <= 0:
@@ -49,8 +55,12 @@ def hash_chunks(payload: Buffer, chunk_size: int) -> tuple[bytes, ...]:
     return tuple(chunk_hash(c) for c in split_payload(payload, chunk_size))
 
 
-def verify_chunk(manifest: Manifest, index: int, data: Buffer) -> None:
-    """Raise ``ChunkError`` naming ``index`` unless ``data`` is exactly that chunk."""
+def verify_chunk(manifest: Manifest, index: int, data: Buffer, *,
+                 digest: bytes | None = None) -> None:
+    """Raise ``ChunkError`` naming ``index`` unless ``data`` is exactly that chunk.
+
+    ``digest``: ``chunk_hash(data)`` as the caller computed it over exactly these bytes
+    while they arrived (``chunk_hasher``); compared instead of hashing ``data`` again."""
     if not 0 <= index < manifest.chunk_count:
         raise ChunkError(
             f"chunk {index} out of range: version {manifest.version} has "
@@ -62,7 +72,7 @@ def verify_chunk(manifest: Manifest, index: int, data: Buffer) -> None:
         raise ChunkError(
             f"chunk {index} length mismatch: got {len(view)} bytes, manifest says {expected}"
         )
-    if chunk_hash(view) != manifest.chunk_hashes[index]:
+    if (digest if digest is not None else chunk_hash(view)) != manifest.chunk_hashes[index]:
         raise ChunkError(f"chunk {index} hash mismatch")
 
 
