@@ -159,6 +159,18 @@ def test_withdrawals_are_told_apart_from_blocks_chunks_and_frames() -> None:
         wire.unpack_withdraw(wire.pack_withdraw(3, 4)[:-1])
 
 
+def _take(asm: wire.BlockAssembler, m: bytes, place: bool):
+    """One block message taken as a link takes it: placed (its body written into the
+    slice ``place`` hands out) where asked and the assembler gives a slice, else fed."""
+    header, body = m[:wire.BLOCK_HEADER_LEN], m[wire.BLOCK_HEADER_LEN:]
+    dest = asm.place(header, len(body)) if place else None
+    if dest is None:
+        return asm.feed(m)
+    assert len(dest) == len(body)
+    dest[:] = body
+    return asm.placed()
+
+
 @given(payloads=st.lists(st.binary(min_size=1, max_size=3000), min_size=1, max_size=3),
        cuts=st.lists(st.integers(0, 3000), max_size=6),
        how=st.lists(st.booleans(), min_size=1, max_size=12), fill=st.integers(0, 255))
@@ -171,15 +183,8 @@ def test_placed_blocks_reassemble_as_fed_ones(payloads, cuts, how, fill) -> None
     for idx, payload in enumerate(payloads):
         got = None
         for m in blocks(2, idx, payload, cuts):
-            header, body = m[:wire.BLOCK_HEADER_LEN], m[wire.BLOCK_HEADER_LEN:]
-            dest = asm.place(header, len(body)) if how[k % len(how)] else None
+            got = _take(asm, m, how[k % len(how)])
             k += 1
-            if dest is None:
-                got = asm.feed(m)
-            else:
-                assert len(dest) == len(body)
-                dest[:] = body
-                got = asm.placed()
         assert got is not None and got[:2] == (2, idx) and bytes(got[2]) == payload
         assert asm.pending is None
 
@@ -227,14 +232,8 @@ def test_the_hash_taken_block_by_block_is_the_hash_of_the_chunk_returned(
             assert asm.withdraw(wire.pack_withdraw(3, idx)) == (3, idx)
         got = None
         for m in msgs:
-            header, body = m[:wire.BLOCK_HEADER_LEN], m[wire.BLOCK_HEADER_LEN:]
-            dest = asm.place(header, len(body)) if how[k % len(how)] else None
+            got = _take(asm, m, how[k % len(how)])
             k += 1
-            if dest is None:
-                got = asm.feed(m)
-            else:
-                dest[:] = body
-                got = asm.placed()
             plain.feed(m)
         assert got is not None and bytes(got[2]) == payload
         assert asm.digest == chunk_hash(payload) == chunk_hash(got[2])
