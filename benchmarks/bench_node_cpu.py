@@ -58,7 +58,11 @@ from node.config import DEFAULT_WARM_MEMORY_MIB  # noqa: E402
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 # (stage, substrings of a frame) in priority order: a sample goes to the first stage
-# one of whose markers appears in any of its frames, scanning from the leaf up.
+# one of whose markers appears in any of its frames, scanning from the leaf up. The
+# stages of native work come first (a hash under the driver's frames is the hash's);
+# then a sample whose leaf is a libc frame (a system call, a copy) goes to
+# ``SYSCALLS`` before the Python stages (``PYTHON_FROM``), so the kernel's send under the
+# driver's writer is not counted as the driver's Python (round 57).
 STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("hash (BLAKE3)", ("blake3",)),
     ("decode + apply (codec)", ("swarm/codec", "zstd", "ZSTD", "xxh", "XXH", "torch", "libtorch",
@@ -139,10 +143,17 @@ WAITING = ("PyThread_acquire_lock_timed", "pthread_cond_timedwait", "pthread_con
            "select (", "poll (")
 
 
+PYTHON_FROM = "block reassembly (wire)"  # the first stage of Python code
+SYSCALLS = "event loop / syscalls"
+LIBC_LEAF = ("(libc.so", "(libpthread", "(ld-linux")
+
+
 def classify(stack: list[str]) -> str:
     if any(w in frame for frame in stack[-4:] for w in WAITING):
         return "(waiting)"
     for stage, marks in STAGES:
+        if stage == PYTHON_FROM and stack and any(m in stack[-1] for m in LIBC_LEAF):
+            return SYSCALLS
         for frame in reversed(stack):
             if any(m in frame for m in marks):
                 return stage
