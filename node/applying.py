@@ -20,10 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from node.engines.base import CommitStats, EngineError, WeightUpdate
 from node.engines.inprocess import merge_changes
+from swarm.codec.planes import Pieces
 from swarm.errors import ChunkError, PatchFormatError, PatchswarmError, StoreError
 from swarm.protocol import events as ev
 from swarm.trust.confidential import NoKeyError, decrypt_payload
@@ -265,7 +264,7 @@ class ApplyPipeline:
             if self._applying or self._pre_closed:
                 return
             try:
-                data = self._part_bytes(v, lay, q, cs)
+                data = self._part_pieces(v, lay, q, cs)
             except (ChunkError, StoreError, OSError):
                 return  # the apply reads it again and reports
             ok = w.prefeed_record(v, m.parent_digest, q, data)
@@ -280,9 +279,11 @@ class ApplyPipeline:
                 if lay.left[i] <= 0 and i in lay.kept:
                     lay.kept_bytes -= len(lay.kept.pop(i))
 
-    def _part_bytes(self, v: int, lay: _Layout, q: int, cs: int) -> memoryview:
-        """Part ``q``'s bytes: a view of its chunk, or joined from its chunks (each
-        read once while the ``PRESTAGE_KEEP`` budget lasts)."""
+    def _part_pieces(self, v: int, lay: _Layout, q: int,
+                     cs: int) -> memoryview | list[memoryview]:
+        """Part ``q``'s bytes: a view of its chunk, or for a record the views of each
+        of its chunks (each read once while the ``PRESTAGE_KEEP`` budget lasts), which
+        the decoder reads where they lie (``swarm.codec.planes``); the header is joined."""
         s, e = lay.starts[q + 1], lay.starts[q + 2]
         pieces = []
         for i in _chunks_of(lay.starts, q, cs):
@@ -296,12 +297,7 @@ class ApplyPipeline:
             pieces.append(data[max(s, lo) - lo:min(e, lo + len(data)) - lo])
         if len(pieces) == 1:
             return pieces[0]
-        out = memoryview(np.empty(e - s, dtype=np.uint8)).cast("B")  # not zero-filled
-        off = 0
-        for piece in pieces:
-            out[off:off + len(piece)] = piece
-            off += len(piece)
-        return out
+        return pieces if q >= 0 else Pieces(pieces).join()
 
     def _read_parts(self, v: int, m, starts: list[int], parts: list[int]) -> dict[int, memoryview]:
         """The bytes of patch parts ``parts`` (-1: the header) of ``v``: each run of

@@ -48,14 +48,15 @@ STAGES: tuple[tuple[str, str], ...] = (
     ("node.store", "ChunkStore.put_chunk"),
     ("node.store", "ChunkStore.read_chunk"),
     ("node.applying", "ApplyPipeline._prestage_step"),
-    ("node.applying", "ApplyPipeline._part_bytes"),
+    ("node.applying", "ApplyPipeline._part_pieces"),
     ("node.applying", "ApplyPipeline._apply_truth"),
     ("swarm.codec.apply", "PatchApplier._decode_record"),
     ("swarm.codec.apply", "PatchApplier.finish"),
     ("swarm.codec.apply", "_dense_ahead"),
     ("swarm.codec.apply", "_xor_flat"),
-    ("swarm.codec.records", "decompress_bounded"),
-    ("swarm.codec.records", "unshuffle_count"),
+    ("swarm.codec.planes", "read_planes"),
+    ("swarm.codec.planes", "decompress_bounded"),
+    ("swarm.codec.records", "unshuffle_parts"),
 )
 
 

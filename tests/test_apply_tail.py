@@ -25,6 +25,7 @@ from node.engines.inprocess import InProcessWeights
 from swarm.codec import apply_patch, encode_patch, tensor_digest
 from swarm.codec.apply import PatchApplier
 from swarm.codec.format import decode_header, encode_header
+from swarm.codec.planes import Planes
 from swarm.errors import PatchApplyError
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
@@ -148,18 +149,19 @@ def test_a_corrupt_staged_value_rolls_back_bitwise(monkeypatch, fraction: float,
     including those committed before it, is undone bit for bit."""
     old, new = _dense_case()
     res = encode_patch(old, new, threads=1)
-    real = apply_mod.records.decode_planes
+    real = apply_mod.read_planes
     calls = {"n": 0}
 
-    def corrupt(r, count, dt):
-        planes = real(r, count, dt)
+    def corrupt(body, count, itemsize, what):
+        planes = real(body, count, itemsize, what)
         if calls["n"] == bad_record:
-            planes = planes.copy()
-            planes[planes.shape[0] - 1, count // 2] ^= 0x01
+            arr = planes.array().copy()
+            arr[itemsize - 1, count // 2] ^= 0x01
+            planes = Planes(itemsize, count, [arr.reshape(-1)], owned=True)
         calls["n"] += 1
         return planes
 
-    monkeypatch.setattr(apply_mod.records, "decode_planes", corrupt)
+    monkeypatch.setattr(apply_mod, "read_planes", corrupt)
     w = _holder(old)
     digests, state = dict(w.tensor_digests), w.digest
     _prestaged(w, res.patch, res.base_digest, 1500, fraction)

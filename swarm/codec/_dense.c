@@ -9,6 +9,9 @@
  *   unshuffle(planes, itemsize, n, start, stop, out[, base, new]) -> changed
  *       out[k] = element k (start <= k < stop) of the planes; with ``base`` and ``new``
  *       also new[k] = base[k] ^ out[k]. Returns how many of the elements are not 0.
+ *   unshuffle_parts(parts, out[, base, new]) -> changed
+ *       the same, with plane j's bytes of the elements in the buffer parts[j], so that
+ *       planes that lie in several pieces (a record never joined) are read where they are.
  *   xor_into(planes, itemsize, n, start, stop, target) -> changed
  *       target[k] ^= element k of the planes, in place; returns how many are not 0.
  *
@@ -46,14 +49,14 @@
 
 /* One loop per width, so the compiler vectorizes each (no per-element width test). */
 #define DEFINE_LOOPS(T, W)                                                                 \
-    CLONES static Py_ssize_t unshuffle_##W(const uint8_t *p, Py_ssize_t n, Py_ssize_t s,          \
-                                    Py_ssize_t e, uint8_t *restrict out,                   \
-                                    const uint8_t *restrict base, uint8_t *restrict new_)  \
+    CLONES static Py_ssize_t unshuffle_##W(const uint8_t *const *planes, Py_ssize_t m,            \
+                                    uint8_t *restrict out, const uint8_t *restrict base,   \
+                                    uint8_t *restrict new_)                                \
     {                                                                                      \
         const uint8_t *restrict P[W];                                                      \
         for (int j = 0; j < W; j++)                                                        \
-            P[j] = p + (Py_ssize_t)j * n + s;                                              \
-        Py_ssize_t changed = 0, m = e - s;                                                 \
+            P[j] = planes[j];                                                              \
+        Py_ssize_t changed = 0;                                                            \
         T *restrict o = (T *)out;                                                          \
         const T *restrict b = (const T *)base;                                             \
         T *restrict nw = (T *)new_;                                                        \
@@ -133,6 +136,22 @@ static int check_room(const Py_buffer *b, const char *what, int itemsize, Py_ssi
     return 0;
 }
 
+/* The loop of the width, over m elements whose plane j starts at P[j], GIL released. */
+static Py_ssize_t run_unshuffle(int itemsize, const uint8_t *const *P, Py_ssize_t m,
+                                void *out, const void *base, void *new_)
+{
+    Py_ssize_t changed;
+    Py_BEGIN_ALLOW_THREADS
+    switch (itemsize) {
+    case 1: changed = unshuffle_1(P, m, out, base, new_); break;
+    case 2: changed = unshuffle_2(P, m, out, base, new_); break;
+    case 4: changed = unshuffle_4(P, m, out, base, new_); break;
+    default: changed = unshuffle_8(P, m, out, base, new_); break;
+    }
+    Py_END_ALLOW_THREADS
+    return changed;
+}
+
 static PyObject *dense_unshuffle(PyObject *self, PyObject *args)
 {
     Py_buffer planes = {0}, out = {0}, base = {0}, new_ = {0};
@@ -159,21 +178,82 @@ static PyObject *dense_unshuffle(PyObject *self, PyObject *args)
                              check_room(&new_, "new", itemsize, stop - start) < 0))
         goto done;
     {
-        const uint8_t *p = planes.buf;
-        uint8_t *o = out.buf, *nw = new_.buf;
-        const uint8_t *b = base.buf;
-        Py_BEGIN_ALLOW_THREADS
-        switch (itemsize) {
-        case 1: changed = unshuffle_1(p, n, start, stop, o, b, nw); break;
-        case 2: changed = unshuffle_2(p, n, start, stop, o, b, nw); break;
-        case 4: changed = unshuffle_4(p, n, start, stop, o, b, nw); break;
-        default: changed = unshuffle_8(p, n, start, stop, o, b, nw); break;
-        }
-        Py_END_ALLOW_THREADS
+        const uint8_t *P[8];
+        for (int j = 0; j < itemsize; j++)
+            P[j] = (const uint8_t *)planes.buf + (Py_ssize_t)j * n + start;
+        changed = run_unshuffle(itemsize, P, stop - start, out.buf, base.buf, new_.buf);
     }
     result = PyLong_FromSsize_t(changed);
 done:
     PyBuffer_Release(&planes);
+    PyBuffer_Release(&out);
+    if (base.obj != NULL)
+        PyBuffer_Release(&base);
+    if (new_.obj != NULL)
+        PyBuffer_Release(&new_);
+    return result;
+}
+
+/* unshuffle_parts(parts, out[, base, new]): as ``unshuffle``, with plane j's bytes of
+ * the elements given as buffer parts[j] (a sequence of itemsize buffers of m bytes each,
+ * e.g. views of where each plane's bytes lie in a record that was never joined), out
+ * (and base, new) of m elements. */
+static PyObject *dense_unshuffle_parts(PyObject *self, PyObject *args)
+{
+    Py_buffer parts[8], out = {0}, base = {0}, new_ = {0};
+    int itemsize = 0, got = 0;
+    Py_ssize_t m = 0, changed = 0;
+    PyObject *seq = NULL, *fast = NULL, *base_obj = Py_None, *new_obj = Py_None, *result = NULL;
+    if (!PyArg_ParseTuple(args, "Ow*|OO:unshuffle_parts", &seq, &out, &base_obj, &new_obj))
+        return NULL;
+    fast = PySequence_Fast(seq, "parts must be a sequence of buffers");
+    if (fast == NULL)
+        goto done;
+    itemsize = (int)PySequence_Fast_GET_SIZE(fast);
+    if (itemsize != 1 && itemsize != 2 && itemsize != 4 && itemsize != 8) {
+        PyErr_Format(PyExc_ValueError, "parts must hold 1, 2, 4 or 8 planes, not %d", itemsize);
+        goto done;
+    }
+    if (out.len % itemsize != 0) {
+        PyErr_Format(PyExc_ValueError, "out holds %zd bytes, not whole elements of %d", out.len,
+                     itemsize);
+        goto done;
+    }
+    m = out.len / itemsize;
+    for (; got < itemsize; got++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(fast, got), &parts[got],
+                               PyBUF_C_CONTIGUOUS) < 0)
+            goto done;
+        if (parts[got].len != m) {
+            PyErr_Format(PyExc_ValueError, "plane %d holds %zd bytes, not %zd", got,
+                         parts[got].len, m);
+            got++;
+            goto done;
+        }
+    }
+    if ((base_obj == Py_None) != (new_obj == Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "base and new go together");
+        goto done;
+    }
+    if (base_obj != Py_None) {
+        if (PyObject_GetBuffer(base_obj, &base, PyBUF_C_CONTIGUOUS) < 0)
+            goto done;
+        if (PyObject_GetBuffer(new_obj, &new_, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+            goto done;
+        if (check_room(&base, "base", itemsize, m) < 0 || check_room(&new_, "new", itemsize, m) < 0)
+            goto done;
+    }
+    {
+        const uint8_t *P[8];
+        for (int j = 0; j < itemsize; j++)
+            P[j] = parts[j].buf;
+        changed = run_unshuffle(itemsize, P, m, out.buf, base.buf, new_.buf);
+    }
+    result = PyLong_FromSsize_t(changed);
+done:
+    for (int j = 0; j < got; j++)
+        PyBuffer_Release(&parts[j]);
+    Py_XDECREF(fast);
     PyBuffer_Release(&out);
     if (base.obj != NULL)
         PyBuffer_Release(&base);
@@ -216,6 +296,8 @@ done:
 static PyMethodDef methods[] = {
     {"unshuffle", dense_unshuffle, METH_VARARGS,
      "unshuffle(planes, itemsize, n, start, stop, out[, base, new]) -> elements not 0"},
+    {"unshuffle_parts", dense_unshuffle_parts, METH_VARARGS,
+     "unshuffle_parts(parts, out[, base, new]) -> elements not 0 (plane j's bytes: parts[j])"},
     {"xor_into", dense_xor_into, METH_VARARGS,
      "xor_into(planes, itemsize, n, start, stop, target) -> elements not 0"},
     {NULL, NULL, 0, NULL},

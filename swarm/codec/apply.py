@@ -55,6 +55,7 @@ from swarm.codec.digest import state_digest, tensor_digest
 from swarm.codec.dtypes import bits_view, dtype_of
 from swarm.codec.format import (
     DIGEST_BYTES,
+    MAX_PREFIX_BYTES,
     BodyReader,
     Op,
     PatchHeader,
@@ -65,6 +66,7 @@ from swarm.codec.format import (
     record_span,
     split_record,
 )
+from swarm.codec.planes import Pieces, Planes, read_planes
 from swarm.errors import PatchApplyError, PatchFormatError
 
 
@@ -140,9 +142,14 @@ class PatchApplier:
             raise
         return self.header  # type: ignore[return-value]
 
-    def feed_record(self, index: int, data: bytes | memoryview) -> None:
+    def feed_record(self, index: int,
+                    data: bytes | memoryview | list[memoryview] | tuple[memoryview, ...]) -> None:
         """Out of order (after ``feed_header``): record ``index``, whole, its length
-        prefix included. Each record once; ``finish`` checks that all came."""
+        prefix included. Each record once; ``finish`` checks that all came.
+
+        ``data`` may be a list of the buffers the record lies in, in order (views of
+        the chunks that hold it): a DENSE or FULL record's planes are then read where
+        they lie (``swarm.codec.planes``), any other record is joined first."""
         if self._failed:
             raise PatchApplyError("apply already failed; weights were restored")
         if self._by_index is None:
@@ -154,12 +161,12 @@ class PatchApplier:
             if index in self._by_index:
                 raise PatchApplyError(f"record {index} was fed twice")
             entry = entries[index]
-            view = memoryview(data).cast("B")
-            got = split_record(view, 0, entry)
-            if got is None or got[1] != len(view):
+            body = Pieces(data if isinstance(data, (list, tuple)) else [data])
+            got = record_span(body.head(MAX_PREFIX_BYTES), 0, entry)
+            if got is None or got[1] != len(body):
                 raise PatchFormatError(
-                    f"record {index} ({entry.name!r}): {len(view)} bytes are not one whole record")
-            self._by_index[index] = self._decode_record(entry, got[0], index)
+                    f"record {index} ({entry.name!r}): {len(body)} bytes are not one whole record")
+            self._by_index[index] = self._decode_record(entry, body.slice(*got), index)
         except BaseException:
             self.rollback()
             raise
@@ -374,9 +381,13 @@ class PatchApplier:
         else:
             self.staged.append(edit)
 
-    def _decode_record(self, entry: TableEntry, body: memoryview, index: int) -> _Edit:
+    def _decode_record(self, entry: TableEntry, body: memoryview | Pieces, index: int) -> _Edit:
         """Decode one record against the current weights, without changing them."""
         what = f"record {index} ({entry.name})"
+        if entry.op in (Op.DENSE, Op.FULL):
+            return self._decode_planes_record(entry, body, what)
+        if isinstance(body, Pieces):
+            body = body.join()
         r = BodyReader(body, what)
         if entry.op == Op.DELETE:
             r.done()
@@ -385,24 +396,37 @@ class PatchApplier:
             return _Edit(entry, what, b"", "delete", None)
         digest = bytes(r.take(DIGEST_BYTES))
         dt = entry.dtype
-        if entry.op == Op.FULL:
-            bits = records.decode_blob(r, entry.numel, dt)  # a new, writable array
-            new = torch.from_numpy(bits).view(dt.torch_dtype).reshape(entry.shape)
-            # the decoded tensor is the applier's own: its digest now is the committed one's
-            return _Edit(entry, what, digest, "put", new,
-                         ahead=tensor_digest(new) if self.ahead else None)
         t = self._base_tensor(entry, what)
-        if entry.op == Op.DENSE:
-            planes = records.decode_planes(r, entry.numel, dt)
-            if self.ahead and t.device.type == "cpu":
-                return _dense_ahead(entry, what, digest, t, planes)
-            # Kept as byte planes: un-shuffled block by block while XORed in (commit).
-            return _Edit(entry, what, digest, "xor", planes)
         reader = _block_reader(t) if entry.op == Op.SPARSE_CTX else None
         idx, head = records.decode_sparse_positions(r, entry.numel, dt, reader)
         old = _gather(t, idx)
         new = records.decode_sparse_values(head, old, dt, what)
         return _Edit(entry, what, digest, "sparse", (idx, old, new))
+
+    def _decode_planes_record(self, entry: TableEntry, body: memoryview | Pieces,
+                              what: str) -> _Edit:
+        """A DENSE or FULL record: its digest, then its byte planes, read where they lie."""
+        if not isinstance(body, Pieces):
+            body = Pieces([body])
+        digest = body.head(DIGEST_BYTES)
+        if len(digest) < DIGEST_BYTES:
+            raise PatchFormatError(f"{what}: record truncated")
+        dt = entry.dtype
+        rest = body.slice(DIGEST_BYTES, len(body))
+        if entry.op == Op.FULL:
+            planes = read_planes(rest, entry.numel, dt.itemsize, what)
+            bits = records.unshuffle_planes(planes).view(dt.np_view)  # new, writable
+            new = torch.from_numpy(bits).view(dt.torch_dtype).reshape(entry.shape)
+            # the decoded tensor is the applier's own: its digest now is the committed one's
+            return _Edit(entry, what, digest, "put", new,
+                         ahead=tensor_digest(new) if self.ahead else None)
+        t = self._base_tensor(entry, what)
+        planes = read_planes(rest, entry.numel, dt.itemsize, what)
+        if self.ahead and t.device.type == "cpu":
+            return _dense_ahead(entry, what, digest, t, planes)
+        # Kept as byte planes, in memory of their own: un-shuffled block by block while
+        # XORed in (commit).
+        return _Edit(entry, what, digest, "xor", planes.array())
 
     def _commit_edit(self, edit: _Edit) -> None:
         """Apply a decoded record in place, logging its undo, then check its digest
@@ -489,7 +513,7 @@ class _Edit:
 
 
 def _dense_ahead(entry: TableEntry, what: str, digest: bytes, t: torch.Tensor,
-                 planes: np.ndarray) -> _Edit:
+                 planes: Planes) -> _Edit:
     """A DENSE record on a CPU tensor, decoded ahead: the byte planes un-shuffled into
     the flat XOR (as large as the planes, which are then dropped), the count of
     elements it changes, and the XXH3 of ``base ^ xor``, the tensor's bytes after
@@ -502,10 +526,10 @@ def _dense_ahead(entry: TableEntry, what: str, digest: bytes, t: torch.Tensor,
     changed = 0
     scratch = np.empty(min(n, records.BLOCK), dtype=u.dtype)
     for s in range(0, n, records.BLOCK):
-        e = min(n, s + records.BLOCK)
-        new = scratch[:e - s]
-        changed += records.unshuffle_count(planes, s, e, xor[s:e], u[s:e], new)
-        hasher.update(new)
+        for a, b, parts in planes.parts(s, min(n, s + records.BLOCK)):
+            new = scratch[:b - a]
+            changed += records.unshuffle_parts(parts, xor[a:b], u[a:b], new)
+            hasher.update(new)
     xor.flags.writeable = False  # hashed through: nothing may change it before the commit
     return _Edit(entry, what, digest, "xorflat", xor, ahead=hasher.digest(), changed=changed,
                  base=(t, t._version, t.data_ptr()))

@@ -213,6 +213,9 @@ def record_extent(data: bytes | bytearray | memoryview, offset: int,
     return got
 
 
+MAX_PREFIX_BYTES = 10  # a record's length prefix: a varint that ``record_span`` ends by 9 bytes
+
+
 def record_span(data: bytes | bytearray | memoryview, offset: int,
                 entry: TableEntry) -> tuple[int, int] | None:
     """(body start, body end) of the record at ``offset`` once its length prefix is

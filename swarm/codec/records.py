@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,7 +28,7 @@ from swarm.codec import bitstream as bs
 from swarm.codec import context
 from swarm.codec.dtypes import DType, from_ordinal, to_ordinal
 from swarm.codec.format import BodyReader, put_varint
-from swarm.codec.zstd_bounded import decompress_bounded
+from swarm.codec.planes import MAX_BLOCK, ZSTD_MAGIC, Planes
 from swarm.errors import PatchFormatError
 
 try:  # the fused loops (swarm/codec/_dense.c), built by the install where a C compiler is
@@ -297,14 +297,43 @@ def shuffle_planes(bits: np.ndarray, itemsize: int, xor_with: np.ndarray | None 
 
 def _unshuffle_block(planes: np.ndarray, s: int, e: int, out: np.ndarray) -> np.ndarray:
     """Elements s..e from (itemsize, n) planes into the unsigned array ``out``."""
-    itemsize = planes.shape[0]
+    return _unshuffle_views([planes[j, s:e] for j in range(planes.shape[0])], out)
+
+
+def _unshuffle_views(parts: Sequence[np.ndarray], out: np.ndarray) -> np.ndarray:
+    """Elements from plane j's bytes ``parts[j]`` (two or more planes) into ``out``."""
+    itemsize = len(parts)
     # widen-and-shift, then OR in each lower plane: the ufuncs widen the uint8
     # operand themselves, so no plane is copied to a temporary first
-    np.left_shift(planes[itemsize - 1, s:e], 8, out=out, dtype=out.dtype)
-    np.bitwise_or(out, planes[itemsize - 2, s:e], out=out)
+    np.left_shift(parts[itemsize - 1], 8, out=out, dtype=out.dtype)
+    np.bitwise_or(out, parts[itemsize - 2], out=out)
     for j in range(itemsize - 3, -1, -1):
         np.left_shift(out, 8, out=out)
-        np.bitwise_or(out, planes[j, s:e], out=out)
+        np.bitwise_or(out, parts[j], out=out)
+    return out
+
+
+def unshuffle_parts(parts: Sequence[np.ndarray], out: np.ndarray,
+                    base: np.ndarray | None = None, new: np.ndarray | None = None) -> int:
+    """``unshuffle_count`` of elements whose plane j's bytes are ``parts[j]`` (planes
+    read where they lie: ``swarm.codec.planes``); returns how many are not 0."""
+    fn = getattr(fused, "unshuffle_parts", None)  # None too where an older build is loaded
+    if fn is not None and fusable(out, *parts) and (base is None or fusable(base, new)):
+        return fn(parts, out, base, new)
+    if len(parts) == 1:
+        out[:] = parts[0]
+    else:
+        _unshuffle_views(parts, out)
+    if base is not None:
+        np.bitwise_xor(base, out, out=new)
+    return int(np.count_nonzero(out))
+
+
+def unshuffle_planes(planes: Planes) -> np.ndarray:
+    """The elements of ``planes`` as a new, writable unsigned array."""
+    out = np.empty(planes.n, dtype=np.dtype(f"u{planes.itemsize}"))
+    for a, b, parts in planes.parts(0, planes.n):
+        unshuffle_parts(parts, out[a:b])
     return out
 
 
@@ -363,8 +392,7 @@ def xor_planes_into(flat: np.ndarray, planes: np.ndarray, hasher=None) -> int:
 # mantissa planes of a dense update or a redrawn tensor are like that.
 RAW_PLANE_BITS = 7.2
 PLANE_SAMPLE = 1 << 14  # plug-in entropy bias at 2^14 samples: ~0.01 bit/byte
-RAW_BLOCK = 128 * 1024  # zstd's Block_Maximum_Size
-_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+RAW_BLOCK = MAX_BLOCK  # zstd's Block_Maximum_Size
 
 
 _local = threading.local()
@@ -544,7 +572,7 @@ def compress_planes_parts(planes: np.ndarray, level: int = ZSTD_DENSE_LEVEL
         window = (wlog - 10) << 3
     total = flat.size
     fcs_flag, fcs = (2, struct.pack("<I", total)) if total < 1 << 32 else (3, struct.pack("<Q", total))
-    out: list[bytes | memoryview] = [_ZSTD_MAGIC + bytes([fcs_flag << 6, window]) + fcs]
+    out: list[bytes | memoryview] = [ZSTD_MAGIC + bytes([fcs_flag << 6, window]) + fcs]
     for off in range(0, raw.size, RAW_BLOCK):
         size = min(RAW_BLOCK, raw.size - off)
         last = int(off + size == raw.size and not rest.size)
@@ -564,18 +592,6 @@ def encode_xor_blob(old_bits: np.ndarray, new_bits: np.ndarray, dt: DType,
                     level: int = ZSTD_DENSE_LEVEL) -> bytes:
     """DENSE payload: zstd of the byte planes of ``old ^ new`` (XOR fused into the shuffle)."""
     return compress_planes(shuffle_planes(old_bits, dt.itemsize, xor_with=new_bits), level)
-
-
-def decode_planes(r: BodyReader, count: int, dt: DType) -> np.ndarray:
-    """A DENSE/FULL payload as its (itemsize, count) byte planes (read-only)."""
-    # The size comes from the tensor table; the frame's own header is not trusted.
-    raw = decompress_bounded(r.rest(), count * dt.itemsize, r.what, PatchFormatError)
-    return np.frombuffer(raw, dtype=np.uint8).reshape(dt.itemsize, count)
-
-
-def decode_blob(r: BodyReader, count: int, dt: DType) -> np.ndarray:
-    """A DENSE/FULL payload as a new, writable array of ``count`` bit patterns."""
-    return unshuffle_bytes(decode_planes(r, count, dt), count, dt)
 
 
 # ------------------------------------------------------------------ size estimates
