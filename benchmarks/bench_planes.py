@@ -99,7 +99,13 @@ def _in_place(entry, views, u) -> int:
     planes = read_planes(Pieces(views), entry.numel, entry.dtype.itemsize, "r")
     n = entry.numel
     xor, scratch, h, changed = np.empty(n, u.dtype), np.empty(records.BLOCK, u.dtype), xxhash.xxh3_64(), 0
+    whole = planes.single()  # as swarm.codec.apply._dense_ahead
     for s in range(0, n, records.BLOCK):
+        if whole is not None:
+            e = min(n, s + records.BLOCK)
+            changed += records.unshuffle_count(whole, s, e, xor[s:e], u[s:e], scratch[:e - s])
+            h.update(scratch[:e - s])
+            continue
         for a, b, parts in planes.parts(s, min(n, s + records.BLOCK)):
             changed += records.unshuffle_parts(parts, xor[a:b], u[a:b], scratch[:b - a])
             h.update(scratch[:b - a])

@@ -525,8 +525,15 @@ def _dense_ahead(entry: TableEntry, what: str, digest: bytes, t: torch.Tensor,
     hasher = xxhash.xxh3_64()
     changed = 0
     scratch = np.empty(min(n, records.BLOCK), dtype=u.dtype)
+    whole = planes.single()  # one array (zstd's output, or a record in one raw block)
     for s in range(0, n, records.BLOCK):
-        for a, b, parts in planes.parts(s, min(n, s + records.BLOCK)):
+        e = min(n, s + records.BLOCK)
+        if whole is not None:
+            new = scratch[:e - s]
+            changed += records.unshuffle_count(whole, s, e, xor[s:e], u[s:e], new)
+            hasher.update(new)
+            continue
+        for a, b, parts in planes.parts(s, e):  # each plane read where it lies
             new = scratch[:b - a]
             changed += records.unshuffle_parts(parts, xor[a:b], u[a:b], new)
             hasher.update(new)

@@ -117,6 +117,12 @@ class Planes:
             yield a, b, [segs[k][o:o + b - a] for k, o in where]
             a = b
 
+    def single(self) -> np.ndarray | None:
+        """The planes as one (itemsize, n) array where they lie in one segment, else None."""
+        if len(self.segments) == 1:
+            return self.segments[0].reshape(self.itemsize, self.n)
+        return None if self.n else np.empty((self.itemsize, 0), dtype=np.uint8)
+
     def array(self) -> np.ndarray:
         """The planes as one (itemsize, n) array of memory of its own (copied unless
         they are one segment of zstd's output)."""
