@@ -54,7 +54,7 @@ STAGES: tuple[tuple[str, str], ...] = (
     ("swarm.codec.apply", "PatchApplier.finish"),
     ("swarm.codec.apply", "_dense_ahead"),
     ("swarm.codec.apply", "_xor_flat"),
-    ("swarm.codec.planes", "read_planes"),
+    ("swarm.codec.apply", "read_planes"),
     ("swarm.codec.planes", "decompress_bounded"),
     ("swarm.codec.records", "unshuffle_parts"),
 )
