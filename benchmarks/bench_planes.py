@@ -118,7 +118,8 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=64, help="size of the BF16 view (MiB)")
     ap.add_argument("--chunk-kib", type=int, default=4096, help="chunk size (KiB), as published")
     ap.add_argument("--runs", type=int, default=5, help="interleaved runs of each way")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/planes.json"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/planes.json"),
+                    help="JSON of every run (default: benchmarks/results/planes.json)")
     args = ap.parse_args()
     result = {"bench": "planes", "mib": args.mib, "chunk_kib": args.chunk_kib,
               "fused": records.fused is not None, "patches": {}}

@@ -136,6 +136,33 @@ static int check_room(const Py_buffer *b, const char *what, int itemsize, Py_ssi
     return 0;
 }
 
+/* ``base`` and ``new`` (both, or both None) of ``count`` elements: 0, or -1 with an error
+ * set. Release them with ``release_base_new`` either way. */
+static int get_base_new(PyObject *base_obj, PyObject *new_obj, Py_buffer *base, Py_buffer *new_,
+                        int itemsize, Py_ssize_t count)
+{
+    if ((base_obj == Py_None) != (new_obj == Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "base and new go together");
+        return -1;
+    }
+    if (base_obj == Py_None)
+        return 0;
+    if (PyObject_GetBuffer(base_obj, base, PyBUF_C_CONTIGUOUS) < 0 ||
+        PyObject_GetBuffer(new_obj, new_, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+        return -1;
+    if (check_room(base, "base", itemsize, count) < 0 || check_room(new_, "new", itemsize, count) < 0)
+        return -1;
+    return 0;
+}
+
+static void release_base_new(Py_buffer *base, Py_buffer *new_)
+{
+    if (base->obj != NULL)
+        PyBuffer_Release(base);
+    if (new_->obj != NULL)
+        PyBuffer_Release(new_);
+}
+
 /* The loop of the width, over m elements whose plane j starts at P[j], GIL released. */
 static Py_ssize_t run_unshuffle(int itemsize, const uint8_t *const *P, Py_ssize_t m,
                                 void *out, const void *base, void *new_)
@@ -161,21 +188,9 @@ static PyObject *dense_unshuffle(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "y*innnw*|OO:unshuffle", &planes, &itemsize, &n, &start, &stop,
                           &out, &base_obj, &new_obj))
         return NULL;
-    if ((base_obj == Py_None) != (new_obj == Py_None)) {
-        PyErr_SetString(PyExc_ValueError, "base and new go together");
-        goto done;
-    }
-    if (base_obj != Py_None) {
-        if (PyObject_GetBuffer(base_obj, &base, PyBUF_C_CONTIGUOUS) < 0)
-            goto done;
-        if (PyObject_GetBuffer(new_obj, &new_, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
-            goto done;
-    }
     if (check_geometry(&planes, itemsize, n, start, stop) < 0 ||
-        check_room(&out, "out", itemsize, stop - start) < 0)
-        goto done;
-    if (base.obj != NULL && (check_room(&base, "base", itemsize, stop - start) < 0 ||
-                             check_room(&new_, "new", itemsize, stop - start) < 0))
+        check_room(&out, "out", itemsize, stop - start) < 0 ||
+        get_base_new(base_obj, new_obj, &base, &new_, itemsize, stop - start) < 0)
         goto done;
     {
         const uint8_t *P[8];
@@ -187,10 +202,7 @@ static PyObject *dense_unshuffle(PyObject *self, PyObject *args)
 done:
     PyBuffer_Release(&planes);
     PyBuffer_Release(&out);
-    if (base.obj != NULL)
-        PyBuffer_Release(&base);
-    if (new_.obj != NULL)
-        PyBuffer_Release(&new_);
+    release_base_new(&base, &new_);
     return result;
 }
 
@@ -231,18 +243,8 @@ static PyObject *dense_unshuffle_parts(PyObject *self, PyObject *args)
             goto done;
         }
     }
-    if ((base_obj == Py_None) != (new_obj == Py_None)) {
-        PyErr_SetString(PyExc_ValueError, "base and new go together");
+    if (get_base_new(base_obj, new_obj, &base, &new_, itemsize, m) < 0)
         goto done;
-    }
-    if (base_obj != Py_None) {
-        if (PyObject_GetBuffer(base_obj, &base, PyBUF_C_CONTIGUOUS) < 0)
-            goto done;
-        if (PyObject_GetBuffer(new_obj, &new_, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
-            goto done;
-        if (check_room(&base, "base", itemsize, m) < 0 || check_room(&new_, "new", itemsize, m) < 0)
-            goto done;
-    }
     {
         const uint8_t *P[8];
         for (int j = 0; j < itemsize; j++)
@@ -255,10 +257,7 @@ done:
         PyBuffer_Release(&parts[j]);
     Py_XDECREF(fast);
     PyBuffer_Release(&out);
-    if (base.obj != NULL)
-        PyBuffer_Release(&base);
-    if (new_.obj != NULL)
-        PyBuffer_Release(&new_);
+    release_base_new(&base, &new_);
     return result;
 }
 
