@@ -405,3 +405,34 @@ def test_a_header_that_lies_falls_back_to_decoding_in_order(tmp_path, caplog, ho
     assert digest == RESULT.target_digest
     assert ahead == 0
     assert "header differs" in caplog.text
+
+
+def test_a_record_spanning_chunks_is_handed_over_as_its_pieces(monkeypatch) -> None:
+    """The prestage does not join a record that spans chunks: the applier gets the views
+    of each chunk it lies in (``swarm.codec.planes`` reads them where they lie), a record
+    in one chunk a view of it; either way exactly the record's bytes."""
+    got: dict[int, object] = {}
+    real = PatchApplier.feed_record
+
+    def spy(self, index, data):
+        got[index] = data
+        return real(self, index, data)
+
+    monkeypatch.setattr(PatchApplier, "feed_record", spy)
+    size = 97
+    n = -(-len(PATCH) // size)
+    with tempfile.TemporaryDirectory() as tmp:
+        _fanout(Path(tmp), size, list(range(n)), tuple(SIZES), _part(-1))
+    spanning = [q for q in range(COUNT)
+                if STARTS[q + 1] // size != (STARTS[q + 2] - 1) // size]
+    # records that end in the last chunk are decoded by the apply, from a run of chunks
+    # read into one buffer (``_read_parts``): a view of it
+    ahead = [q for q in range(COUNT) if (STARTS[q + 2] - 1) // size < n - 1]
+    assert set(spanning) & set(ahead) and set(got) == set(range(COUNT))
+    for q, data in got.items():
+        pieces = data if isinstance(data, list) else [data]
+        assert isinstance(data, list) == (q in spanning and q in ahead)
+        if q not in ahead:
+            continue
+        assert len(pieces) == (STARTS[q + 2] - 1) // size - STARTS[q + 1] // size + 1
+        assert b"".join(bytes(p) for p in pieces) == _part(q)
