@@ -386,11 +386,32 @@ def _fleet(lab: Any, args: argparse.Namespace, workdir: Path) -> Any:
     return fleet
 
 
+def wait_linked(fleet: Any, pub: Any, timeout: float = 30.0) -> dict[str, Any]:
+    """Wait until the origin has a link to every node. A node that found the origin down
+    redials on its back-off (``redial_s``), so the last one may link ~10 s after the
+    origin came up, and the origin then warms its link (round 59: a border linked 0.6 s
+    before the first publish and 512 KiB of padding crossed its region's uplink during
+    the first version)."""
+    names = {n.name for n in fleet.nodes}
+    drv = pub.node.driver
+    t0 = time.monotonic()
+    while True:
+        ids = drv.call(lambda: {p["id"] for p in drv.core.peer_list()})
+        if names <= ids or time.monotonic() - t0 > timeout:
+            return {"wait_s": round(time.monotonic() - t0, 2), "nodes": len(names & ids)}
+        time.sleep(0.2)
+
+
 def wait_warm(fleet: Any, pub: Any, timeout: float = 15.0) -> dict[str, Any]:
     """Wait until no node and not the origin is warming a link (node.warm_up: padding that
     opens a long link's TCP window before its first chunk). A real fleet's first version
     comes after minutes of training, long after its links were up and warmed; here the
-    publish would otherwise land in the middle of the warm-ups (they end at its first chunk)."""
+    publish would otherwise land in the middle of the warm-ups (they end at its first chunk).
+
+    A warm-up has ended once its padding is handed to the kernel, which may still hold it
+    (up to the link's window and ``unsent_limit_kib``, and the tbf queue), so the wait goes
+    on until the peers have taken in every padding byte sent. Padding that still arrives
+    during a version is in its ``pad_received`` (it would count as copies into a region)."""
     t0 = time.monotonic()
     while True:
         sts = [((fleet.status(n) or {}).get("transport") or {}).get("warm_up") or {}
@@ -398,8 +419,11 @@ def wait_warm(fleet: Any, pub: Any, timeout: float = 15.0) -> dict[str, Any]:
         drv = pub.node.driver
         sts.append(drv.call(drv.warm_status))
         warming = sum(s.get("warming", 0) for s in sts)
-        if not warming or time.monotonic() - t0 > timeout:
+        in_flight = (sum(s.get("pad_sent", 0) for s in sts)
+                     - sum(s.get("pad_received", 0) for s in sts))
+        if (not warming and in_flight <= 0) or time.monotonic() - t0 > timeout:
             return {"wait_s": round(time.monotonic() - t0, 2), "still_warming": warming,
+                    "pad_in_flight": max(0, in_flight),
                     "links": sum(s.get("links", 0) for s in sts),
                     "pad_bytes": sum(s.get("pad_sent", 0) for s in sts),
                     "ended": {k: sum((s.get("ended") or {}).get(k, 0) for s in sts)
@@ -519,7 +543,9 @@ def run_patchswarm(lab: Any, args: argparse.Namespace, meter: Meter, oneshot: bo
                 while len(pub.regions()) < lab.regions and time.monotonic() < deadline:
                     time.sleep(0.2)
                 time.sleep(3.0)  # every node gets its region's peers from the tracker
+                linked = wait_linked(fleet, pub)
                 warm = wait_warm(fleet, pub)
+                warm["linked"] = linked
                 before = {n.name: fleet.status(n) for n in fleet.nodes}
                 cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
                 io0 = {k: proc_counts(p) for k, p in pids.items()}
@@ -612,6 +638,10 @@ def _print_accounts(acct: dict[str, Any]) -> None:
               f"{1e6 * cpu_s / max(1, calls):9.1f} us/call")
 
 
+def _pad_received(st: dict[str, Any]) -> int:
+    return int((((st.get("transport") or {}).get("warm_up")) or {}).get("pad_received", 0))
+
+
 def _figures(fleet: Any, meter: Meter, sts: dict[str, dict[str, Any]],
              before: dict[str, Any], cpu: tuple[dict, dict], io: tuple[dict, dict],
              m: tuple[dict, dict], polls: dict[int, int], t0: float, handoff: float,
@@ -665,6 +695,9 @@ def _figures(fleet: Any, meter: Meter, sts: dict[str, dict[str, Any]],
                             **{k: (st.get("transport") or {}).get(k, 0) - (
                                 before[n.name].get("transport") or {}).get(k, 0)
                                for k in ("read_marks", "read_marks_expired")},
+                            # warm-up padding this node took in during the version (counted
+                            # in the uplinks' bytes; the bench waits for it to land before)
+                            "pad_received": _pad_received(st) - _pad_received(before[n.name]),
                             "proc": {k: io1[n.name].get(k, 0) - io0[n.name].get(k, 0)
                                      for k in io1[n.name]}}
         regions[r] = max(regions.get(r, 0.0), t_act - t0)
@@ -689,6 +722,7 @@ def _figures(fleet: Any, meter: Meter, sts: dict[str, dict[str, Any]],
     out["received_copies"] = round(recv_total / (patch_bytes * len(per_node)), 4)
     out["cpu_s_per_patch_gb"] = round(sum(cpus) / (patch_bytes * len(per_node) / 1e9), 2)
     out["dup_chunks"] = sum(v["dup_chunks"] for v in per_node.values())
+    out["pad_received"] = sum(v["pad_received"] for v in per_node.values())
     # the nodes' user time alone per GB received (their system time includes softirq
     # ticks of the emulated network's packet processing: ``box_cpu``)
     user = sum(v["proc"].get("user_ms", 0) for v in per_node.values()) / 1000
