@@ -13,6 +13,7 @@ from typing import Any
 from node.buffers import aligned_buffer
 from node.link import Link
 from node.tcp import CongestionRestart, RandomLoss
+from swarm.protocol import events as ev
 from swarm.protocol import stripes, wire
 from swarm.trust.chunks import chunk_hasher
 
@@ -40,10 +41,26 @@ class Arrival:
     # withdrawn while another copy of the chunk, whole, was being verified: its relays
     # wait for that verdict (``Driver._copy_withdrawn``)
     withdrawn: bool = False
+    got0: int = -1  # bytes in with its first block (its pace counts the bytes after)
+    paced: bool = False  # its ``ChunkPace`` went to the core
 
     def changed(self) -> None:
         for w in self.watchers:
             w.wake.set()
+
+    def pace_due(self, now: float) -> tuple[int, int] | None:
+        """``(bytes since the first block, bytes left)`` for the core's ``ChunkPace``, at
+        the first block ``PACE_LOOK_S`` or more after the first one; at most once, and
+        only while the chunk is still coming."""
+        if self.paced:
+            return None
+        if self.got0 < 0:
+            self.got0 = self.got
+            return None
+        if now - self.t0 < ev.PACE_LOOK_S or not self.got0 < self.got < self.length:
+            return None
+        self.paced = True
+        return self.got - self.got0, self.length - self.got
 
 
 @dataclass

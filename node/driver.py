@@ -926,11 +926,14 @@ class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
                 a = self.arrivals[key] = Arrival(c.id, buf, length,  # type: ignore[index,arg-type]
                                                  t0=self.now())
                 self.feed(ev.ChunkArriving(self.now(), c.id, *key))  # type: ignore[misc]
+            now = self.now()
             if a.conn == c.id and a.buf is buf:  # not its striped copy
                 a.got = got
                 if a.watchers:
                     a.changed()
-            now = self.now()
+                pace = a.pace_due(now)
+                if pace is not None:
+                    self.feed(ev.ChunkPace(now, c.id, *key, *pace))  # type: ignore[misc]
             if now - c.heard_at >= 0.25:  # the core needs to know the link is alive, not every block
                 c.heard_at = now
                 self.feed(ev.Progress(now, c.id))

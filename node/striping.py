@@ -501,6 +501,9 @@ class StripedLinks:
                 a.got = asm.prefix(seq)
                 if a.watchers:
                     a.changed()
+                pace = a.pace_due(self.now())
+                if pace is not None:
+                    self.feed(ev.ChunkPace(self.now(), c.id, *key, *pace))
         now = self.now()
         if now - c.heard_at >= 0.25:
             c.heard_at = now

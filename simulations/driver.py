@@ -989,6 +989,24 @@ class Simulation:
         if half.open and half.node.inc == half.inc:
             self._deliver(half.node, half.inc,
                           ev.ChunkArriving(self.engine.now, half.cid, version, index))
+            cur = half.peer.cur
+            if cur is not None and cur[1] == version and cur[2] == index and cur[4].alive:
+                self.engine.schedule(self.engine.now + ev.PACE_LOOK_S, self._pace,
+                                     (half, cur, self.net.progress(cur[4]) / self.wire))
+
+    def _pace(self, item: tuple[Half, list[Any], float]) -> None:
+        """``ChunkPace``, as the node driver sends it ``PACE_LOOK_S`` after a chunk's first
+        block: the bytes of the sender's flow since then, and those left."""
+        half, cur, p0 = item
+        if not half.open or half.node.inc != half.inc or half.peer.cur is not cur:
+            return
+        if not cur[4].alive:
+            return
+        p = self.net.progress(cur[4]) / self.wire
+        got, left = int(p - p0), int(cur[3] - p)
+        if got > 0 and left > 0:
+            self._deliver(half.node, half.inc,
+                          ev.ChunkPace(self.engine.now, half.cid, cur[1], cur[2], got, left))
 
     def _ramp(self, item: list[Any]) -> None:
         half = item[0]

@@ -290,6 +290,64 @@ def test_over_a_link_whose_last_chunk_came_fast_a_relay_still_waits() -> None:
         assert n.counters.relays["cut_through"] == 0
 
 
+def test_a_chunk_whose_own_pace_is_slow_is_relayed_before_the_wait_ends() -> None:
+    """A link's first chunk has no history: ``ChunkPace`` projects it. 1000 bytes, 100
+    of them in the 0.05 s after the first block and 800 left: ~0.45 s first block to
+    whole, past ``2 x cut_through_after_s`` (0.2 s), so the waiting relay goes at once."""
+    n, o, _b = _border_holding((0, 1), cut_through=True, cut_through_after_s=0.1)
+    o.send(wire.Relay(2, 3, "b"))
+    t0 = n.now
+    assert not _sent_chunks(n.handle(ev.ChunkArriving(t0, 1, 2, 3)))
+    got = n.handle(ev.ChunkPace(t0 + ev.PACE_LOOK_S, 1, 2, 3, 100, 800))
+    assert _sent_chunks(got) == [ev.SendChunk(2, 2, 3, 1000, arriving=True)]
+    assert n.arrival_eta(2, 3) == pytest.approx(0.05 + 800 * 0.05 / 100)
+    assert n.counters.relays["cut_through"] == 1
+    assert not _sent_chunks(n.handle(ev.Tick(t0 + 0.1)))  # the wait's end: nothing twice
+    assert not _sent_chunks(n.handle(ev.ChunkReceived(t0 + 0.45, 1, 2, 3, True)))
+    assert n.arrival_eta(2, 3) is None  # whole: nothing is projected any more
+
+
+def test_a_relay_ordered_after_a_slow_pace_goes_at_once() -> None:
+    n, o, _b = _border_holding((0, 1), cut_through=True, cut_through_after_s=0.1)
+    t0 = n.now
+    n.handle(ev.ChunkArriving(t0, 1, 2, 3))
+    n.handle(ev.ChunkPace(t0 + 0.06, 1, 2, 3, 100, 800))
+    assert o.send(wire.Relay(2, 3, "b")) == []
+    assert _sent_chunks(o.actions) == [ev.SendChunk(2, 2, 3, 1000, arriving=True)]
+
+
+@pytest.mark.parametrize("pace", [
+    (1, 2, 3, 600, 300),  # fast: ~0.08 s first block to whole, under 0.2 s: the wait stands
+    ("q", 2, 3, 100, 800),  # slow, but another link's copy (not the one relayed on)
+    (1, 2, 2, 100, 800),  # another chunk
+    (1, 2, 3, 0, 800),  # nothing after the first block: nothing to project from
+])
+def test_a_pace_that_is_fast_or_not_the_relayed_copys_keeps_the_wait(pace: tuple) -> None:
+    n, o, _b = _border_holding((0, 1), cut_through=True, cut_through_after_s=0.1)
+    q = Script(n, 3, node_id="q", region="r")
+    q.handshake()
+    o.send(wire.Relay(2, 3, "b"))
+    t0 = n.now
+    n.handle(ev.ChunkArriving(t0, 1, 2, 3))
+    conn, v, i, got, left = pace
+    conn = q.conn if conn == "q" else conn
+    assert not _sent_chunks(n.handle(ev.ChunkPace(t0 + 0.05, conn, v, i, got, left)))
+    assert n.counters.relays["cut_through"] == 0
+    assert _sent_chunks(n.handle(ev.ChunkReceived(t0 + 0.08, 1, 2, 3, True))) == [
+        ev.SendChunk(2, 2, 3, 1000)]
+
+
+def test_a_pace_for_a_chunk_not_arriving_changes_nothing() -> None:
+    n, o, _b = _border_holding((0, 1), cut_through=True, cut_through_after_s=0.1)
+    o.send(wire.Relay(2, 3, "b"))
+    for e in (ev.ChunkPace(n.now, 1, 2, 3, 100, 800),  # before its first block
+              ev.ChunkPace(n.now, 99, 2, 3, 100, 800),  # no such link
+              ev.ChunkPace(n.now, 1, 9, 0, 100, 800)):  # no such version
+        assert not _sent_chunks(n.handle(e))
+    assert n.arrival_eta(2, 3) is None
+    assert n.counters.relays["cut_through"] == 0
+
+
 @pytest.mark.parametrize("last", [1000, 100])
 def test_a_short_last_chunk_does_not_count_as_the_links_pace(last: int) -> None:
     """A version's short last chunk comes in a few milliseconds over any path: the link's

@@ -81,6 +81,8 @@ class NodeCore(ReadModel):
         # chunks whose first block came and that are not stored yet: (v, i) -> conn (cut-through)
         self.arriving: dict[tuple[int, int], int] = {}
         self.arriving_at: dict[tuple[int, int], float] = {}  # ... and when its first block came
+        # ... and how long it will take, first block to whole, from its own pace (ChunkPace)
+        self.arriving_eta: dict[tuple[int, int], float] = {}
         self.told_coming: set[tuple[int, int]] = set()  # ... offered to the region (COMING)
         self.apply = ApplyState()
         self.haves = HaveBatch(config.have_batch_s)
@@ -220,6 +222,11 @@ class NodeCore(ReadModel):
         p = self.peers.get(conn) if conn is not None else None
         return p.arrival_s if p is not None else None
 
+    def arrival_eta(self, v: int, i: int) -> float | None:
+        """While chunk ``i`` of ``v`` arrives: how long it will take, first block to
+        whole, projected from its own pace (``ChunkPace``); None before that is known."""
+        return self.arriving_eta.get((v, i)) if (v, i) in self.arriving else None
+
     def close(self, p: Peer, reason: str, level: str = "info") -> None:
         self.log(level, "peer_closed", peer=p.node_id or p.addr, conn=p.conn, reason=reason)
         self._out.append(ev.Close(p.conn, reason))
@@ -302,6 +309,7 @@ class NodeCore(ReadModel):
             for key in [k for k, c in self.arriving.items() if c == p.conn]:
                 del self.arriving[key]
                 self.arriving_at.pop(key, None)
+                self.arriving_eta.pop(key, None)
                 self.told_coming.discard(key)
         if p.node_id and self.by_id.get(p.node_id) == p.conn:
             del self.by_id[p.node_id]
@@ -339,6 +347,17 @@ class NodeCore(ReadModel):
                 self.told_coming.add((v, i))
             else:
                 self._endgame_coming(v)
+
+    def _on_pace(self, e: ev.ChunkPace) -> None:
+        key = (e.version, e.index)
+        since = self.arriving_at.get(key)
+        if self.arriving.get(key) != e.conn or since is None or e.got <= 0 or e.left < 0:
+            return  # not the copy whose blocks are relayed on, or nothing to project from
+        took = self.now - since
+        if took <= 0.0:
+            return
+        self.arriving_eta[key] = took + e.left * took / e.got
+        self.role.on_pace(*key)
 
     def _endgame_coming(self, v: int) -> None:
         """``serve_arriving_endgame``: at the end of ``v``, offer (COMING) the chunks
@@ -399,6 +418,7 @@ class NodeCore(ReadModel):
         if self.arriving.get((v, i)) == conn:
             del self.arriving[(v, i)]
             self.arriving_at.pop((v, i), None)
+            self.arriving_eta.pop((v, i), None)
             self.told_coming.discard((v, i))
 
     def _on_not_stored(self, e: ev.ChunkNotStored) -> None:
@@ -792,6 +812,7 @@ _HANDLERS: dict[type, Callable[[NodeCore, Any], None]] = {
     ev.ChunkReceived: NodeCore._on_chunk,
     ev.ChunkNotStored: NodeCore._on_not_stored,
     ev.ChunkArriving: NodeCore._on_arriving,
+    ev.ChunkPace: NodeCore._on_pace,
     ev.ChunkWithdrawn: NodeCore._on_withdrawn,
     ev.ChunkWhole: NodeCore._on_whole,
     ev.ChunkSent: lambda core, e: core.exchange.on_sent(e),

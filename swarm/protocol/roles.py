@@ -45,6 +45,7 @@ class Host(Protocol):
     def is_arriving(self, v: int, i: int) -> bool: ...
     def arriving_since(self, v: int, i: int) -> float | None: ...
     def arrival_pace(self, v: int, i: int) -> float | None: ...
+    def arrival_eta(self, v: int, i: int) -> float | None: ...
     def full_size(self, v: int, i: int) -> bool: ...
     def dial(self, addr: str) -> None: ...
     def close(self, p: Peer, reason: str, level: str = "info") -> None: ...
@@ -130,6 +131,9 @@ class Role:
 
     def on_arriving(self, v: int, i: int) -> None:
         """The first block of chunk ``i`` of ``v`` arrived; the rest is on its way."""
+
+    def on_pace(self, v: int, i: int) -> None:
+        """Chunk ``i`` of ``v``, still arriving, has a projected arrival (``arrival_eta``)."""
 
     def on_withdrawn(self, conn: int, v: int, i: int) -> None:
         """A relay we started while its chunk was arriving failed (``ChunkSent.withdrawn``)."""
@@ -232,6 +236,16 @@ class NodeRole(Role):
         target = self.pending.take(v, i)
         if target is not None:
             self._cut_through(v, i, target)
+
+    def on_pace(self, v: int, i: int) -> None:
+        """The chunk's own pace says it will be arriving past the wait: its relay, waiting
+        ``cut_through_after_s``, goes now (``_slow_link``)."""
+        key = (v, i)
+        if key in self._cut_due and self._slow_link(v, i):
+            del self._cut_due[key]
+            target = self.pending.take(v, i)
+            if target is not None:
+                self._cut_through(v, i, target)
 
     def _cut_through_due(self) -> None:
         """Orders whose chunk is still arriving ``cut_through_after_s`` after its first
@@ -469,14 +483,21 @@ class NodeRole(Role):
 
     def _slow_link(self, v: int, i: int) -> bool:
         """The last chunk that came whole over the link chunk ``i`` of ``v`` arrives on
-        took ``2 x cut_through_after_s`` or longer, first block to stored: this one will
-        be arriving past ``cut_through_after_s`` too, so its relay goes from its first
-        block instead of waiting to find that out. On a thin or shared path (the emulated
-        WAN: 4 MiB in 0.5-0.9 s at half a 100 Mbit/s uplink) the wait left the target's
-        inlet half used at every version's start, and the last chunk's relay ended that
-        much after its push; a link that brought its last chunk fast keeps the wait."""
+        took ``2 x cut_through_after_s`` or longer, first block to stored, or this chunk's
+        own pace says it will (``arrival_eta``, ``ChunkPace``): it will be arriving past
+        ``cut_through_after_s``, so its relay goes now instead of waiting to find that
+        out. On a thin or shared path (the emulated WAN: 4 MiB in 0.5-0.9 s at half a
+        100 Mbit/s uplink) the wait left the target's inlet half used at every version's
+        start, and the last chunk's relay ended that much after its push. A link's first
+        chunks have no history: its pace is known ``PACE_LOOK_S`` after the first block
+        (round 59). A link that brought its last chunk fast, with a chunk that comes fast
+        now, keeps the wait."""
+        slow = 2 * self.cfg.cut_through_after_s
         pace = self.host.arrival_pace(v, i)
-        return pace is not None and pace >= 2 * self.cfg.cut_through_after_s
+        if pace is not None and pace >= slow:
+            return True
+        eta = self.host.arrival_eta(v, i)
+        return eta is not None and eta >= slow
 
     # ---- timers
     def after_heartbeat(self) -> None:
