@@ -298,7 +298,7 @@ def test_a_chunk_whose_own_pace_is_slow_is_relayed_before_the_wait_ends() -> Non
     o.send(wire.Relay(2, 3, "b"))
     t0 = n.now
     assert not _sent_chunks(n.handle(ev.ChunkArriving(t0, 1, 2, 3)))
-    got = n.handle(ev.ChunkPace(t0 + ev.PACE_LOOK_S, 1, 2, 3, 100, 800))
+    got = n.handle(ev.ChunkPace(t0 + 0.05, 1, 2, 3, 100, 800))
     assert _sent_chunks(got) == [ev.SendChunk(2, 2, 3, 1000, arriving=True)]
     assert n.arrival_eta(2, 3) == pytest.approx(0.05 + 800 * 0.05 / 100)
     assert n.counters.relays["cut_through"] == 1
