@@ -110,7 +110,8 @@ class CoreConfig:
     # simulator's fat-trainer scenarios 5-13 %; after 0.2 s none moves, and the emulated long
     # lossy WAN is 21 % faster on a first version, 10 % on later ones (docs/simulation.md
     # round 23). Over a link whose last chunk took 2 x cut_through_after_s or longer, from
-    # the first block at once (round 32)
+    # the first block at once (round 32); once the chunk's own pace (ChunkPace, 30 ms after
+    # its first block) projects that long, at once (round 59: a link's first chunks)
     cut_through: bool = True
     cut_through_after_s: float = 0.2
     # origin: after the uplink window's start-up, a push goes to another border it has

@@ -140,6 +140,28 @@ class ChunkArriving(Event):
     index: int
 
 
+# a driver's ChunkPace comes at the first block this long after the chunk's first: on a
+# 100 Mbit/s uplink shared by two pushes, its second 256 KiB block (~45 ms)
+PACE_LOOK_S = 0.03
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkPace(Event):
+    """The chunk arriving on ``conn`` has been coming for ``PACE_LOOK_S`` or a little
+    more: ``got`` bytes of it came after its first block and ``left`` are still to come.
+    Sent at most once per arriving chunk, and only while it still arrives (a chunk that
+    comes whole within ``PACE_LOOK_S`` has none). The core projects from it when the
+    chunk will be whole: a RELAY order waiting ``cut_through_after_s`` for a chunk that
+    will take ``2 x`` that or longer goes on at once, with no history of the link needed
+    (a version's first chunks over a link; docs/benchmarks.md round 59)."""
+
+    conn: int
+    version: int
+    index: int
+    got: int
+    left: int
+
+
 @dataclass(frozen=True, slots=True)
 class ChunkWhole(Event):
     """Every byte of chunk ``index`` of ``version`` arrived on ``conn`` (an authenticated
@@ -193,28 +215,6 @@ class Applied(Event):
 
 
 # ----------------------------------------------------------------- actions (core -> driver)
-
-
-# a driver's ChunkPace comes at the first block this long after the chunk's first: on a
-# 100 Mbit/s uplink shared by two pushes, its second 256 KiB block (~45 ms)
-PACE_LOOK_S = 0.03
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkPace(Event):
-    """The chunk arriving on ``conn`` has been coming for ``PACE_LOOK_S`` or a little
-    more: ``got`` bytes of it came after its first block and ``left`` are still to come.
-    Sent at most once per arriving chunk, and only while it still arrives (a chunk that
-    comes whole within ``PACE_LOOK_S`` has none). The core projects from it when the
-    chunk will be whole: a RELAY order waiting ``cut_through_after_s`` for a chunk that
-    will take ``2 x`` that or longer goes on at once, with no history of the link needed
-    (a version's first chunks over a link; docs/benchmarks.md round 59)."""
-
-    conn: int
-    version: int
-    index: int
-    got: int
-    left: int
 
 
 @dataclass(frozen=True, slots=True)
