@@ -388,10 +388,10 @@ def _fleet(lab: Any, args: argparse.Namespace, workdir: Path) -> Any:
 
 def wait_linked(fleet: Any, pub: Any, timeout: float = 30.0) -> dict[str, Any]:
     """Wait until the origin has a link to every node. A node that found the origin down
-    redials on its back-off (``redial_s``), so the last one may link ~10 s after the
-    origin came up, and the origin then warms its link (round 59: a border linked 0.6 s
-    before the first publish and 512 KiB of padding crossed its region's uplink during
-    the first version)."""
+    redials on its back-off (``redial_s``), so the last one may link seconds after the
+    others, and the origin then warms its link (round 59: a border linked ~7 s after the
+    origin came up, 1.2 s before the first publish, and 512 KiB of padding crossed its
+    region's uplink during the first version)."""
     names = {n.name for n in fleet.nodes}
     drv = pub.node.driver
     t0 = time.monotonic()
