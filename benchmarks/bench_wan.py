@@ -638,6 +638,15 @@ def _print_accounts(acct: dict[str, Any]) -> None:
               f"{1e6 * cpu_s / max(1, calls):9.1f} us/call")
 
 
+def _per_gb_moved(cpu: float, recv: int, sent: int) -> dict[str, float | None]:
+    """CPU per GB a node moved, received and sent (payload bytes), beside the issue's
+    figure per GB received. A border relays two to three times what it takes in, and
+    the figure per GB received charges those uploads to its downloads: a node that
+    only received would show the cost per byte moved."""
+    moved = recv + sent
+    return {"cpu_s_per_gb_moved": round(cpu / (moved / 1e9), 2) if moved else None}
+
+
 def _pad_received(st: dict[str, Any]) -> int:
     return int((((st.get("transport") or {}).get("warm_up")) or {}).get("pad_received", 0))
 
@@ -652,16 +661,18 @@ def _figures(fleet: Any, meter: Meter, sts: dict[str, dict[str, Any]],
     m0, m1 = m
     per_node = {}
     regions: dict[str, float] = {}
-    recv_total, cross_app = 0, {}
+    recv_total, sent_total, cross_app = 0, 0, {}
     for n in fleet.nodes:
         st = sts[n.name]
         t_act = st["activated_at"][str(version)]
         got = st["bytes"]["received"]
         got0 = before[n.name]["bytes"]["received"]
         recv = sum(got.values()) - sum(got0.values())
+        sent = sum(st["bytes"]["sent"].values()) - sum(before[n.name]["bytes"]["sent"].values())
         cross = (got["cross_region"] + got["from_trainer"]) - (got0["cross_region"]
                                                                 + got0["from_trainer"])
         recv_total += recv
+        sent_total += sent
         r = n.region.rsplit("-", 1)[1]
         cross_app[r] = cross_app.get(r, 0) + cross
         cpu = cpu1[n.name] - cpu0[n.name]
@@ -669,6 +680,8 @@ def _figures(fleet: Any, meter: Meter, sts: dict[str, dict[str, Any]],
                             "received_by_kind": {k: got[k] - got0.get(k, 0) for k in got},
                             "cpu_s": round(cpu, 2),
                             "cpu_s_per_gb": round(cpu / (recv / 1e9), 2) if recv else None,
+                            "sent": sent,
+                            **_per_gb_moved(cpu, recv, sent),
                             "apply": (st.get("apply_split") or {}).get(str(version)),
                             # BBR restarts on its links since the node started (cumulative)
                             "congestion_restarts": (st.get("transport") or {}).get(
@@ -717,6 +730,7 @@ def _figures(fleet: Any, meter: Meter, sts: dict[str, dict[str, Any]],
                          for k in ("read_marks", "read_marks_expired")}
     out["cpu_s_per_gb"] = round(sum(cpus) / (recv_total / 1e9), 2) if recv_total else None
     out["cpu_s_per_gb_max_node"] = max(v["cpu_s_per_gb"] or 0 for v in per_node.values())
+    out.update(_per_gb_moved(sum(cpus), recv_total, sent_total))
     # chunk bytes the nodes took in per byte of patch each needed (1.0: no duplicates;
     # more: endgame twins that arrived whole), and node CPU per GB of patch delivered
     out["received_copies"] = round(recv_total / (patch_bytes * len(per_node)), 4)
@@ -866,8 +880,10 @@ def run_libtorrent(lab: Any, args: argparse.Namespace, meter: Meter, seed: int
         cross = sum(b for ip, b in got.items() if region_of_ip(ip) != r)
         cross_app[str(r)] = cross_app.get(str(r), 0) + cross
         cpu = cpu1[name] - cpu0[name]
+        sent = int(stats.get(name, {}).get("uploaded", 0))
         per_node[name] = {"s": round(t, 3), "received": recv, "cpu_s": round(cpu, 2),
-                          "cpu_s_per_gb": round(cpu / (size / 1e9), 2)}
+                          "cpu_s_per_gb": round(cpu / (size / 1e9), 2), "sent": sent,
+                          **_per_gb_moved(cpu, recv, sent)}
         regions[str(r)] = max(regions.get(str(r), 0.0), t)
     last = max(done.values())
     out = {"payload_bytes": size, "all_s": round(last, 3), "all_from_handoff_s": round(last, 3),
@@ -881,6 +897,8 @@ def run_libtorrent(lab: Any, args: argparse.Namespace, meter: Meter, seed: int
     out["node_cpu_s"] = round(sum(cpus), 2)
     out["cpu_s_per_gb"] = round(sum(cpus) / (len(cpus) * size / 1e9), 2)
     out["cpu_s_per_gb_max_node"] = max(v["cpu_s_per_gb"] for v in per_node.values())
+    out.update(_per_gb_moved(sum(cpus), sum(v["received"] for v in per_node.values()),
+                             sum(v["sent"] for v in per_node.values())))
     return out
 
 
@@ -1016,8 +1034,8 @@ def print_table(result: dict[str, Any]) -> None:
           f"{result['size_mib']} MiB, uplinks {result['uplink_mbit']} Mbit, "
           f"{result['delay_ms']} ms between regions")
     hdr = ("system", "run", "all s", "from hand-off s", "per region s", "copies into remote "
-           "(uplink)", "copies (app)", "tbf drops into remote", "CPU-s/GB", "holder CPU-s",
-           "held pkts", "load", "ok")
+           "(uplink)", "copies (app)", "tbf drops into remote", "CPU-s/GB", "CPU-s/GB moved",
+           "holder CPU-s", "held pkts", "load", "ok")
     print(" | ".join(hdr))
     for row in result["runs"]:
         if "error" in row:
@@ -1029,7 +1047,7 @@ def print_table(result: dict[str, Any]) -> None:
         print(" | ".join(str(x) for x in (
             row["system"], row["run"], row["all_s"], row["all_from_handoff_s"],
             ",".join(str(v) for v in row["regions_s"].values()), up, app, drops,
-            row["cpu_s_per_gb"],
+            row["cpu_s_per_gb"], row.get("cpu_s_per_gb_moved"),
             row["holders"]["cpu_s"], row["holders"]["packets"], row["load_avg_before"][0],
             row["converged"])))
     by: dict[str, list[float]] = {}

@@ -12,7 +12,8 @@ tracker, no DHT: the bench hands each host its region, the seed and a few
 hosts of other regions; peer exchange, on as in libtorrent's default swarm,
 finds the rest) and prints ``{"event": "done", "t": CLOCK_MONOTONIC}`` once
 it holds every piece. It keeps seeding until ``quit`` on stdin (or EOF), then
-prints ``{"event": "stats", "from_peers": {ip: payload bytes}, "cpu_s": ...}``.
+prints ``{"event": "stats", "from_peers": {ip: payload bytes}, "cpu_s": ..., "uploaded":
+payload bytes sent}``.
 
 The tuned settings (``TUNED``) are documented in docs/benchmarks.md.
 """
@@ -135,7 +136,8 @@ def peer(args: argparse.Namespace, seeding: bool) -> int:
     for (ip, _), n in seen.items():
         got[ip] = got.get(ip, 0) + n
     ru = resource.getrusage(resource.RUSAGE_SELF)
-    _emit({"event": "stats", "from_peers": got, "cpu_s": round(ru.ru_utime + ru.ru_stime, 3)})
+    _emit({"event": "stats", "from_peers": got, "cpu_s": round(ru.ru_utime + ru.ru_stime, 3),
+           "uploaded": int(h.status().total_payload_upload)})
     ses.pause()
     return 0
 

@@ -138,8 +138,11 @@ def test_the_withdrawal_of_a_cancelled_twin_leaves_what_the_peer_holds() -> None
     assert n.counters.withdrawn == 1  # the stopped twin is not a failed arrival
 
 
-def _run_fleet(seed: int, per: int, twins: int, rate: float) -> list:
-    s, net, o, hosts = fleet(2, per, seed=seed, endgame_chunks=twins, upload_slots=2)
+def _run_fleet(seed: int, per: int, twins: int, rate: float, twin_after: float = 0.0) -> list:
+    """Two regions of ``per`` nodes take two versions; twins asked at once unless
+    ``twin_after`` (``endgame_twin_after_s``) holds them back (tests/test_endgame_twins.py)."""
+    s, net, o, hosts = fleet(2, per, seed=seed, endgame_chunks=twins, upload_slots=2,
+                             endgame_twin_after_s=twin_after)
     net.rate = rate  # bytes/s: a 1000-byte chunk takes 1000 / rate s, a CANCEL 5 ms
     for v in (2, 3):
         publish(s, net, o, v, 12)
@@ -152,8 +155,10 @@ def _run_fleet(seed: int, per: int, twins: int, rate: float) -> list:
 
 def _wanting(**knobs) -> tuple[NodeCore, dict[str, Script]]:
     """Node ``a`` wanting version 2, region peers ``b`` and ``c`` holding every chunk,
-    endgame from the start: chunk 0 asked of one and its twin of the other."""
-    return _node((), ("b", "c"), 0b1, 1, **{"endgame_chunks": 8, "pipeline": 1, **knobs})
+    endgame from the start: chunk 0 asked of one and its twin of the other (at once:
+    ``endgame_twin_after_s = 0``)."""
+    return _node((), ("b", "c"), 0b1, 1, **{"endgame_chunks": 8, "pipeline": 1,
+                                           "endgame_twin_after_s": 0.0, **knobs})
 
 
 def _asked(n: NodeCore) -> list[int]:
@@ -192,12 +197,13 @@ def test_a_whole_copy_of_what_was_not_asked_twice_cancels_nothing() -> None:
 
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 1000), per=st.integers(3, 6), twins=st.integers(1, 12),
-       rate=st.sampled_from([2e4, 1e5, 1e6]))
+       rate=st.sampled_from([2e4, 1e5, 1e6]), twin_after=st.sampled_from([0.0, 0.01, 0.1, 2.0]))
 def test_fleets_with_stopped_twins_get_every_version(seed: int, per: int, twins: int,
-                                                     rate: float) -> None:
+                                                     rate: float, twin_after: float) -> None:
     """In-memory fleets with up to every chunk in endgame: the twins' answers are
-    stopped (their slots freed), and every node still gets both versions."""
-    _run_fleet(seed, per, twins, rate)
+    stopped (their slots freed), and every node still gets both versions, twins asked at
+    once or held back."""
+    _run_fleet(seed, per, twins, rate, twin_after)
 
 
 def test_stopping_cancelled_answers_takes_in_fewer_duplicate_chunks(monkeypatch) -> None:

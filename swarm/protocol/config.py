@@ -32,7 +32,7 @@ KNOB_RANGES: dict[str, tuple[float, float]] = {
     "max_known_peers": (1, 1_000_000), "origin_peers": (0, 100_000), "tracker_sample": (0, 10_000),
     "pipeline": (1, 1024), "max_requests": (1, 65_536), "upload_slots": (1, 4096),
     "upload_queue": (0, 65_536), "request_timeout_s": (0.01, _DAY), "have_batch_s": (0.0, 60.0),
-    "endgame_chunks": (0, 1 << 20), "slow_factor": (1.0, 1e6), "slow_min_samples": (1, 1 << 20),
+    "endgame_chunks": (0, 1 << 20), "endgame_twin_after_s": (0.0, 3600.0), "slow_factor": (1.0, 1e6), "slow_min_samples": (1, 1 << 20),
     "max_bad_chunks": (1, 1 << 20), "ban_s": (0.0, 365 * _DAY), "max_timeouts": (1, 1 << 20),
     "border_inflight": (1, 4096), "push_slots": (1, 65_536), "relay_slots": (1, 4096),
     "uplink_window": (1, 65_536), "uplink_window_max": (1, 65_536), "slow_path_factor": (0.0, 1e6),
@@ -80,6 +80,9 @@ class CoreConfig:
     request_timeout_s: float = 10.0
     have_batch_s: float = 0.02  # HAVEs are batched for this long (0: send at once)
     endgame_chunks: int = 8  # duplicate requests only when this few chunks are missing
+    # ... and only for a chunk whose first request is this old and overdue (its peer's own
+    # chunk time), or which the twin's peer would deliver sooner (0: at once, rounds 1-59)
+    endgame_twin_after_s: float = 0.1
     slow_factor: float = 4.0  # evict a peer slower than this x the median of peers
     slow_min_samples: int = 3
     max_bad_chunks: int = 2  # corrupt chunks (per node id, across reconnects) before a ban

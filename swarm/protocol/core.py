@@ -141,6 +141,9 @@ class NodeCore(ReadModel):
         h = self.exchange.hold_until
         if h is not None and h < t:
             t = h
+        d = self.exchange.requests.twin_due
+        if d is not None and d < t:
+            t = d
         if self._role_timers:
             s = self.role.next_wakeup()
             if s is not None and s < t:
@@ -794,6 +797,10 @@ class NodeCore(ReadModel):
             self.check_apply()
         if self.exchange.hold_until is not None and now >= self.exchange.hold_until:
             self.exchange.hold_until = None
+            self.exchange.fill_all()
+        rq = self.exchange.requests
+        if rq.twin_due is not None and now >= rq.twin_due:
+            rq.twin_due = None  # set again by the twins still held back
             self.exchange.fill_all()
         self.role.tick()
         if now >= self._next_hb:

@@ -13,7 +13,7 @@ from typing import Protocol
 
 from swarm.protocol.config import CoreConfig
 from swarm.protocol.peer import Peer
-from swarm.protocol.picker import pick_some, popcount
+from swarm.protocol.picker import iter_bits, pick_some, popcount
 from swarm.protocol.versions import VersionSet
 
 Key = tuple[int, int]  # (version, chunk index)
@@ -40,7 +40,7 @@ class RarestFirst:
 class Requests:
     """Requests we have out: per peer in ``Peer.req``, per chunk in ``asked``."""
 
-    __slots__ = ("asked", "budget", "cfg", "early", "n", "policy")
+    __slots__ = ("asked", "budget", "cfg", "early", "first", "n", "policy", "twin_due")
 
     def __init__(self, cfg: CoreConfig, policy: PickPolicy) -> None:
         self.cfg = cfg
@@ -48,6 +48,11 @@ class Requests:
         self.n = 0  # outstanding requests, all peers
         self.budget = cfg.max_requests
         self.asked: dict[Key, list[int]] = {}  # (v, i) -> conns asked
+        # (v, i) -> (when it was first asked for, the chunk time expected of that peer):
+        # while ``asked`` has the key (``twin_ready``)
+        self.first: dict[Key, tuple[float, float]] = {}
+        # the earliest time a twin held back by ``twin_ready`` may go (the core wakes then)
+        self.twin_due: float | None = None
         # requests for chunks only arriving at the peer asked (COMING): (conn, v, i)
         self.early: set[tuple[int, int, int]] = set()
 
@@ -98,6 +103,8 @@ class Requests:
                 for key in p.req:
                     if key[0] == v:
                         cand &= ~(1 << key[1])
+                if cand and c.endgame_twin_after_s > 0:
+                    cand = self.twin_ready(v, cand, p, now)
                 if cand:
                     picks = self.policy.pick(cand, avail, room)
                     d = st.dups
@@ -115,6 +122,10 @@ class Requests:
                 lst = self.asked.get(key)
                 if lst is None:
                     self.asked[key] = [p.conn]
+                    # an answer from a chunk only arriving there comes at that pace, which
+                    # the peer's chunk time does not say: no expectation of it
+                    self.first[key] = (now, p.ewma if p.samples and not (coming >> i) & 1
+                                       else 0.0)
                 else:
                     lst.append(p.conn)
                 infl |= 1 << i
@@ -124,6 +135,33 @@ class Requests:
             room -= len(picks)
             if room <= 0:
                 break
+        return out
+
+    def twin_ready(self, v: int, cand: int, p: Peer, now: float) -> int:
+        """The chunks of ``cand`` (each in flight from another peer) a twin may be asked
+        of ``p`` for now: its first request is ``endgame_twin_after_s`` old and overdue
+        (older than the chunk time expected of its peer), or ``p`` is expected to deliver
+        before that peer does. A twin asked at once shared the requester's link with the
+        copy it doubled: on a LAN both came whole, each at half speed (round 60). The
+        rest wait; ``twin_due`` says when the first of them may go."""
+        after = self.cfg.endgame_twin_after_s
+        mine = p.ewma if p.samples else 0.0
+        first, out = self.first, 0
+        for i in iter_bits(cand):
+            f = first.get((v, i))
+            if f is None:  # no request for it is out: not a twin
+                out |= 1 << i
+                continue
+            at, expect = f
+            # in absolute times, as the wake-up is: ``now - at >= after`` may round false
+            # at ``now == at + after`` and wake the core at that same time forever
+            held, late = at + after, at + expect
+            if now >= held and (now >= late or now + mine < late):
+                out |= 1 << i
+                continue
+            due = held if now < held else late  # later than now either way
+            if self.twin_due is None or due < self.twin_due:
+                self.twin_due = due
         return out
 
     def forget(self, p: Peer, key: Key, versions: VersionSet) -> bool:
@@ -139,6 +177,7 @@ class Requests:
                 lst.remove(p.conn)
             if not lst:
                 del self.asked[key]
+                self.first.pop(key, None)
                 st = versions.states.get(key[0])
                 if st is not None:
                     st.inflight &= ~(1 << key[1])
@@ -147,6 +186,7 @@ class Requests:
     def arrived(self, key: Key, peers: dict[int, Peer]) -> list[Peer]:
         """Chunk ``key`` is ours: drop every request for it; the peers to send CANCEL to."""
         lst = self.asked.pop(key, None)
+        self.first.pop(key, None)
         if not lst:
             return []
         out = []
