@@ -69,7 +69,7 @@ def _requests(p: Script, actions: list[ev.Action]) -> list[wire.Frame]:
 
 
 def test_a_twin_waits_for_the_first_request_to_be_overdue() -> None:
-    n, b, c = _wanting()
+    n, _b, c = _wanting()
     t0 = n.now
     assert _asked(n) == [1]  # b only: no twin yet
     due = n.requests.twin_due
@@ -82,7 +82,7 @@ def test_a_twin_waits_for_the_first_request_to_be_overdue() -> None:
 
 
 def test_a_chunk_that_arrives_in_time_gets_no_twin() -> None:
-    n, b, c = _wanting()
+    n, _b, c = _wanting()
     t0 = n.now
     n.handle(ev.ChunkReceived(t0 + 0.04, 1, V, 0, True))
     assert 0 in n.have(V)
@@ -94,7 +94,7 @@ def test_a_chunk_that_arrives_in_time_gets_no_twin() -> None:
 def test_a_twin_waits_for_the_peer_asked_first_to_be_late() -> None:
     """``b`` takes 0.5 s a chunk, ``c`` has shown no faster: the twin waits until ``b``'s
     answer is later than its usual, not just the 0.1 s floor."""
-    n, b, c = _wanting(b_ewma=0.5, c_ewma=0.6)
+    n, _b, c = _wanting(b_ewma=0.5, c_ewma=0.6)
     t0 = n.now
     assert n.requests.twin_due == pytest.approx(t0 + 0.1)
     assert _requests(c, _tick(n, t0 + 0.1)) == []
@@ -106,13 +106,13 @@ def test_a_twin_waits_for_the_peer_asked_first_to_be_late() -> None:
 def test_a_faster_peer_gets_the_twin_at_the_floor() -> None:
     """``b`` takes 2 s a chunk, ``c`` 0.05 s: ``c`` would deliver first, so its twin goes
     at the floor, not after ``b``'s 2 s."""
-    n, b, c = _wanting(b_ewma=2.0, c_ewma=0.05)
+    n, _b, c = _wanting(b_ewma=2.0, c_ewma=0.05)
     t0 = n.now
     assert _requests(c, _tick(n, t0 + 0.1)) == [wire.Request(V, (0,))]
 
 
 def test_zero_asks_the_twin_at_once() -> None:
-    n, b, c = _wanting(endgame_twin_after_s=0.0)
+    n, _b, _c = _wanting(endgame_twin_after_s=0.0)
     assert _asked(n) == [1, 2] and n.requests.twin_due is None
 
 
@@ -138,7 +138,7 @@ def test_a_twin_goes_exactly_when_the_rule_says(b_ewma: float | None, c_ewma: fl
                                                 after: float, step: float) -> None:
     """Ticks at any spacing: the twin is asked at the first tick at or after the rule's
     time, never before; and the core always has a wake-up no later than that time."""
-    n, b, c = _wanting(b_ewma, c_ewma, endgame_twin_after_s=after)
+    n, _b, c = _wanting(b_ewma, c_ewma, endgame_twin_after_s=after)
     t0 = n.now
     exp_b = b_ewma or 0.0
     mine = c_ewma or 0.0
