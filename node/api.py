@@ -84,7 +84,10 @@ def status_dict(driver: Driver, model: str) -> dict[str, Any]:
                    "received": split(counters["recv_chunks"])},
         "region_bytes": {"sent": counters["region_sent"], "received": counters["region_recv"]},
         "bad_chunks": counters["bad_chunks"],
+        # whole chunks received that were held already (a twin not stopped in time)
         "dup_chunks": counters["dup_chunks"],
+        # twin requests asked in a version's endgame ([swarm] endgame_twin_after_s)
+        "endgame_twins": counters.get("endgame_twins", 0),
         # chunks peers withdrew while sending them to us (they did not arrive whole there)
         "withdrawn_chunks": counters.get("withdrawn", 0),
         # answers this node started while the chunk still arrived here (serve_arriving)
@@ -358,6 +361,16 @@ class _Collector:
         c = CounterMetricFamily("patchswarm_bad_chunks", "Chunks that failed verification",
                                 labels=labels)
         c.add_metric(who, float(st["bad_chunks"]))
+        yield c
+        c = CounterMetricFamily("patchswarm_duplicate_chunks", "Whole chunks received that "
+                                "were held here already (an endgame twin not stopped in time)",
+                                labels=labels)
+        c.add_metric(who, float(st.get("dup_chunks", 0)))
+        yield c
+        c = CounterMetricFamily("patchswarm_endgame_twins", "Twin requests asked in a "
+                                "version's endgame: a second holder asked for a chunk whose "
+                                "first request was overdue", labels=labels)
+        c.add_metric(who, float(st.get("endgame_twins", 0)))
         yield c
         c = CounterMetricFamily("patchswarm_withdrawn_chunks", "Chunks a peer withdrew while "
                                 "sending them (they did not arrive whole there; nobody blamed)",

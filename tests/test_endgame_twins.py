@@ -76,8 +76,10 @@ def test_a_twin_waits_for_the_first_request_to_be_overdue() -> None:
     assert due == pytest.approx(t0 + 0.1)
     assert n.next_wakeup() <= due  # the core wakes for it
     assert _requests(c, _tick(n, t0 + 0.05)) == [] and _asked(n) == [1]
+    assert n.counters.endgame_twins == 0
     got = _tick(n, t0 + 0.1)
     assert _requests(c, got) == [wire.Request(V, (0,))] and _asked(n) == [1, 2]
+    assert n.counters.endgame_twins == 1 and n.status()["counters"]["endgame_twins"] == 1
     assert n.requests.twin_due is None  # nothing else held back
 
 

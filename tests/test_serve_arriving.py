@@ -358,6 +358,8 @@ def test_a_fleet_of_processes_serving_arriving_chunks_ends_bitwise_equal() -> No
         metrics = fleet.http(fleet.nodes[0].addr, "/metrics").decode()
         assert "patchswarm_chunks_served_arriving" in metrics
         assert "patchswarm_chunks_offered_endgame" in metrics
+        assert "patchswarm_endgame_twins_total" in metrics
+        assert "patchswarm_duplicate_chunks_total" in metrics
 
 
 def test_an_answer_sent_while_its_chunk_arrives_takes_only_a_free_slot() -> None:

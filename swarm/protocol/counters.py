@@ -8,7 +8,7 @@ from swarm.protocol.peer import KINDS, PeerKind
 
 
 class Counters:
-    __slots__ = ("bad_chunks", "dup_chunks", "endgame_coming", "local_faults", "recv_bytes", "recv_chunks", "region_recv",
+    __slots__ = ("bad_chunks", "dup_chunks", "endgame_coming", "endgame_twins", "local_faults", "recv_bytes", "recv_chunks", "region_recv",
                  "region_sent", "relay_alive", "relays", "sent_bytes", "sent_chunks", "served_arriving", "uploads_cancelled",
                  "version_refused", "withdrawn")
 
@@ -33,6 +33,9 @@ class Counters:
         self.served_arriving = 0  # answers we started while the chunk still arrived here
         # chunks offered (COMING) at a version's end only (``serve_arriving_endgame``)
         self.endgame_coming = 0
+        # twin requests asked in a version's endgame (``endgame_chunks``; held back until
+        # the first request is overdue, ``endgame_twin_after_s``)
+        self.endgame_twins = 0
         # answers under way that their requester cancelled (it got the chunk elsewhere
         # first): stopped (``ev.StopChunk``) instead of sent whole for nothing
         self.uploads_cancelled = 0
@@ -65,6 +68,7 @@ class Counters:
             "relay_alive": self.relay_alive,
             "withdrawn": self.withdrawn, "served_arriving": self.served_arriving,
             "endgame_coming": self.endgame_coming,
+            "endgame_twins": self.endgame_twins,
             "uploads_cancelled": self.uploads_cancelled,
             "version_refused": self.version_refused,
         }

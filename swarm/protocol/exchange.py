@@ -55,7 +55,7 @@ class ChunkExchange:
         self.cfg = cfg
         self.versions = versions
         self.peers = host.peers
-        self.requests = Requests(cfg, policy)
+        self.requests = Requests(cfg, policy, host.counters)
         self.uploads = UploadSlots(cfg.upload_slots, cfg.upload_queue)
         # local faults (disk full, ...): no new requests until then; back-off doubles
         self.hold_until: float | None = None

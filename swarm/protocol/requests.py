@@ -12,6 +12,7 @@ import random
 from typing import Protocol
 
 from swarm.protocol.config import CoreConfig
+from swarm.protocol.counters import Counters
 from swarm.protocol.peer import Peer
 from swarm.protocol.picker import iter_bits, pick_some, popcount
 from swarm.protocol.versions import VersionSet
@@ -40,11 +41,14 @@ class RarestFirst:
 class Requests:
     """Requests we have out: per peer in ``Peer.req``, per chunk in ``asked``."""
 
-    __slots__ = ("asked", "budget", "cfg", "early", "first", "n", "policy", "twin_due")
+    __slots__ = ("asked", "budget", "cfg", "counters", "early", "first", "n", "policy",
+                 "twin_due")
 
-    def __init__(self, cfg: CoreConfig, policy: PickPolicy) -> None:
+    def __init__(self, cfg: CoreConfig, policy: PickPolicy,
+                 counters: Counters | None = None) -> None:
         self.cfg = cfg
         self.policy = policy
+        self.counters = counters  # ``endgame_twins`` counted there
         self.n = 0  # outstanding requests, all peers
         self.budget = cfg.max_requests
         self.asked: dict[Key, list[int]] = {}  # (v, i) -> conns asked
@@ -107,6 +111,8 @@ class Requests:
                     cand = self.twin_ready(v, cand, p, now)
                 if cand:
                     picks = self.policy.pick(cand, avail, room)
+                    if self.counters is not None:
+                        self.counters.endgame_twins += len(picks)
                     d = st.dups
                     for i in picks:
                         d |= 1 << i
