@@ -358,35 +358,26 @@ class _Collector:
             for kind, n in st["bytes"][direction].items():
                 c.add_metric([*who, kind], float(n))
             yield c
-        c = CounterMetricFamily("patchswarm_bad_chunks", "Chunks that failed verification",
-                                labels=labels)
-        c.add_metric(who, float(st["bad_chunks"]))
-        yield c
-        c = CounterMetricFamily("patchswarm_duplicate_chunks", "Whole chunks received that "
-                                "were held here already (an endgame twin not stopped in time)",
-                                labels=labels)
-        c.add_metric(who, float(st.get("dup_chunks", 0)))
-        yield c
-        c = CounterMetricFamily("patchswarm_endgame_twins", "Twin requests asked in a "
-                                "version's endgame: a second holder asked for a chunk whose "
-                                "first request was overdue", labels=labels)
-        c.add_metric(who, float(st.get("endgame_twins", 0)))
-        yield c
-        c = CounterMetricFamily("patchswarm_withdrawn_chunks", "Chunks a peer withdrew while "
-                                "sending them (they did not arrive whole there; nobody blamed)",
-                                labels=labels)
-        c.add_metric(who, float(st.get("withdrawn_chunks", 0)))
-        yield c
-        c = CounterMetricFamily("patchswarm_chunks_served_arriving", "Chunks this node began "
-                                "sending to a region peer while they still arrived here",
-                                labels=labels)
-        c.add_metric(who, float(st.get("served_arriving", 0)))
-        yield c
-        c = CounterMetricFamily("patchswarm_chunks_offered_endgame", "Chunks this node "
-                                "offered its region's peers while they arrived, at a "
-                                "version's end only (serve_arriving_endgame)", labels=labels)
-        c.add_metric(who, float(st.get("endgame_coming", 0)))
-        yield c
+        for name, key, help_text in (
+                ("patchswarm_bad_chunks", "bad_chunks", "Chunks that failed verification"),
+                ("patchswarm_duplicate_chunks", "dup_chunks",
+                 "Whole chunks received that were held here already (an endgame twin not "
+                 "stopped in time)"),
+                ("patchswarm_endgame_twins", "endgame_twins",
+                 "Twin requests asked in a version's endgame: a second holder asked for a "
+                 "chunk whose first request was overdue"),
+                ("patchswarm_withdrawn_chunks", "withdrawn_chunks",
+                 "Chunks a peer withdrew while sending them (they did not arrive whole there; "
+                 "nobody blamed)"),
+                ("patchswarm_chunks_served_arriving", "served_arriving",
+                 "Chunks this node began sending to a region peer while they still arrived "
+                 "here"),
+                ("patchswarm_chunks_offered_endgame", "endgame_coming",
+                 "Chunks this node offered its region's peers while they arrived, at a "
+                 "version's end only (serve_arriving_endgame)")):
+            c = CounterMetricFamily(name, help_text, labels=labels)
+            c.add_metric(who, float(st.get(key, 0)))
+            yield c
         g = GaugeMetricFamily("patchswarm_store_bytes", "Bytes held in the chunk store",
                               labels=labels)
         g.add_metric(who, float(st["store_bytes"]))
