@@ -27,6 +27,7 @@ from node.tcp import (
     unacked_bytes,
 )
 from tests.tcp_pairs import allowed_congestion, tcp_pair
+from tests.waiting import eventually
 
 needs_bbr = pytest.mark.skipif(
     not hasattr(socket, "TCP_CONGESTION") or "bbr" not in allowed_congestion(),
@@ -330,7 +331,9 @@ async def _tail_restart() -> None:
         c.restart.chunk_started(drv.now())  # (a chunk after idle: its own restart)
         before = drv.congestion_restarts
         drv._chunk_ended(c)
-        await asyncio.sleep(0.5)
+        await eventually(lambda: c.restart_timer is None
+                         and drv.congestion_restarts - before >= TAIL_CHECKS, "every look")
+        await asyncio.sleep(0.1)
         assert drv.congestion_restarts - before == TAIL_CHECKS  # every look, then no more
         assert c.restart_timer is None and congestion_of(cli) == "bbr"
     finally:
@@ -368,7 +371,7 @@ async def _relay_restart() -> None:
         assert c.restart.chunk_started(drv.now(), paced=True)  # after idle: one restart
         drv._arm_restart_check(c)
         assert c.restart_timer is None  # nothing to look at while the source sends
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # the chunk's time so far (``chunk_s`` in the log)
         assert c.restart.restarts == 1
         c.handed = 1 << 20  # 3 MiB behind it when it is all here
         a.got = n

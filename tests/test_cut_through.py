@@ -26,6 +26,7 @@ from swarm.protocol import events as ev
 from swarm.protocol import wire
 from swarm.protocol.config import CoreConfig
 from swarm.protocol.core import NodeCore
+from tests.waiting import eventually
 
 N = 3 * wire.BLOCK_BYTES + 1000  # four blocks, the last one short
 PAYLOAD = os.urandom(N)
@@ -139,7 +140,7 @@ async def _stream_then_store() -> None:
         a.changed()
         out = await _take(messages, asm, N)
         assert out is not None and out[:2] == (2, 0) and bytes(out[2]) == PAYLOAD
-        await asyncio.sleep(0.05)
+        await eventually(lambda: sent, "the chunk's ChunkSent")
         assert sent == [ev.ChunkSent(sent[0].now, 7, 2, 0)]
         assert not a.watchers
 

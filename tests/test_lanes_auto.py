@@ -32,6 +32,7 @@ from node.tcp import LOSS_PROBE_S, QUEUE_FACTOR, RandomLoss, loss_share, path_sa
 from swarm.protocol import stripes, wire
 from swarm.protocol.wire import BLOCK_BYTES
 from tests.test_cut_through import _driver, _link
+from tests.waiting import eventually
 
 # ------------------------------------------------------------------- the rule
 
@@ -322,14 +323,16 @@ def test_a_dialer_answers_an_ask() -> None:
             asked = os.urandom(stripes.TOKEN_BYTES)
             await drv._on_striped(c, stripes.pack_ask(asked))
             await drv._on_striped(c, stripes.pack_ask(os.urandom(stripes.TOKEN_BYTES)))
-            await asyncio.sleep(0.05)
+            await eventually(lambda: dialed, "the lanes dialed")
+            await asyncio.sleep(0.05)  # and no second dial
             assert dialed == [(asked, stripes.AUTO_LANES)] and c.lane_token == asked
             assert await _send_chunks(c, messages, 0, 0) == []  # nothing to echo
             # an ask that names a count: auto dials that many, a fixed count its own
             for auto, want in ((True, 13), (False, stripes.AUTO_LANES)):
                 drv.lanes_auto, c.lane_token, c.want_lanes = auto, None, 0
+                n = len(dialed)
                 await drv._on_striped(c, stripes.pack_ask(asked, 13))
-                await asyncio.sleep(0.05)
+                await eventually(lambda n=n: len(dialed) > n, "the lanes dialed")
                 assert dialed[-1] == (asked, want)
             drv.lanes, c.lane_token = 1, None
             await drv._on_striped(c, stripes.pack_ask(asked))

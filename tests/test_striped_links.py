@@ -24,6 +24,7 @@ from swarm.protocol import events as ev
 from swarm.protocol import stripes, wire
 from swarm.protocol.wire import BLOCK_BYTES
 from tests.test_cut_through import _driver
+from tests.waiting import eventually
 
 N = 5 * BLOCK_BYTES + 1000  # six blocks, the last one short
 CHUNKS = {(2, i): os.urandom(N) for i in range(stripes.WINDOW + 2)}
@@ -467,7 +468,7 @@ def test_the_origin_reports_a_handed_over_chunk_still_being_acknowledged() -> No
         got = 0
         while got < sent:  # the peer reads on: acknowledgements flow
             got += len(await loop.sock_recv(peer, 1 << 20))
-        await asyncio.sleep(0.35)
+        await eventually(lambda: acked and c.ack_timer is None, "the acknowledgements seen")
         assert acked and all(e.conn == 3 for e in acked)
         assert c.ack_timer is None  # all acknowledged: the watch ends
         for s in (cli, peer, srv):
