@@ -411,7 +411,7 @@ class LoopbackFleet:
                 body = r.read()
         except (urllib.error.URLError, OSError, ValueError):
             return None
-        return json.loads(body) if path == "/status" else body
+        return json.loads(body) if path.split("?")[0] == "/status" else body
 
     @staticmethod
     def healthz(addr: str, timeout: float = 2.0) -> tuple[int, str]:

@@ -8,6 +8,10 @@
   split into same-region, cross-region and from-trainer, plus per region pair;
   ``engine``: kind, state, reason, served version, the last commit (path,
   bytes, pause and commit seconds).
+  ``?wait_active=N[&timeout_s=S]`` blocks until the node serves version N or later (at
+  most S seconds, default 30, up to 300), then answers the same document with ``wait``:
+  the version, whether it was reached, the seconds waited (``node.active_wait``); 400
+  naming the parameter for a bad one, 503 while 256 requests wait already.
   With a request gateway (``node.gateway``), ``/metrics`` also has its
   ``patchswarm_gateway_*`` families.
 - ``GET /metrics``: Prometheus text format (``prometheus_client``), computed
@@ -41,6 +45,7 @@ from prometheus_client.core import (
 )
 
 from node import buffers, link
+from node.active_wait import TooManyWaiters, parse_wait
 
 if TYPE_CHECKING:
     from node.driver import Driver
@@ -558,7 +563,23 @@ def add_routes(app: web.Application, driver: Driver, model: str, *,
 
     async def status(request: web.Request) -> web.Response:
         authorized(request)
-        return web.json_response(status_dict(driver, model))
+        try:
+            wait = parse_wait(dict(request.query))
+        except ValueError as exc:
+            raise web.HTTPBadRequest(text=f"{exc}\n") from None
+        if wait is None:
+            return web.json_response(status_dict(driver, model))
+        version, timeout_s = wait
+        t0 = time.monotonic()
+        try:
+            got = await driver.active_waiters.wait(version, timeout_s)
+        except TooManyWaiters as exc:
+            raise web.HTTPServiceUnavailable(text=f"{exc}; poll /status instead\n",
+                                             headers={"Retry-After": "1"}) from None
+        doc = status_dict(driver, model)
+        doc["wait"] = {"version": version, "reached": got,
+                       "waited_s": round(time.monotonic() - t0, 3)}
+        return web.json_response(doc)
 
     async def metrics(request: web.Request) -> web.Response:
         authorized(request)

@@ -62,6 +62,7 @@ from typing import Any
 
 from aiohttp import web
 
+from node.active_wait import ActiveWaiters
 from node.applying import (  # noqa: F401 (re-exported)
     PRESTAGE_NICE,
     PRESTAGE_SLICE,
@@ -302,6 +303,8 @@ class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
         self.apply_seconds: dict[int, float] = {}  # the last APPLIES_KEPT (/status)
         self.activated_at: dict[int, float] = {}  # the last APPLIES_KEPT (/status)
         self.listeners: list[Callable[[ev.Action], None]] = []
+        # GET /status?wait_active=N: requests woken as the active version reaches N
+        self.active_waiters = ActiveWaiters()
         # the HTTP API when it shares the swarm port (no TLS): connections that do not
         # start with a link preface are served by it (node.link.LinkServer)
         self.app = web.Application(client_max_size=1024 * 1024)
@@ -336,6 +339,7 @@ class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
     async def stop(self, drain_s: float = 5.0) -> None:
         """Drain: refuse new peers, let an apply and queued sends finish, then close."""
         self.draining = True
+        self.active_waiters.release_all()
         deadline = time.monotonic() + drain_s
         if self._apply_task is not None:
             with contextlib.suppress(Exception):
@@ -402,6 +406,7 @@ class Driver(StripedLinks, TcpWatch, WarmUps, ApplyPipeline):
                 log.exception("action %s failed", type(a).__name__)
             for fn in self.listeners:
                 fn(a)
+        self.active_waiters.changed(self.core.active_version)
         self._arm_timer()
 
     def _arm_timer(self) -> None:
