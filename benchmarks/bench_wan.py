@@ -435,8 +435,7 @@ def _poll_until(fleet: Any, version: int, timeout: float, polls: dict[int, int],
                 poll_s: float, wait_s: float = 0.0) -> dict[str, dict[str, Any]]:
     """Each node's /status once it is active at ``version``. With ``wait_s`` each request
     blocks on the node until then (``/status?wait_active``, at most ``wait_s``): a node
-    answers one or two requests a version instead of a poll every ``poll_s`` (~0.9 ms of
-    its CPU each, counted in its CPU per GB; docs/benchmarks.md, round 61)."""
+    answers one or two requests a version instead of a poll every ``poll_s``."""
     deadline = time.monotonic() + timeout
     last: dict[str, dict[str, Any]] = {}
     while True:
@@ -1189,10 +1188,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--poll-s", type=float, default=0.5, metavar="S",
                     help="seconds between /status polls; times come from the nodes' own "
                          "clocks (default 0.5)")
-    ap.add_argument("--long-poll", type=float, default=30.0, metavar="S",
+    ap.add_argument("--long-poll", type=float, default=0.0, metavar="S",
                     help="wait for each node with one blocking request of up to S seconds "
-                         "(/status?wait_active), not a poll every --poll-s; 0 polls, as "
-                         "rounds 1-60 did (default 30)")
+                         "(/status?wait_active), not a poll every --poll-s (default 0: poll, "
+                         "as every round's figures did; round 61's A/B of the two is in "
+                         "docs/benchmarks.md)")
     ap.add_argument("--trace", action="store_true",
                     help="sample the uplinks every 0.25 s during each transfer: Mbit/s into "
                          "and out of every region over time, printed (the first version) and "

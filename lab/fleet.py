@@ -32,6 +32,9 @@ from lab.netlab import NetLab
 from swarm.errors import PatchswarmError
 
 MODEL = "all-MiniLM-L6-v2"
+# the longest a blocking /status request waits for a node (wait_version): short enough
+# that the progress callback and the deadline are looked at often
+WAIT_STEP_S = 1.0
 
 
 class FleetError(PatchswarmError):
@@ -445,22 +448,43 @@ class LoopbackFleet:
 
     def wait_version(self, version: int, timeout: float, nodes: list[NodeProc] | None = None,
                      on_poll: Any = None) -> dict[str, dict[str, Any]]:
-        """Poll /status until every node in ``nodes`` is active at ``version``."""
+        """Wait until every node in ``nodes`` is active at ``version``; their ``/status``
+        documents, read once all are. A node not there yet is asked with a blocking request
+        (``/status?wait_active``, up to ``WAIT_STEP_S`` a time), so that a fleet test does
+        not keep a dozen nodes answering polls at 10 Hz on a small box. ``on_poll(done,
+        last)`` after each answer."""
         nodes = nodes if nodes is not None else self.nodes
         deadline = time.monotonic() + timeout
         last: dict[str, dict[str, Any]] = {}
+
+        def at(n: NodeProc) -> bool:
+            return (last.get(n.name) or {}).get("active_version") == version
+
         while True:
             for n in nodes:
-                st = self.status(n)
+                if at(n):
+                    continue
+                left = deadline - time.monotonic()
+                active = (last.get(n.name) or {}).get("active_version")
+                if left > 0.2 and (active is None or active < version):
+                    w = min(WAIT_STEP_S, left)
+                    st = self.http(n.api_addr, f"/status?wait_active={version}&timeout_s={w:.1f}",
+                                   timeout=w + 5)
+                else:  # past the version (never equal again) or out of time: a plain read
+                    st = self.status(n)
                 if st is not None:
                     last[n.name] = st
-            done = sum(1 for n in nodes
-                       if (last.get(n.name) or {}).get("active_version") == version)
-            if on_poll is not None:
-                on_poll(done, last)
-            if done == len(nodes):
-                return last
+                if on_poll is not None:
+                    on_poll(sum(1 for m in nodes if at(m)), last)
+            if all(at(n) for n in nodes):
+                for n in nodes:  # every document as of now, not as of its node's arrival
+                    st = self.status(n)
+                    if st is not None:
+                        last[n.name] = st
+                if all(at(n) for n in nodes):
+                    return last
             if time.monotonic() > deadline:
+                done = sum(1 for n in nodes if at(n))
                 raise FleetError(f"version {version}: {done}/{len(nodes)} nodes active after "
                                  f"{timeout:.0f} s (logs in {self.workdir})")
             time.sleep(0.1)
