@@ -3,10 +3,9 @@
 Whatever must know when a node serves version N (a controller beside the rollout engine,
 the benchmarks, a deploy script) used to poll ``/status``. Each poll costs the node
 about a millisecond of CPU on a small VM (the whole document built and encoded, an HTTP
-round), and a poller at 2-10 Hz over a version's seconds cost a node more than some
-stages of its data path (docs/benchmarks.md, round 61). A blocking request costs nothing
-while it waits: the driver wakes it when the active version reaches N, as Consul's
-blocking queries do. The request then answers with the usual document (and what the wait
+round): ~1 % of a core for a poller at 10 Hz, which the test fleets were. A blocking
+request costs nothing measurable while it waits (docs/benchmarks.md, round 61): the
+driver wakes it when the active version reaches N, as Consul's blocking queries do. The request then answers with the usual document (and what the wait
 came to), so a client needs no second call.
 
 ``ActiveWaiters`` is the loop-thread side: ``changed`` after every batch of the core's
